@@ -1,0 +1,3 @@
+from btrfs_ublk_image.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One command that prepares a fresh Debian 12 machine (as root) for btrfs-ublk-image:
+# apt packages, a Python venv with the package and its dev tools, the ublkd build,
+# and both commands on PATH (/usr/local/bin). Idempotent; safe to run again.
+#
+#   scripts/setup.sh            # everything
+#   SKIP_APT=1 scripts/setup.sh # skip apt (packages already present)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+APT_PACKAGES=(
+  btrfs-progs       # mkfs.btrfs/btrfs check: oracles in tests, baseline in bench
+  e2fsprogs attr acl kmod util-linux  # chattr/lsattr, getfattr/setfattr, getfacl, modprobe, losetup
+  fuse3 libfuse3-dev pkg-config       # ublkd's fuse frontend
+  libclang-dev clang                  # bindgen for the libublk crate
+  umoci skopeo debootstrap            # OCI images and the Debian golden image
+  zstd xz-utils bzip2 gzip cpio       # tarball flavours, initramfs
+  fio squashfs-tools squashfuse erofs-utils  # benchmarks against the peers
+  qemu-system-x86 busybox-static      # VM harness (ublk under QEMU TCG)
+  python3 python3-venv python3-pip
+  curl ca-certificates
+)
+
+if [ -z "${SKIP_APT:-}" ]; then
+  missing=()
+  for p in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "apt: installing ${missing[*]}"
+    # a private archive dir: this image's apt hook deletes /var/cache/apt/archives/*.deb after dpkg runs
+    mkdir -p /var/cache/btrfs-ublk-image/apt/partial
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+      -o Dir::Cache::archives=/var/cache/btrfs-ublk-image/apt "${missing[@]}"
+  fi
+fi
+
+# Python: a venv inside the checkout, so the system Python stays untouched (PEP 668).
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  log "python: creating .venv"
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[dev]'
+ln -sf "$ROOT/.venv/bin/btrfs-ublk-image" /usr/local/bin/btrfs-ublk-image
+
+# ublkd (Rust). cargo comes from rustup where present, else Debian's package.
+if [ -f ublkd/Cargo.toml ]; then
+  if ! command -v cargo >/dev/null; then
+    [ -x "$HOME/.cargo/bin/cargo" ] && export PATH="$HOME/.cargo/bin:$PATH"
+  fi
+  if ! command -v cargo >/dev/null; then
+    log "cargo: not found, installing Debian's"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+      -o Dir::Cache::archives=/var/cache/btrfs-ublk-image/apt cargo rustc
+  fi
+  log "ublkd: cargo build --release"
+  (cd ublkd && cargo build --release --locked -q)
+  install -m 0755 ublkd/target/release/ublkd /usr/local/bin/ublkd
+fi
+log "done: $(command -v btrfs-ublk-image)${UBLKD:+ }$(command -v ublkd || true)"
