@@ -118,7 +118,9 @@ class Tree:
             node = child
         return node
 
-    def parent_dir(self, path: bytes | str, where: str, default_mtime_ns: int = 0) -> tuple[Inode, bytes]:
+    def parent_dir(
+        self, path: bytes | str, where: str, default_mtime_ns: int = 0
+    ) -> tuple[Inode, bytes]:
         """The directory that holds ``path`` (created as 0755 dirs if missing) and the leaf name."""
         parts = split_path(path)
         if not parts:
@@ -143,7 +145,11 @@ class Tree:
         old = parent.entries.get(name)
         if old is not None and old.type == FileType.DIR and inode.type == FileType.DIR:
             old.mode, old.uid, old.gid = inode.mode, inode.uid, inode.gid
-            old.mtime_ns, old.atime_ns, old.ctime_ns = inode.mtime_ns, inode.atime_ns, inode.ctime_ns
+            old.mtime_ns, old.atime_ns, old.ctime_ns = (
+                inode.mtime_ns,
+                inode.atime_ns,
+                inode.ctime_ns,
+            )
             old.xattrs = inode.xattrs
             return
         parent.entries[name] = inode

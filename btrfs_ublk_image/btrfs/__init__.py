@@ -1,0 +1,1 @@
+"""The btrfs writer: on-disk structures, trees, chunks, superblocks."""

@@ -1,0 +1,77 @@
+"""Chunks: where each block group sits on its device and in the logical address space.
+
+Device 1 (``meta.img``) holds the SYSTEM chunk and the METADATA chunks; device 2
+holds only DATA chunks. Both skip the first MiB (superblock) and keep every
+chunk clear of the superblock mirror windows (64 MiB, 256 GiB; the kernel
+excludes ``STRIPE_LEN`` bytes there), so no block group needs excluded ranges.
+The logical address space is: SYSTEM, then DATA, then METADATA, contiguous, so
+data addresses are known before the metadata is sized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from btrfs_ublk_image.btrfs import ondisk as d
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+DEVICE_START = 1 * MiB  # nothing below 1 MiB but the superblock
+CHUNK_ALIGN = 1 * MiB
+SYSTEM_CHUNK_SIZE = 4 * MiB
+MAX_CHUNK_SIZE = 1 * GiB  # conventional: mkfs/kernel data chunks are 1 GiB
+SYSTEM_LOGICAL = 1 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One chunk = one block group = one dev extent (SINGLE profile)."""
+
+    logical: int
+    length: int
+    type: int  # BLOCK_GROUP_{SYSTEM,METADATA,DATA}
+    devid: int
+    physical: int
+
+    @property
+    def end(self) -> int:
+        return self.logical + self.length
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def device_ranges(start: int) -> Iterator[tuple[int, int]]:
+    """Physical [start, end) ranges a chunk may occupy: <= 1 GiB, never over a mirror."""
+    cur = start
+    while True:
+        nxt = next((m for m in d.SUPER_MIRRORS if m >= cur), None)
+        limit = cur + MAX_CHUNK_SIZE if nxt is None else min(cur + MAX_CHUNK_SIZE, nxt)
+        if limit > cur:
+            yield cur, limit
+            cur = limit
+        if nxt is not None and cur == nxt:
+            cur = nxt + CHUNK_ALIGN  # skip the whole MiB holding the mirror
+
+
+def allocate(
+    nbytes: int, ctype: int, devid: int, physical_start: int, logical_start: int
+) -> list[Chunk]:
+    """Chunks that hold ``nbytes`` (at least one chunk of 1 MiB), contiguous in logical space."""
+    want = max(align_up(nbytes, CHUNK_ALIGN), CHUNK_ALIGN)
+    chunks: list[Chunk] = []
+    logical = logical_start
+    for start, end in device_ranges(physical_start):
+        length = min(end - start, want)
+        chunks.append(Chunk(logical, length, ctype, devid, start))
+        logical += length
+        want -= length
+        if want == 0:
+            return chunks
+    raise AssertionError("unreachable")
+
+
+def system_chunk() -> Chunk:
+    return Chunk(SYSTEM_LOGICAL, SYSTEM_CHUNK_SIZE, d.BLOCK_GROUP_SYSTEM, 1, DEVICE_START)

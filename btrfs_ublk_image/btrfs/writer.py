@@ -1,0 +1,778 @@
+"""The btrfs writer: a merged ``Tree`` -> device 1 (``meta.img``) + device 2's layout.
+
+Order of work (each step decides the bytes named):
+1. ``_number``: inode numbers (DFS, sorted names; a hardlink reuses its inode),
+   dir indexes, nlink.
+2. ``_DataPlacer``: every distinct ``Blob`` gets extents (<= 128 MiB) at device-2
+   offsets inside DATA chunks; identical content -> one extent, many refs.
+3. ``_fs_tree_items``: INODE_ITEM, INODE_REF, XATTR_ITEM, DIR_ITEM, DIR_INDEX,
+   EXTENT_DATA for every inode, generated already sorted.
+4. ``_plan_metadata``: sizes every other tree, then METADATA chunks, iterating
+   until the extent tree (which lists every tree block) stops growing.
+5. Addresses, real items, tree blocks, both superblocks; ``meta.img`` written.
+The result says which device-2 ranges hold which pack bytes (the blockmap).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from btrfs_ublk_image.btrfs import ondisk as d
+from btrfs_ublk_image.btrfs.layout import (
+    CHUNK_ALIGN,
+    DEVICE_START,
+    Chunk,
+    align_up,
+    allocate,
+    device_ranges,
+    system_chunk,
+)
+from btrfs_ublk_image.btrfs.superblock import SuperFields, TreeRoot, pack_super
+from btrfs_ublk_image.btrfs.treeblocks import TreeInfo, block_levels, serialize
+from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.tree import Blob, FileType, Inode, Tree
+
+GENERATION = 1
+MAX_INLINE = d.SECTORSIZE - 1  # btrfs check: inline ram_bytes <= sectorsize - 1
+
+_FT = {
+    FileType.REG: d.FT_REG_FILE,
+    FileType.DIR: d.FT_DIR,
+    FileType.CHR: d.FT_CHRDEV,
+    FileType.BLK: d.FT_BLKDEV,
+    FileType.FIFO: d.FT_FIFO,
+    FileType.SOCK: d.FT_SOCK,
+    FileType.SYMLINK: d.FT_SYMLINK,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WriterOptions:
+    inline_limit: int = 2048  # regular files up to this size become inline extents; 0: never
+    label: str = ""
+    fsid: uuid.UUID | None = None  # None: derived from the content
+    time_ns: int = 0  # timestamps of objects the writer itself creates
+
+
+@dataclass(frozen=True, slots=True)
+class DataRange:
+    """Device-2 bytes [dev_offset, dev_offset + length) are pack ``pack`` from ``pack_offset``."""
+
+    dev_offset: int
+    length: int
+    pack: int
+    pack_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLayout:
+    fsid: uuid.UUID
+    dev_uuids: tuple[uuid.UUID, uuid.UUID]
+    generation: int
+    meta_size: int  # device 1 == meta.img size
+    data_size: int  # device 2 size
+    data_ranges: list[DataRange]  # sorted by dev_offset; the superblock range is not included
+    data_super: bytes  # device 2's superblock (4096 bytes at SUPER_INFO_OFFSET)
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Numbered:
+    """An inode with its number and the names that point at it."""
+
+    inode: Inode
+    ino: int
+    refs: list[tuple[int, int, bytes]] = field(default_factory=list)  # (parent ino, index, name)
+    children: list[tuple[int, bytes, int]] = field(default_factory=list)  # (index, name, ino)
+
+
+@dataclass(frozen=True, slots=True)
+class _Extent:
+    logical: int
+    num_bytes: int  # on disk, 4 KiB aligned
+    file_offset: int
+
+
+def inline_max(opts: WriterOptions) -> int:
+    """Largest regular file stored inline; the pack writer keeps files this small in memory."""
+    return min(max(opts.inline_limit, 0), MAX_INLINE)
+
+
+def _kernel_rdev(rdev: int) -> int:
+    # btrfs stores the kernel's dev_t: MKDEV(major, minor) = major << 20 | minor
+    return (os.major(rdev) << 20) | os.minor(rdev)
+
+
+def _number(tree: Tree) -> list[_Numbered]:
+    root = _Numbered(tree.root, d.FIRST_FREE_OBJECTID)
+    root.refs.append((d.FIRST_FREE_OBJECTID, 0, b".."))
+    table = [root]
+    by_id: dict[int, _Numbered] = {id(tree.root): root}
+    stack = [root]
+    while stack:
+        parent = stack.pop()
+        pending: list[_Numbered] = []
+        for index, name in enumerate(sorted(parent.inode.entries), start=2):
+            child = parent.inode.entries[name]
+            num = by_id.get(id(child))
+            if num is None:
+                num = _Numbered(child, d.FIRST_FREE_OBJECTID + len(table))
+                by_id[id(child)] = num
+                table.append(num)
+                if child.type == FileType.DIR:
+                    pending.append(num)
+            elif child.type == FileType.DIR:
+                raise ImageError(f"directory {name!r} appears twice in the tree (hardlinked dir)")
+            num.refs.append((parent.ino, index, name))
+            parent.children.append((index, name, num.ino))
+        stack.extend(reversed(pending))
+    return table
+
+
+class _DataPlacer:
+    """Lays extents out on device 2, chunk after chunk, in first-use order."""
+
+    def __init__(self, data_logical: int) -> None:
+        self.chunks: list[Chunk] = []
+        self.ranges: list[DataRange] = []
+        self.by_blob: dict[Blob, list[_Extent]] = {}
+        self._ranges_iter = device_ranges(DEVICE_START)
+        self._logical = data_logical
+        self._cur = 0  # physical cursor
+        self._end = 0  # physical end of the current chunk range
+        self._chunk_phys = 0
+        self._chunk_logical = 0
+        self.used = 0
+
+    def _next_chunk(self) -> None:
+        self._close_chunk()
+        self._chunk_phys, self._end = next(self._ranges_iter)
+        self._cur = self._chunk_phys
+        self._chunk_logical = self._logical
+
+    def _close_chunk(self) -> None:
+        if self._end:
+            length = align_up(self._cur - self._chunk_phys, CHUNK_ALIGN)
+            if length:
+                self.chunks.append(
+                    Chunk(self._chunk_logical, length, d.BLOCK_GROUP_DATA, 2, self._chunk_phys)
+                )
+                self._logical += length
+
+    def place(self, blob: Blob) -> list[_Extent]:
+        extents = self.by_blob.get(blob)
+        if extents is not None:
+            return extents
+        extents = []
+        done = 0
+        while done < blob.size:
+            if self._cur >= self._end:
+                self._next_chunk()
+            disk = min(
+                align_up(blob.size - done, d.SECTORSIZE), d.MAX_EXTENT_SIZE, self._end - self._cur
+            )
+            length = min(disk, blob.size - done)
+            logical = self._chunk_logical + (self._cur - self._chunk_phys)
+            self.ranges.append(DataRange(self._cur, length, blob.pack, blob.offset + done))
+            extents.append(_Extent(logical, disk, done))
+            self._cur += disk
+            self.used += disk
+            done += length
+        self.by_blob[blob] = extents
+        return extents
+
+    def finish(self) -> list[Chunk]:
+        self._close_chunk()
+        if not self.chunks:  # no data at all: still one (empty) DATA block group
+            self.chunks.append(
+                Chunk(self._logical, CHUNK_ALIGN, d.BLOCK_GROUP_DATA, 2, DEVICE_START)
+            )
+        self._end = 0
+        return self.chunks
+
+
+def _group_by_hash(entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """(hash, packed dir item) -> one item per hash, concatenated (name collisions share one item)."""
+    grouped: dict[int, bytes] = {}
+    for h, packed in entries:
+        grouped[h] = grouped.get(h, b"") + packed
+    return sorted(grouped.items())
+
+
+@dataclass(slots=True)
+class _FsTree:
+    items: list[tuple[d.Key, bytes]]
+    extent_refs: dict[int, list[tuple[int, int]]]  # extent logical -> [(ino, file offset)]
+    extent_len: dict[int, int]
+    stats: dict[str, int]
+
+
+def _fs_tree_items(table: list[_Numbered], placer: _DataPlacer, imax: int) -> _FsTree:
+    gen = GENERATION
+    items: list[tuple[d.Key, bytes]] = []
+    extent_refs: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    extent_len: dict[int, int] = {}
+    stats = dict.fromkeys(
+        (
+            "files",
+            "directories",
+            "symlinks",
+            "devices",
+            "hardlinks",
+            "inline_files",
+            "content_bytes",
+        ),
+        0,
+    )
+    for num in table:
+        ino, node = num.ino, num.inode
+        size, nbytes, flags = 0, 0, 0
+        file_extents: list[tuple[d.Key, bytes]] = []
+        if node.type == FileType.REG:
+            stats["files"] += 1
+            flags = d.INODE_NODATASUM | d.INODE_NODATACOW
+            content = node.content
+            if isinstance(content, Blob):
+                size = content.size
+                for ext in placer.place(content):
+                    file_extents.append(
+                        (
+                            (ino, d.EXTENT_DATA_KEY, ext.file_offset),
+                            d.pack_file_extent_reg(gen, ext.logical, ext.num_bytes),
+                        )
+                    )
+                    extent_refs[ext.logical].append((ino, ext.file_offset))
+                    extent_len[ext.logical] = ext.num_bytes
+                    nbytes += ext.num_bytes
+            elif content:
+                if len(content) > imax:
+                    raise AssertionError("in-memory content larger than the inline limit")
+                size = nbytes = len(content)
+                stats["inline_files"] += 1
+                file_extents.append(
+                    ((ino, d.EXTENT_DATA_KEY, 0), d.pack_file_extent_inline(gen, content))
+                )
+            stats["content_bytes"] += size
+            if len(num.refs) > 1:
+                stats["hardlinks"] += len(num.refs) - 1
+        elif node.type == FileType.SYMLINK:
+            stats["symlinks"] += 1
+            if not node.target or len(node.target) > MAX_INLINE:
+                raise ImageError(
+                    f"symlink target of inode {ino} is empty or longer than {MAX_INLINE} bytes"
+                )
+            size = nbytes = len(node.target)
+            file_extents.append(
+                ((ino, d.EXTENT_DATA_KEY, 0), d.pack_file_extent_inline(gen, node.target))
+            )
+        elif node.type == FileType.DIR:
+            stats["directories"] += 1
+            size = 2 * sum(len(name) for _, name, _ in num.children)
+        else:
+            stats["devices"] += 1
+        mtime = node.mtime_ns
+        ctime = node.ctime_ns if node.ctime_ns is not None else mtime
+        items.append(
+            (
+                (ino, d.INODE_ITEM_KEY, 0),
+                d.pack_inode_item(
+                    generation=gen,
+                    size=size,
+                    nbytes=nbytes,
+                    nlink=1 if node.type == FileType.DIR else len(num.refs),
+                    uid=node.uid,
+                    gid=node.gid,
+                    mode=node.st_mode,
+                    rdev=_kernel_rdev(node.rdev)
+                    if node.type in (FileType.CHR, FileType.BLK)
+                    else 0,
+                    flags=flags,
+                    atime_ns=node.atime_ns if node.atime_ns is not None else mtime,
+                    ctime_ns=ctime,
+                    mtime_ns=mtime,
+                    otime_ns=mtime,
+                ),
+            )
+        )
+        by_parent: dict[int, bytes] = {}
+        for parent, index, name in sorted(num.refs):
+            by_parent[parent] = by_parent.get(parent, b"") + d.pack_inode_ref(index, name)
+        for parent, data in sorted(by_parent.items()):
+            if len(data) > d.MAX_ITEM_DATA:
+                raise ImageError(f"too many hardlinks to inode {ino} in one directory")
+            items.append(((ino, d.INODE_REF_KEY, parent), data))
+        if node.xattrs:
+            xattrs = []
+            for name, value in node.xattrs.items():
+                if len(name) + len(value) > d.MAX_XATTR_SIZE or not name or len(name) > 255:
+                    raise ImageError(f"xattr {name[:60]!r} of inode {ino}: name or value too large")
+                xattrs.append(
+                    (d.name_hash(name), d.pack_dir_item((0, 0, 0), gen, d.FT_XATTR, name, value))
+                )
+            for h, data in _group_by_hash(xattrs):
+                items.append(((ino, d.XATTR_ITEM_KEY, h), data))
+        if num.children:
+            packed = {
+                index: d.pack_dir_item(
+                    (child_ino, d.INODE_ITEM_KEY, 0),
+                    gen,
+                    _FT[table[child_ino - 256].inode.type],
+                    name,
+                )
+                for index, name, child_ino in num.children
+            }
+            dir_items = [(d.name_hash(name), packed[index]) for index, name, _ in num.children]
+            for h, data in _group_by_hash(dir_items):
+                items.append(((ino, d.DIR_ITEM_KEY, h), data))
+            for index, _, _ in sorted(num.children):
+                items.append(((ino, d.DIR_INDEX_KEY, index), packed[index]))
+        items.extend(file_extents)
+    return _FsTree(items, extent_refs, extent_len, stats)
+
+
+def _data_extent_items(fs: _FsTree) -> list[tuple[d.Key, bytes]]:
+    """EXTENT_ITEM per data extent with its refs: inline while they fit, else keyed."""
+    gen = GENERATION
+    out: list[tuple[d.Key, bytes]] = []
+    inline_room = (d.MAX_EXTENT_ITEM_SIZE - 24) // 29
+    for logical in sorted(fs.extent_refs):
+        refs = fs.extent_refs[logical]
+        head = d.pack_extent_item(len(refs), gen, d.EXTENT_FLAG_DATA)
+        key = (logical, d.EXTENT_ITEM_KEY, fs.extent_len[logical])
+        hashed = sorted(
+            ((d.extent_data_ref_hash(d.FS_TREE_OBJECTID, ino, off), ino, off) for ino, off in refs),
+            reverse=True,  # inline data refs: descending hash (tree-checker)
+        )
+        if len(refs) <= inline_room:
+            body = b"".join(
+                d.pack_inline_data_ref(d.FS_TREE_OBJECTID, ino, off, 1) for _, ino, off in hashed
+            )
+            out.append((key, head + body))
+            continue
+        out.append((key, head))
+        used: set[int] = set()
+        keyed = []
+        for h, ino, off in sorted(hashed):
+            while h in used:  # a hash collision takes the next free offset, as the kernel does
+                h += 1
+            used.add(h)
+            keyed.append(
+                (
+                    (logical, d.EXTENT_DATA_REF_KEY, h),
+                    d.pack_extent_data_ref(d.FS_TREE_OBJECTID, ino, off, 1),
+                )
+            )
+        out.extend(sorted(keyed))
+    return out
+
+
+def _derive_uuid(seed: bytes, purpose: bytes) -> uuid.UUID:
+    raw = bytearray(hashlib.sha256(seed + b"\0" + purpose).digest()[:16])
+    raw[6] = (raw[6] & 0x0F) | 0x40  # shaped as a version-4 UUID
+    raw[8] = (raw[8] & 0x3F) | 0x80
+    return uuid.UUID(bytes=bytes(raw))
+
+
+# trees in metadata chunks, in allocation order (the chunk tree lives in the SYSTEM chunk)
+_META_TREES = (
+    d.FS_TREE_OBJECTID,
+    d.EXTENT_TREE_OBJECTID,
+    d.ROOT_TREE_OBJECTID,
+    d.DEV_TREE_OBJECTID,
+    d.CSUM_TREE_OBJECTID,
+    d.UUID_TREE_OBJECTID,
+    d.FREE_SPACE_TREE_OBJECTID,
+    d.DATA_RELOC_TREE_OBJECTID,
+)
+
+
+@dataclass(slots=True)
+class _Ids:
+    fsid: bytes
+    chunk_tree_uuid: bytes
+    dev_uuid: tuple[bytes, bytes]
+    subvol_uuid: bytes
+
+
+class _Metadata:
+    """Items of every tree but the fs tree, given the chunk list and block addresses."""
+
+    def __init__(
+        self, ids: _Ids, opts: WriterOptions, data_extents: list[tuple[d.Key, bytes]]
+    ) -> None:
+        self.ids = ids
+        self.opts = opts
+        self.data_extents = data_extents
+
+    def chunk_tree(
+        self, chunks: list[Chunk], dev_sizes: tuple[int, int]
+    ) -> list[tuple[d.Key, bytes]]:
+        used = [0, 0]
+        for c in chunks:
+            used[c.devid - 1] += c.length
+        items: list[tuple[d.Key, bytes]] = [
+            (
+                (d.DEV_ITEMS_OBJECTID, d.DEV_ITEM_KEY, devid),
+                d.pack_dev_item(
+                    devid,
+                    dev_sizes[devid - 1],
+                    used[devid - 1],
+                    self.ids.dev_uuid[devid - 1],
+                    self.ids.fsid,
+                ),
+            )
+            for devid in (1, 2)
+        ]
+        for c in chunks:
+            items.append(self.chunk_item(c))
+        return items
+
+    def chunk_item(self, c: Chunk) -> tuple[d.Key, bytes]:
+        return (
+            (d.FIRST_CHUNK_TREE_OBJECTID, d.CHUNK_ITEM_KEY, c.logical),
+            d.pack_chunk(c.length, c.type, c.devid, c.physical, self.ids.dev_uuid[c.devid - 1]),
+        )
+
+    def dev_tree(self, chunks: list[Chunk]) -> list[tuple[d.Key, bytes]]:
+        return sorted(
+            (
+                (c.devid, d.DEV_EXTENT_KEY, c.physical),
+                d.pack_dev_extent(c.logical, c.length, self.ids.chunk_tree_uuid),
+            )
+            for c in chunks
+        )
+
+    def extent_tree(
+        self, chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
+    ) -> list[tuple[d.Key, bytes]]:
+        """``blocks``: (bytenr, level, owner) of every tree block; ``used``: chunk logical -> bytes used."""
+        items = list(self.data_extents)
+        items.extend(
+            (
+                (c.logical, d.BLOCK_GROUP_ITEM_KEY, c.length),
+                d.pack_block_group_item(used.get(c.logical, 0), c.type),
+            )
+            for c in chunks
+        )
+        items.extend(
+            ((bytenr, d.METADATA_ITEM_KEY, level), d.pack_metadata_item(GENERATION, owner))
+            for bytenr, level, owner in blocks
+        )
+        items.sort(key=lambda kv: kv[0])
+        return items
+
+    def free_space_tree(
+        self, chunks: list[Chunk], used: dict[int, int]
+    ) -> list[tuple[d.Key, bytes]]:
+        # every block group is filled from its start: free space is its tail
+        items: list[tuple[d.Key, bytes]] = []
+        for c in sorted(chunks, key=lambda c: c.logical):
+            u = used.get(c.logical, 0)
+            items.append(
+                (
+                    (c.logical, d.FREE_SPACE_INFO_KEY, c.length),
+                    d.pack_free_space_info(1 if u < c.length else 0),
+                )
+            )
+            if u < c.length:
+                items.append(((c.logical + u, d.FREE_SPACE_EXTENT_KEY, c.length - u), b""))
+        return items
+
+    def root_tree(
+        self, roots: dict[int, TreeInfo], nblocks: dict[int, int]
+    ) -> list[tuple[d.Key, bytes]]:
+        gen, t = GENERATION, self.opts.time_ns
+        items: list[tuple[d.Key, bytes]] = []
+
+        def root_item(objectid: int, **kw: int | bytes) -> None:
+            info = roots[objectid]
+            items.append(
+                (
+                    (objectid, d.ROOT_ITEM_KEY, 0),
+                    d.pack_root_item(
+                        generation=gen,
+                        bytenr=info.root,
+                        level=info.level,
+                        bytes_used=nblocks[objectid] * d.NODESIZE,
+                        **kw,  # type: ignore[arg-type]
+                    ),
+                )
+            )
+
+        root_item(d.EXTENT_TREE_OBJECTID, root_dirid=0)
+        root_item(d.DEV_TREE_OBJECTID, root_dirid=0)
+        items.append(
+            (
+                (d.FS_TREE_OBJECTID, d.INODE_REF_KEY, d.ROOT_TREE_DIR_OBJECTID),
+                d.pack_inode_ref(0, b"default"),
+            )
+        )
+        root_item(
+            d.FS_TREE_OBJECTID,
+            root_dirid=d.FIRST_FREE_OBJECTID,
+            uuid=self.ids.subvol_uuid,
+            ctransid=gen,
+            ctime_ns=t,
+            otime_ns=t,
+        )
+        items.append(
+            (
+                (d.ROOT_TREE_DIR_OBJECTID, d.INODE_ITEM_KEY, 0),
+                d.pack_inode_item(
+                    generation=gen,
+                    size=0,
+                    nbytes=d.NODESIZE,
+                    nlink=1,
+                    uid=0,
+                    gid=0,
+                    mode=0o40755,
+                    atime_ns=t,
+                    ctime_ns=t,
+                    mtime_ns=t,
+                    otime_ns=t,
+                ),
+            )
+        )
+        items.append(
+            (
+                (d.ROOT_TREE_DIR_OBJECTID, d.INODE_REF_KEY, d.ROOT_TREE_DIR_OBJECTID),
+                d.pack_inode_ref(0, b".."),
+            )
+        )
+        items.append(
+            (
+                (d.ROOT_TREE_DIR_OBJECTID, d.DIR_ITEM_KEY, d.name_hash(b"default")),
+                d.pack_dir_item(
+                    (d.FS_TREE_OBJECTID, d.ROOT_ITEM_KEY, 2**64 - 1), 0, d.FT_DIR, b"default"
+                ),
+            )
+        )
+        root_item(d.CSUM_TREE_OBJECTID, root_dirid=0)
+        root_item(d.UUID_TREE_OBJECTID, root_dirid=0)
+        root_item(d.FREE_SPACE_TREE_OBJECTID, root_dirid=0)
+        root_item(d.DATA_RELOC_TREE_OBJECTID, root_dirid=d.FIRST_FREE_OBJECTID)
+        return items
+
+    def uuid_tree(self) -> list[tuple[d.Key, bytes]]:
+        u = self.ids.subvol_uuid
+        key = (int.from_bytes(u[:8], "little"), d.UUID_KEY_SUBVOL, int.from_bytes(u[8:], "little"))
+        return [(key, d.FS_TREE_OBJECTID.to_bytes(8, "little"))]
+
+    def data_reloc_tree(self) -> list[tuple[d.Key, bytes]]:
+        t = self.opts.time_ns
+        ino = d.FIRST_FREE_OBJECTID
+        return [
+            (
+                (ino, d.INODE_ITEM_KEY, 0),
+                d.pack_inode_item(
+                    generation=GENERATION,
+                    size=0,
+                    nbytes=0,
+                    nlink=1,
+                    uid=0,
+                    gid=0,
+                    mode=0o40755,
+                    atime_ns=t,
+                    ctime_ns=t,
+                    mtime_ns=t,
+                    otime_ns=0,
+                ),
+            ),
+            ((ino, d.INODE_REF_KEY, ino), d.pack_inode_ref(0, b"..")),
+        ]
+
+
+def _sizes(items: list[tuple[d.Key, bytes]]) -> list[int]:
+    return [len(data) for _, data in items]
+
+
+def _assign(
+    levels: dict[int, list[int]],
+    sys_chunk: Chunk,
+    meta_chunks: list[Chunk],
+    data_used: dict[int, int],
+) -> tuple[dict[int, list[int]], list[tuple[int, int, int]], dict[int, int]]:
+    """Block addresses per tree, (bytenr, level, owner) of every block, bytes used per block group."""
+    addr_of: dict[int, list[int]] = {}
+    blocks: list[tuple[int, int, int]] = []
+    cursor = meta_chunks[0].logical  # metadata chunks are contiguous in logical space
+    for tree_id in _META_TREES:
+        addr_of[tree_id] = [cursor + i * d.NODESIZE for i in range(len(levels[tree_id]))]
+        cursor += len(levels[tree_id]) * d.NODESIZE
+    chunk_levels = levels[d.CHUNK_TREE_OBJECTID]
+    addr_of[d.CHUNK_TREE_OBJECTID] = [
+        sys_chunk.logical + i * d.NODESIZE for i in range(len(chunk_levels))
+    ]
+    for tree_id, addrs in addr_of.items():
+        blocks.extend((a, lvl, tree_id) for a, lvl in zip(addrs, levels[tree_id], strict=True))
+    blocks.sort()
+    used = dict(data_used)
+    used[sys_chunk.logical] = len(chunk_levels) * d.NODESIZE
+    left = cursor - meta_chunks[0].logical
+    for c in meta_chunks:
+        used[c.logical] = min(left, c.length)
+        left -= used[c.logical]
+    return addr_of, blocks, used
+
+
+def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
+    """Write ``meta.img`` (device 1) for ``tree``; return device 2's layout."""
+    imax = inline_max(opts)
+    table = _number(tree)
+    sys_chunk = system_chunk()
+    placer = _DataPlacer(sys_chunk.end)
+    fs = _fs_tree_items(table, placer, imax)
+    data_chunks = placer.finish()
+    data_used = {c.logical: 0 for c in data_chunks}
+    for logical, length in fs.extent_len.items():
+        owner = next(c for c in data_chunks if c.logical <= logical < c.end)
+        data_used[owner.logical] += length
+
+    # identity: derived from the fs tree's bytes unless the spec fixes the fsid
+    content = hashlib.sha256()
+    for key, data in fs.items:
+        content.update(repr(key).encode())
+        content.update(data)
+    seed = content.digest()
+    fsid = opts.fsid or _derive_uuid(seed, b"fsid")
+    fb = fsid.bytes
+    ids = _Ids(
+        fsid=fb,
+        chunk_tree_uuid=_derive_uuid(fb, b"chunk-tree").bytes,
+        dev_uuid=(_derive_uuid(fb, b"devid-1").bytes, _derive_uuid(fb, b"devid-2").bytes),
+        subvol_uuid=_derive_uuid(fb, b"fs-tree").bytes,
+    )
+    meta = _Metadata(ids, opts, _data_extent_items(fs))
+    data_end = max(c.physical + c.length for c in data_chunks)
+
+    # Plan: block counts per tree -> chunks -> addresses -> real items -> block counts,
+    # until nothing changes (the extent tree lists every block, including its own).
+    meta_logical = max(c.end for c in data_chunks)
+    uuid_items, reloc_items = meta.uuid_tree(), meta.data_reloc_tree()
+    placeholder = {t: TreeInfo(t, 0, 0, []) for t in _META_TREES}
+    levels: dict[int, list[int]] = {
+        d.FS_TREE_OBJECTID: block_levels(_sizes(fs.items)),
+        d.EXTENT_TREE_OBJECTID: [0],
+        d.ROOT_TREE_OBJECTID: block_levels(
+            _sizes(meta.root_tree(placeholder, dict.fromkeys(_META_TREES, 0)))
+        ),
+        d.DEV_TREE_OBJECTID: [0],
+        d.CSUM_TREE_OBJECTID: [0],
+        d.UUID_TREE_OBJECTID: block_levels(_sizes(uuid_items)),
+        d.FREE_SPACE_TREE_OBJECTID: [0],
+        d.DATA_RELOC_TREE_OBJECTID: block_levels(_sizes(reloc_items)),
+        d.CHUNK_TREE_OBJECTID: [0],
+    }
+    for _ in range(20):
+        n_meta = sum(len(levels[t]) for t in _META_TREES)
+        meta_chunks = allocate(
+            n_meta * d.NODESIZE, d.BLOCK_GROUP_METADATA, 1, sys_chunk.end, meta_logical
+        )
+        chunks = [sys_chunk, *data_chunks, *meta_chunks]
+        dev_sizes = (meta_chunks[-1].physical + meta_chunks[-1].length, data_end)
+        addr_of, blocks, used = _assign(levels, sys_chunk, meta_chunks, data_used)
+        items: dict[int, list[tuple[d.Key, bytes]]] = {
+            d.FS_TREE_OBJECTID: fs.items,
+            d.EXTENT_TREE_OBJECTID: meta.extent_tree(chunks, used, blocks),
+            d.DEV_TREE_OBJECTID: meta.dev_tree(chunks),
+            d.CSUM_TREE_OBJECTID: [],
+            d.UUID_TREE_OBJECTID: uuid_items,
+            d.FREE_SPACE_TREE_OBJECTID: meta.free_space_tree(chunks, used),
+            d.DATA_RELOC_TREE_OBJECTID: reloc_items,
+            d.CHUNK_TREE_OBJECTID: meta.chunk_tree(chunks, dev_sizes),
+        }
+        new = dict(levels)
+        for tree_id, tree_items in items.items():
+            new[tree_id] = block_levels(_sizes(tree_items))
+        if new == levels:
+            break
+        levels = new
+    else:
+        raise AssertionError("metadata layout did not converge")
+
+    def tree_blocks(tree_id: int, tree_items: list[tuple[d.Key, bytes]]) -> TreeInfo:
+        addrs = addr_of[tree_id]
+        info, out = serialize(
+            tree_items, iter(addrs), tree_id, GENERATION, ids.fsid, ids.chunk_tree_uuid
+        )
+        if len(out) != len(addrs):
+            raise AssertionError(f"tree {tree_id}: planned {len(addrs)} blocks, built {len(out)}")
+        written.extend(out)
+        return info
+
+    written: list[tuple[int, bytes]] = []
+    infos = {tree_id: tree_blocks(tree_id, tree_items) for tree_id, tree_items in items.items()}
+    nblocks = {t: len(addr_of[t]) for t in _META_TREES}
+    infos[d.ROOT_TREE_OBJECTID] = tree_blocks(d.ROOT_TREE_OBJECTID, meta.root_tree(infos, nblocks))
+    chunk_info = infos[d.CHUNK_TREE_OBJECTID]
+
+    # superblocks: identical but for dev_item (and checksum)
+    sys_array = b"".join(d.pack_disk_key(k) + v for k, v in [meta.chunk_item(sys_chunk)])
+    total_used = sum(used.values())
+    fields = SuperFields(
+        fsid=ids.fsid,
+        generation=GENERATION,
+        root=TreeRoot(infos[d.ROOT_TREE_OBJECTID].root, infos[d.ROOT_TREE_OBJECTID].level),
+        chunk_root=TreeRoot(chunk_info.root, chunk_info.level),
+        extent_root=TreeRoot(
+            infos[d.EXTENT_TREE_OBJECTID].root, infos[d.EXTENT_TREE_OBJECTID].level
+        ),
+        fs_root=TreeRoot(infos[d.FS_TREE_OBJECTID].root, infos[d.FS_TREE_OBJECTID].level),
+        dev_root=TreeRoot(infos[d.DEV_TREE_OBJECTID].root, infos[d.DEV_TREE_OBJECTID].level),
+        csum_root=TreeRoot(infos[d.CSUM_TREE_OBJECTID].root, infos[d.CSUM_TREE_OBJECTID].level),
+        total_bytes=dev_sizes[0] + dev_sizes[1],
+        bytes_used=total_used,
+        num_devices=2,
+        sys_chunk_array=sys_array,
+        label=opts.label.encode()[:255],
+    )
+    dev_items = items[d.CHUNK_TREE_OBJECTID][:2]
+    super1 = pack_super(fields, dev_items[0][1])
+    super2 = pack_super(fields, dev_items[1][1])
+
+    # logical -> physical on device 1, then write meta.img in address order
+    dev1_chunks = sorted([sys_chunk, *meta_chunks], key=lambda c: c.logical)
+
+    def physical(logical: int) -> int:
+        for c in dev1_chunks:
+            if c.logical <= logical < c.end:
+                return c.physical + (logical - c.logical)
+        raise AssertionError(f"logical {logical} outside device 1 chunks")
+
+    written.sort()
+    with open(meta_path, "wb") as f:
+        f.truncate(dev_sizes[0])
+        f.seek(d.SUPER_INFO_OFFSET)
+        f.write(super1)
+        for mirror in d.SUPER_MIRRORS[1:]:
+            if mirror + d.SUPER_INFO_SIZE <= dev_sizes[0]:
+                f.seek(mirror)
+                f.write(pack_super(fields, dev_items[0][1], bytenr=mirror))
+        pos = -1
+        for bytenr, block in written:
+            phys = physical(bytenr)
+            if phys != pos:
+                f.seek(phys)
+            f.write(block)
+            pos = phys + len(block)
+        f.flush()
+        os.fsync(f.fileno())
+
+    stats = dict(fs.stats)
+    stats["data_extents"] = len(fs.extent_refs)
+    stats["metadata_bytes"] = len(blocks) * d.NODESIZE
+    stats["data_bytes"] = placer.used
+    return ImageLayout(
+        fsid=fsid,
+        dev_uuids=(uuid.UUID(bytes=ids.dev_uuid[0]), uuid.UUID(bytes=ids.dev_uuid[1])),
+        generation=GENERATION,
+        meta_size=dev_sizes[0],
+        data_size=dev_sizes[1],
+        data_ranges=list(placer.ranges),
+        data_super=super2,
+        stats=stats,
+    )
