@@ -93,13 +93,16 @@ def _run(cmd: Sequence[str | Path], timeout: float = 600, **kw: object) -> str:
     try:
         p = subprocess.run(
             [str(c) for c in cmd],
+            check=False,
             capture_output=True,
             text=True,
             timeout=timeout,
             **kw,  # type: ignore[call-overload]
         )
     except subprocess.TimeoutExpired as e:
-        raise VMError(f"{cmd[0]} timed out after {timeout:.0f}s: {shlex.join(map(str, cmd))}") from e
+        raise VMError(
+            f"{cmd[0]} timed out after {timeout:.0f}s: {shlex.join(map(str, cmd))}"
+        ) from e
     except FileNotFoundError as e:
         raise VMError(f"{cmd[0]} not found (run scripts/setup.sh)") from e
     if p.returncode != 0:
@@ -114,7 +117,7 @@ def ensure_host_packages() -> None:
     missing = []
     for pkg in APT_PACKAGES:
         q = subprocess.run(
-            ["dpkg-query", "-W", "-f=${Status}", pkg], capture_output=True, text=True
+            ["dpkg-query", "-W", "-f=${Status}", pkg], check=False, capture_output=True, text=True
         )
         if "install ok installed" not in q.stdout:
             missing.append(pkg)
@@ -299,7 +302,7 @@ def build_initrd(kver: str) -> Path:
             )
             assert find.stdout is not None
             find.stdout.close()
-            gz = subprocess.run(["gzip", "-1"], stdin=cpio.stdout, stdout=f)
+            gz = subprocess.run(["gzip", "-1"], check=False, stdin=cpio.stdout, stdout=f)
             if find.wait() or cpio.wait() or gz.returncode:
                 raise VMError("initrd: find | cpio | gzip failed")
         tmp.rename(out)
@@ -493,7 +496,9 @@ def boot_once(
                 b.status = "ok"
             except subprocess.TimeoutExpired:
                 b.status = "timeout"
-                b.reason = f"the guest run did not finish before the time limit ({deadline - t0:.0f}s)"
+                b.reason = (
+                    f"the guest run did not finish before the time limit ({deadline - t0:.0f}s)"
+                )
                 _kill(p)
         reader.join(timeout=10)
     b.qemu_rc = p.returncode
@@ -578,7 +583,9 @@ def run_in_vm(
         for name, data in (files or {}).items():
             (share / name).write_bytes(data)
         budget = int(deadline - time.monotonic()) - 30  # leave time for dmesg and poweroff
-        (share / "run.sh").write_text(GUEST_RUN.format(repo=shlex.quote(str(REPO)), budget=budget, body=body))
+        (share / "run.sh").write_text(
+            GUEST_RUN.format(repo=shlex.quote(str(REPO)), budget=budget, body=body)
+        )
         console = out / f"console.boot{attempt}.log"
         log(f"boot {attempt}: kernel {assets.kver}, console -> {console}")
         b = boot_once(assets, share, console, attempt, deadline, boot_timeout, echo)
@@ -691,7 +698,9 @@ def summary(res: RunResult) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.vm.harness", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m tests.vm.harness", description=__doc__.split("\n")[0]
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_prep = sub.add_parser("prepare", help="install/cache the kernel, initramfs and qemu")
     p_prep.add_argument("--refresh", action="store_true", help="re-resolve the backports kernel")
@@ -709,9 +718,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"kernel {assets.kver}\nvmlinuz {assets.vmlinuz}\ninitrd {assets.initrd}")
             return 0
         if a.cmd == "run":
-            res = run_pytest(
-                a.pytest_args, timeout=a.timeout, echo=None if a.quiet else sys.stdout
-            )
+            res = run_pytest(a.pytest_args, timeout=a.timeout, echo=None if a.quiet else sys.stdout)
         else:
             res = run_script(a.script, timeout=a.timeout, echo=sys.stdout)
     except VMError as e:
