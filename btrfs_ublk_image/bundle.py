@@ -1,0 +1,188 @@
+"""The bundle: manifest.json, meta.img, blockmap, packs/ (format: docs/bundle-format.md).
+
+A bundle appears atomically: everything is written into a hidden sibling
+directory that is renamed onto the destination only when complete; any error
+removes the sibling, so nothing is left at the destination.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from btrfs_ublk_image import __version__
+from btrfs_ublk_image.blockmap import BlockMap, PackEntry, Range
+from btrfs_ublk_image.btrfs import ondisk
+from btrfs_ublk_image.btrfs.writer import ImageLayout, WriterOptions, inline_max, write_image
+from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.packs import DEFAULT_CHUNK_SIZE, PackWriter
+from btrfs_ublk_image.progress import Progress
+from btrfs_ublk_image.tree import Tree
+
+FORMAT = "btrfs-ublk-image.bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+META_IMG = "meta.img"
+BLOCKMAP = "blockmap"
+PACKS = "packs"
+
+# Fills a tree from the sources, streaming file content into the pack writer; returns the
+# tree, the source records for the manifest and the image config (OCI) or None.
+TreeFiller = Callable[[PackWriter], tuple[Tree, list[dict[str, Any]], dict[str, Any] | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class BuildResult:
+    path: str
+    image_id: str
+    manifest: dict[str, Any]
+    layout: ImageLayout
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def encode_manifest(manifest: dict[str, Any]) -> bytes:
+    return (json.dumps(manifest, sort_keys=True, indent=2) + "\n").encode()
+
+
+def image_id(manifest_bytes: bytes) -> str:
+    return "sha256:" + hashlib.sha256(manifest_bytes).hexdigest()
+
+
+def write_bundle(
+    out_dir: str,
+    *,
+    name: str,
+    opts: WriterOptions,
+    fill: TreeFiller,
+    spec_sha256: str,
+    progress: Progress | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> BuildResult:
+    out_dir = os.path.abspath(out_dir)
+    if os.path.lexists(out_dir):
+        raise ImageError(
+            f"{out_dir}: already exists (a bundle is never overwritten; remove it first)"
+        )
+    parent = os.path.dirname(out_dir)
+    if not os.path.isdir(parent):
+        raise ImageError(f"{parent}: no such directory")
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
+    try:
+        result = _write_into(tmp, name, opts, fill, spec_sha256, progress, chunk_size)
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return BuildResult(out_dir, result[0], result[1], result[2])
+
+
+def _write_into(
+    tmp: str,
+    name: str,
+    opts: WriterOptions,
+    fill: TreeFiller,
+    spec_sha256: str,
+    progress: Progress | None,
+    chunk_size: int,
+) -> tuple[str, dict[str, Any], ImageLayout]:
+    packs_dir = os.path.join(tmp, PACKS)
+    os.mkdir(packs_dir)
+    packer = PackWriter(
+        packs_dir, keep_inline=inline_max(opts), chunk_size=chunk_size, progress=progress
+    )
+    try:
+        tree, sources, image_config = fill(packer)
+        if progress is not None:
+            progress.phase("writing metadata")
+        layout = write_image(tree, os.path.join(tmp, META_IMG), opts)
+        # device 2's own superblock is pack content like any other, mapped at 64 KiB
+        sb = packer.put_pack_tail(layout.data_super)
+    except BaseException:
+        packer.abort()
+        raise
+    pack_infos = packer.finish()
+    ranges = [Range(ondisk.SUPER_INFO_OFFSET, len(layout.data_super), sb.pack, sb.offset)]
+    ranges.extend(Range(r.dev_offset, r.length, r.pack, r.pack_offset) for r in layout.data_ranges)
+    bm = BlockMap(
+        chunk_shift=chunk_size.bit_length() - 1,
+        device_size=layout.data_size,
+        packs=[PackEntry(p.id, p.size, p.chunk_digests) for p in pack_infos],
+        ranges=ranges,
+    )
+    bm.check()
+    with open(os.path.join(tmp, BLOCKMAP), "wb") as f:
+        f.write(bm.encode())
+        f.flush()
+        os.fsync(f.fileno())
+    files = {
+        fname: {
+            "sha256": file_sha256(os.path.join(tmp, fname)),
+            "size": os.path.getsize(os.path.join(tmp, fname)),
+        }
+        for fname in (META_IMG, BLOCKMAP)
+    }
+    stats = dict(layout.stats)
+    stats["unique_bytes"] = sum(p.size for p in pack_infos) - len(layout.data_super)
+    stats["content_bytes_in"] = packer.bytes_in
+    stats["deduplicated_bytes"] = packer.bytes_deduped
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "name": name,
+        "builder": f"btrfs-ublk-image {__version__}",
+        "fsid": str(layout.fsid),
+        "devices": [
+            {"devid": 1, "uuid": str(layout.dev_uuids[0]), "size": layout.meta_size},
+            {"devid": 2, "uuid": str(layout.dev_uuids[1]), "size": layout.data_size},
+        ],
+        "generation": layout.generation,
+        "files": files,
+        "packs": [
+            {"id": "sha256:" + p.id.hex(), "size": p.size, "path": f"{PACKS}/{p.name}"}
+            for p in pack_infos
+        ],
+        "chunk_size": chunk_size,
+        "spec_sha256": spec_sha256,
+        "sources": sources,
+        "stats": stats,
+        "image_config": image_config,
+    }
+    data = encode_manifest(manifest)
+    with open(os.path.join(tmp, MANIFEST), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return image_id(data), manifest, layout
+
+
+def read_manifest(bundle: str) -> tuple[dict[str, Any], str]:
+    """The manifest of ``bundle`` and its image id."""
+    path = os.path.join(bundle, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ImageError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        manifest = json.loads(data)
+    except ValueError as e:
+        raise ImageError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ImageError(f"{path}: not a btrfs-ublk-image bundle manifest")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ImageError(f"{path}: unsupported format_version {manifest.get('format_version')}")
+    return manifest, image_id(data)

@@ -1,0 +1,275 @@
+"""Test helpers: materialize device 2 from a bundle, mount bundles on loop devices, list trees.
+
+``materialize_data_device`` stands in for ublkd in writer tests: it writes
+device 2 into a sparse file from the blockmap and packs (checking every chunk
+digest), so the stock kernel can mount the seed from two loop devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+import subprocess
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from btrfs_ublk_image import blockmap as bmap
+from btrfs_ublk_image.bundle import BLOCKMAP, META_IMG, read_manifest
+from btrfs_ublk_image.tree import Tree
+
+
+def run(*cmd: str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(c) for c in cmd], check=check, capture_output=True, text=True)
+
+
+def materialize_data_device(bundle: Path, out: Path) -> None:
+    manifest, _ = read_manifest(str(bundle))
+    bm = bmap.decode((bundle / BLOCKMAP).read_bytes())
+    packs = [bundle / p["path"] for p in manifest["packs"]]
+    for i, (p, entry) in enumerate(zip(packs, bm.packs, strict=True)):
+        with open(p, "rb") as f:
+            for n, digest in enumerate(entry.chunk_digests):
+                if hashlib.sha256(f.read(bm.chunk_size)).digest() != digest:
+                    raise AssertionError(f"pack {i} chunk {n}: digest mismatch")
+    with open(out, "wb") as dev, contextlib.ExitStack() as stack:
+        dev.truncate(bm.device_size)
+        files = [stack.enter_context(open(p, "rb")) for p in packs]
+        for r in bm.ranges:
+            files[r.pack].seek(r.pack_offset)
+            dev.seek(r.dev_offset)
+            dev.write(files[r.pack].read(r.length))
+
+
+@dataclass
+class LoopMount:
+    mountpoint: Path
+    loops: list[str]
+
+
+def losetup(path: Path, readonly: bool = True) -> str:
+    args = ["losetup", "-f", "--show"] + (["-r"] if readonly else []) + [str(path)]
+    return run(*args).stdout.strip()
+
+
+@contextlib.contextmanager
+def mounted_bundle(bundle: Path, work: Path, rw: Path | None = None) -> Iterator[LoopMount]:
+    """Mount ``bundle`` (device 2 materialized under ``work``) read-only; sprout onto ``rw`` if given."""
+    data = work / "data.img"
+    if not data.exists():
+        materialize_data_device(bundle, data)
+    mnt = work / "mnt"
+    mnt.mkdir(exist_ok=True)
+    loops: list[str] = []
+    mounted = False
+    try:
+        loops.append(losetup(bundle / META_IMG))
+        loops.append(losetup(data))
+        run("btrfs", "device", "scan", *loops)
+        run("mount", "-t", "btrfs", "-o", f"ro,device={loops[0]},device={loops[1]}", loops[0], mnt)
+        mounted = True
+        if rw is not None:
+            loops.append(losetup(rw, readonly=False))
+            run("btrfs", "device", "add", "-f", "-K", loops[2], mnt)
+            run("mount", "-o", "remount,rw", mnt)
+        yield LoopMount(mnt, loops)
+    finally:
+        if mounted:
+            run("umount", mnt, check=False)
+        for lo in loops:
+            run("losetup", "-d", lo, check=False)
+        # forget the unmounted devices so later scans start clean
+        run("btrfs", "device", "scan", "-u", check=False)
+
+
+# --- listings -------------------------------------------------------------------------
+Entry = dict[str, object]
+
+
+def _kind(mode: int) -> str:
+    return {
+        stat.S_IFREG: "file",
+        stat.S_IFDIR: "dir",
+        stat.S_IFLNK: "symlink",
+        stat.S_IFCHR: "char",
+        stat.S_IFBLK: "block",
+        stat.S_IFIFO: "fifo",
+        stat.S_IFSOCK: "socket",
+    }[stat.S_IFMT(mode)]
+
+
+def list_dir(root: Path, with_root: bool = False) -> dict[str, Entry]:
+    """path -> attributes of every entry under ``root`` (hardlinks: 'link' = first path)."""
+    out: dict[str, Entry] = {}
+    first_path: dict[int, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            full = os.path.join(dirpath, name)
+            rel = "/" + os.path.relpath(full, root)
+            out[rel] = _entry(full, rel, first_path)
+    if with_root:
+        out["/"] = _entry(str(root), "/", first_path)
+    return _canonical_links(out)
+
+
+def _canonical_links(out: dict[str, Entry]) -> dict[str, Entry]:
+    """Name every hardlink group by its smallest path, whatever order the walk had."""
+    groups: dict[object, list[str]] = {}
+    for path, e in out.items():
+        if "link" in e:
+            groups.setdefault(e["link"], []).append(path)
+    for paths in groups.values():
+        for path in paths:
+            out[path]["link"] = min(paths)
+    return out
+
+
+def _entry(full: str, rel: str, first_path: dict[int, str]) -> Entry:
+    st = os.lstat(full)
+    e: Entry = {
+        "type": _kind(st.st_mode),
+        "mode": oct(stat.S_IMODE(st.st_mode)),
+        "uid": st.st_uid,
+        "gid": st.st_gid,
+    }
+    if not stat.S_ISDIR(st.st_mode):
+        e["mtime_ns"] = st.st_mtime_ns
+    xattrs = {}
+    for name in sorted(os.listxattr(full, follow_symlinks=False)):
+        xattrs[name] = os.getxattr(full, name, follow_symlinks=False).hex()
+    e["xattrs"] = xattrs
+    if stat.S_ISREG(st.st_mode):
+        with open(full, "rb") as f:
+            e["sha256"] = hashlib.sha256(f.read()).hexdigest()
+        e["size"] = st.st_size
+        if st.st_nlink > 1:
+            e["link"] = first_path.setdefault(st.st_ino, rel)
+    elif stat.S_ISLNK(st.st_mode):
+        e["target"] = os.readlink(full)
+    elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+        e["rdev"] = (os.major(st.st_rdev), os.minor(st.st_rdev))
+    return e
+
+
+def list_tar(path: Path) -> dict[str, Entry]:
+    """The same listing as ``list_dir`` from a tarball (what extracting it as root gives)."""
+    out: dict[str, Entry] = {}
+    with tarfile.open(path) as tf:
+        for m in tf.getmembers():
+            rel = "/" + os.path.normpath(m.name).lstrip("./")
+            if rel in ("/", "/."):
+                continue
+            if m.islnk():
+                target = "/" + os.path.normpath(m.linkname).lstrip("./")
+                src = out[target]
+                src.setdefault("link", target)
+                out[rel] = dict(src)
+                continue
+            e: Entry = {
+                "type": {
+                    tarfile.REGTYPE: "file",
+                    tarfile.AREGTYPE: "file",
+                    tarfile.DIRTYPE: "dir",
+                    tarfile.SYMTYPE: "symlink",
+                    tarfile.CHRTYPE: "char",
+                    tarfile.BLKTYPE: "block",
+                    tarfile.FIFOTYPE: "fifo",
+                }[m.type],
+                "mode": oct(m.mode & 0o7777),
+                "uid": m.uid,
+                "gid": m.gid,
+            }
+            if not m.isdir():
+                mt = m.pax_headers.get("mtime")
+                e["mtime_ns"] = _decimal_ns(mt) if mt else int(m.mtime) * 10**9
+            xattrs = {}
+            for k, v in m.pax_headers.items():
+                if k.startswith("SCHILY.xattr."):
+                    xattrs[k[len("SCHILY.xattr.") :]] = v.encode("utf-8", "surrogateescape").hex()
+            e["xattrs"] = dict(sorted(xattrs.items()))
+            if m.isreg():
+                f = tf.extractfile(m)
+                assert f is not None
+                e["sha256"] = hashlib.sha256(f.read()).hexdigest()
+                e["size"] = m.size
+            elif m.issym():
+                e["target"] = m.linkname
+            elif m.ischr() or m.isblk():
+                e["rdev"] = (m.devmajor, m.devminor)
+            out[rel] = e
+    return _canonical_links(out)
+
+
+def _decimal_ns(text: str) -> int:
+    sec, _, frac = text.partition(".")
+    return int(sec) * 10**9 + int((frac + "000000000")[:9])
+
+
+def dmesg_btrfs_problems(since_lines: int) -> list[str]:
+    lines = run("dmesg").stdout.splitlines()[since_lines:]
+    return [
+        ln
+        for ln in lines
+        if "BTRFS" in ln and any(w in ln for w in ("warning", "error", "critical"))
+    ]
+
+
+def dmesg_len() -> int:
+    return len(run("dmesg").stdout.splitlines())
+
+
+def list_tree(tree: Tree, packs_dir: Path | None = None) -> dict[str, Entry]:
+    """The same listing from an in-memory ``Tree`` (content read back from the pack)."""
+    from btrfs_ublk_image.tree import Blob, FileType
+
+    kinds = {
+        FileType.REG: "file",
+        FileType.DIR: "dir",
+        FileType.SYMLINK: "symlink",
+        FileType.CHR: "char",
+        FileType.BLK: "block",
+        FileType.FIFO: "fifo",
+        FileType.SOCK: "socket",
+    }
+    counts: dict[int, int] = {}
+    for _, node in tree.walk():
+        counts[id(node)] = counts.get(id(node), 0) + 1
+    first: dict[int, str] = {}
+    out: dict[str, Entry] = {}
+    for path_b, node in tree.walk():
+        path = os.fsdecode(path_b)
+        if path == "/":
+            continue
+        e: Entry = {
+            "type": kinds[node.type],
+            "mode": oct(node.mode),
+            "uid": node.uid,
+            "gid": node.gid,
+        }
+        if node.type != FileType.DIR:
+            e["mtime_ns"] = node.mtime_ns
+        e["xattrs"] = {os.fsdecode(k): v.hex() for k, v in sorted(node.xattrs.items())}
+        if node.type == FileType.REG:
+            content = node.content
+            if isinstance(content, Blob):
+                assert packs_dir is not None
+                (pack,) = list(packs_dir.iterdir())
+                with open(pack, "rb") as f:
+                    f.seek(content.offset)
+                    data = f.read(content.size)
+            else:
+                data = content
+            e["sha256"] = hashlib.sha256(data).hexdigest()
+            e["size"] = len(data)
+            if counts[id(node)] > 1:
+                e["link"] = first.setdefault(id(node), path)
+        elif node.type == FileType.SYMLINK:
+            e["target"] = os.fsdecode(node.target)
+        elif node.type in (FileType.CHR, FileType.BLK):
+            e["rdev"] = (os.major(node.rdev), os.minor(node.rdev))
+        out[path] = e
+    return _canonical_links(out)

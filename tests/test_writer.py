@@ -1,0 +1,304 @@
+"""The btrfs writer and the bundle, checked by external oracles: btrfs check and the kernel."""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bundletools import (
+    dmesg_btrfs_problems,
+    dmesg_len,
+    list_dir,
+    list_tree,
+    materialize_data_device,
+    mounted_bundle,
+    run,
+)
+
+from btrfs_ublk_image import blockmap
+from btrfs_ublk_image.btrfs import ondisk
+from btrfs_ublk_image.btrfs.writer import WriterOptions
+from btrfs_ublk_image.bundle import BuildResult, read_manifest, write_bundle
+from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.packs import PackWriter
+from btrfs_ublk_image.tree import FileType, Inode, Tree
+
+MiB = 1 << 20
+NS = 1_700_000_000_123_456_789
+
+# system.posix_acl_access: version 2; user::rwx user:1000:r-x group::r-x mask::r-x other::r--
+ACL = struct.pack("<I", 2) + b"".join(
+    struct.pack("<HHI", tag, perm, uid)
+    for tag, perm, uid in [
+        (1, 7, 0xFFFFFFFF),
+        (2, 5, 1000),
+        (4, 5, 0xFFFFFFFF),
+        (0x10, 5, 0xFFFFFFFF),
+        (0x20, 4, 0xFFFFFFFF),
+    ]
+)
+# security.capability: VFS_CAP_REVISION_2 | effective, cap_net_raw (13) permitted
+CAPABILITY = struct.pack("<IIIII", 0x02000001, 1 << 13, 0, 0, 0)
+
+
+def check(meta: Path) -> None:
+    r = run("btrfs", "check", "--readonly", meta, check=False)
+    assert r.returncode == 0 and "no error found" in r.stdout, r.stdout + r.stderr
+
+
+def build(tmp: Path, fill: Any, name: str = "bundle", **opts: Any) -> BuildResult:
+    def filler(packs: PackWriter) -> tuple[Tree, list[dict[str, Any]], None]:
+        return fill(packs), [], None
+
+    return write_bundle(
+        str(tmp / name),
+        name="test",
+        opts=WriterOptions(**opts),
+        fill=filler,
+        spec_sha256="sha256:0",
+    )
+
+
+def every_type(packs: PackWriter) -> Tree:
+    """One of every file type and attribute the writer must keep."""
+    t = Tree()
+
+    def reg(data: bytes, **kw: Any) -> Inode:
+        return Inode(FileType.REG, content=packs.put_stream(io.BytesIO(data), len(data), "t"), **kw)
+
+    big = os.urandom(3 * MiB + 123)
+    t.put("/empty", reg(b""), "t")
+    t.put("/small", reg(b"hello\n", mtime_ns=NS, xattrs={b"user.k": b"v"}), "t")
+    t.put("/inline-max", reg(b"i" * 2048), "t")
+    t.put("/not-inline", reg(b"n" * 2049), "t")
+    t.put("/big", reg(big, mode=0o640, uid=1000, gid=100, mtime_ns=NS + 1), "t")
+    t.put("/dir/big-copy", reg(big), "t")  # same content: one extent, two refs
+    t.put("/setuid", reg(b"#!/bin/sh\n", mode=0o4755), "t")
+    t.put("/setgid-dir", Inode(FileType.DIR, mode=0o2775, gid=50), "t")
+    t.put("/sticky", Inode(FileType.DIR, mode=0o1777), "t")
+    t.put("/cap", reg(b"ping", xattrs={b"security.capability": CAPABILITY}), "t")
+    t.put("/acl", reg(b"acl", xattrs={b"system.posix_acl_access": ACL}), "t")
+    hard = reg(b"hardlinked content that is long enough" * 100, mtime_ns=NS)
+    t.put("/hard1", hard, "t")
+    t.put("/dir/hard2", hard, "t")
+    t.put("/dir/sub/hard3", hard, "t")
+    t.put(
+        "/symlink", Inode(FileType.SYMLINK, mode=0o777, target=b"dir/sub/hard3", mtime_ns=NS), "t"
+    )
+    t.put("/chr", Inode(FileType.CHR, mode=0o666, rdev=os.makedev(1, 3)), "t")
+    t.put("/blk", Inode(FileType.BLK, mode=0o660, rdev=os.makedev(259, 70000)), "t")
+    t.put("/fifo", Inode(FileType.FIFO, mode=0o600), "t")
+    t.put("/sock", Inode(FileType.SOCK, mode=0o755), "t")
+    t.put("/dir/" + "n" * 255, reg(b"long name"), "t")
+    t.put("/utf8-名前", reg(b"x"), "t")
+    return t
+
+
+@pytest.mark.unit
+def test_every_type_passes_btrfs_check(tmp_path: Path) -> None:
+    res = build(tmp_path, every_type)
+    check(Path(res.path) / "meta.img")
+    manifest, image_id = read_manifest(res.path)
+    assert image_id == res.image_id
+    # big + its copy share one extent; not-inline and the hardlinked file have one each
+    assert manifest["stats"]["data_extents"] == 3
+    dump = run("btrfs", "inspect-internal", "dump-super", Path(res.path) / "meta.img").stdout
+    assert "SEEDING" in dump and "NO_HOLES" in dump and "SKINNY_METADATA" in dump
+    assert "FREE_SPACE_TREE_VALID" in dump
+
+
+@pytest.mark.unit
+def test_identical_files_share_one_extent(tmp_path: Path) -> None:
+    res = build(tmp_path, every_type)
+    dump = run(
+        "btrfs", "inspect-internal", "dump-tree", "-t", "extent", Path(res.path) / "meta.img"
+    ).stdout
+    # the 3 MiB file and its copy: one EXTENT_ITEM with refs 2
+    big_len = (3 * MiB + 123 + 4095) // 4096 * 4096
+    block = dump.split(f"EXTENT_ITEM {big_len})")[1].split("item ")[0]
+    assert "refs 2" in block and block.count("extent data backref") == 2
+
+
+@pytest.mark.unit
+def test_builds_are_byte_identical(tmp_path: Path) -> None:
+    content = os.urandom(MiB)
+
+    def fill(packs: PackWriter) -> Tree:
+        t = Tree()
+        t.put(
+            "/a", Inode(FileType.REG, content=packs.put_stream(io.BytesIO(content), MiB, "a")), "t"
+        )
+        t.put("/b", Inode(FileType.SYMLINK, target=b"a"), "t")
+        return t
+
+    a, b = build(tmp_path, fill, "a"), build(tmp_path, fill, "b")
+    assert a.image_id == b.image_id
+    for rel in ["manifest.json", "meta.img", "blockmap", *[p["path"] for p in a.manifest["packs"]]]:
+        assert (Path(a.path) / rel).read_bytes() == (Path(b.path) / rel).read_bytes(), rel
+
+
+@pytest.mark.unit
+def test_inline_limit_zero_puts_everything_in_extents(tmp_path: Path) -> None:
+    res = build(tmp_path, every_type, inline_limit=0)
+    check(Path(res.path) / "meta.img")
+    assert res.manifest["stats"]["inline_files"] == 0
+
+
+@pytest.mark.unit
+def test_failed_build_leaves_nothing(tmp_path: Path) -> None:
+    def fill(packs: PackWriter) -> Tree:
+        packs.put_stream(io.BytesIO(b"x" * 10000), 10000, "a")
+        raise ImageError("boom")
+
+    with pytest.raises(ImageError, match="boom"):
+        build(tmp_path, fill)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.unit
+def test_existing_destination_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bundle").mkdir()
+    with pytest.raises(ImageError, match="already exists"):
+        build(tmp_path, every_type)
+
+
+@pytest.mark.unit
+def test_blockmap_roundtrip(tmp_path: Path) -> None:
+    res = build(tmp_path, every_type)
+    data = (Path(res.path) / "blockmap").read_bytes()
+    bm = blockmap.decode(data)
+    assert bm.encode() == data
+    assert bm.ranges[0].dev_offset == ondisk.SUPER_INFO_OFFSET  # device 2's superblock
+    assert bm.lookup(0) is None and bm.lookup(ondisk.SUPER_INFO_OFFSET) == bm.ranges[0]
+    with pytest.raises(ImageError, match="bad magic"):
+        blockmap.decode(b"X" * len(data))
+
+
+@pytest.mark.unit
+def test_name_hashes_match_the_kernel() -> None:
+    # values read from a kernel-made filesystem (shared/recipes/reference-seed.sh)
+    assert ondisk.name_hash(b"default") == 2378154706
+    assert ondisk.name_hash(b"user.k") == 170068536
+    assert ondisk.name_hash(b"dir") == 481053471
+
+
+@pytest.mark.root
+def test_kernel_mounts_every_type_identically(tmp_path: Path) -> None:
+    tree_holder: list[Tree] = []
+
+    def fill(packs: PackWriter) -> Tree:
+        tree_holder.append(every_type(packs))
+        return tree_holder[0]
+
+    res = build(tmp_path, fill)
+    expected = list_tree(tree_holder[0], Path(res.path) / "packs")
+    before = dmesg_len()
+    with mounted_bundle(Path(res.path), tmp_path) as m:
+        got = list_dir(m.mountpoint)
+        st = os.stat(m.mountpoint / "small")
+        assert st.st_mtime_ns == NS
+    assert got == expected
+    assert dmesg_btrfs_problems(before) == []
+
+
+@pytest.mark.root
+def test_sprout_write_remount(tmp_path: Path) -> None:
+    res = build(tmp_path, every_type)
+    bundle = Path(res.path)
+    rw = tmp_path / "rw.img"
+    with open(rw, "wb") as f:
+        f.truncate(2 << 30)
+    with mounted_bundle(bundle, tmp_path, rw=rw) as m:
+        (m.mountpoint / "new").write_bytes(b"new file\n" * 1000)
+        with open(m.mountpoint / "small", "ab") as f:
+            f.write(b"appended\n")
+        (m.mountpoint / "big").write_bytes(b"replaced")
+        loops = list(m.loops)
+        expected = list_dir(m.mountpoint)
+    # mount again from all three devices: the sprout (device 3) is the filesystem now
+    data = tmp_path / "data.img"
+    from bundletools import losetup
+
+    devs = [losetup(bundle / "meta.img"), losetup(data), losetup(rw, readonly=False)]
+    mnt = tmp_path / "mnt2"
+    mnt.mkdir()
+    try:
+        run("btrfs", "device", "scan", *devs)
+        run("mount", devs[2], mnt)
+        assert list_dir(mnt) == expected
+        assert (mnt / "small").read_bytes() == b"hello\nappended\n"
+        assert (mnt / "dir" / "big-copy").stat().st_size == 3 * MiB + 123
+        run("umount", mnt)
+        check_rw = run("btrfs", "check", "--readonly", devs[2], check=False)
+        assert check_rw.returncode == 0, check_rw.stdout + check_rw.stderr
+    finally:
+        run("umount", mnt, check=False)
+        for d in devs:
+            run("losetup", "-d", d, check=False)
+        run("btrfs", "device", "scan", "-u", check=False)
+    assert loops
+
+
+@pytest.mark.unit
+@pytest.mark.slow
+def test_100k_files_in_one_directory(tmp_path: Path) -> None:
+    def fill(packs: PackWriter) -> Tree:
+        t = Tree()
+        d = Inode(FileType.DIR, mode=0o755)
+        t.put("/d", d, "t")
+        for i in range(100_000):
+            d.entries[b"file-%06d" % i] = Inode(FileType.REG, content=packs.put_bytes(b"%d\n" % i))
+        return t
+
+    res = build(tmp_path, fill)
+    check(Path(res.path) / "meta.img")
+    levels = run(
+        "btrfs", "inspect-internal", "dump-tree", "-t", "fs", Path(res.path) / "meta.img"
+    ).stdout
+    assert "node " in levels  # a multi-level fs tree
+
+
+@pytest.mark.unit
+@pytest.mark.slow
+def test_1gib_file(tmp_path: Path) -> None:
+    size = 1 << 30
+
+    class Pattern(io.RawIOBase):
+        """1 GiB of non-repeating bytes without holding them in memory."""
+
+        def __init__(self) -> None:
+            self.pos = 0
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, b: Any) -> int:
+            n = min(len(b), size - self.pos)
+            block = (self.pos // MiB).to_bytes(8, "little") * (n // 8 + 1)
+            b[:n] = block[:n]
+            self.pos += n
+            return n
+
+    def fill(packs: PackWriter) -> Tree:
+        t = Tree()
+        t.put(
+            "/huge",
+            Inode(FileType.REG, content=packs.put_stream(io.BufferedReader(Pattern()), size, "h")),
+            "t",
+        )
+        return t
+
+    res = build(tmp_path, fill)
+    meta = Path(res.path) / "meta.img"
+    check(meta)
+    dump = run("btrfs", "inspect-internal", "dump-tree", "-t", "fs", meta).stdout
+    sizes = [int(line.split()[-1]) for line in dump.splitlines() if "extent data disk byte" in line]
+    # at most 128 MiB each; chunk boundaries (and the 64 MiB superblock mirror) cut some shorter
+    assert sum(sizes) == size and max(sizes) == 128 * MiB and len(sizes) >= 8
+    data = tmp_path / "data.img"
+    materialize_data_device(Path(res.path), data)
+    assert data.stat().st_size > size
