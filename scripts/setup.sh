@@ -62,4 +62,11 @@ if [ -f ublkd/Cargo.toml ]; then
   (cd ublkd && cargo build --release --locked -q)
   install -m 0755 ublkd/target/release/ublkd /usr/local/bin/ublkd
 fi
+
+# --- VM test assets (tests/vm, owner: VM harness) ---------------------------------------
+# Kernel with ublk_drv + busybox initramfs for the QEMU VM suite, cached in
+# /var/cache/btrfs-ublk-image/vm. SKIP_VM=1 skips it.
+log "vm: preparing VM test assets"
+bash tests/vm/setup.sh
+# --- end VM test assets -------------------------------------------------------------------
 log "done: $(command -v btrfs-ublk-image)${UBLKD:+ }$(command -v ublkd || true)"
