@@ -1,0 +1,511 @@
+"""The ``tar`` layer: a tarball streamed once, straight into the tree, never extracted.
+
+Compression (none, gzip, zstd, xz, bzip2) is detected from the first bytes, not
+the file name. The raw file passes through a hashing reader (the source digest
+costs no second read), then a decompressor, then ``tarfile`` in stream mode
+(``r|``), which handles ustar, GNU (long names, sparse) and PAX headers.
+
+``tarfile``'s header parser is the bottleneck for archives of many small
+files, so ``_FastTarInfo`` replaces its per-block parsing (``frombuf``) with one
+``struct`` unpack; everything else (PAX, GNU long names, sparse maps) is
+tarfile's own code. Strictness added on top of tarfile: a corrupt header or a
+missing end-of-archive marker is an error (tarfile silently stops there), and a
+truncated zstd stream is an error (``zstandard``'s stream reader stops quietly).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import bz2
+import gzip
+import hashlib
+import lzma
+import os
+import struct
+import tarfile
+import urllib.parse
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import BinaryIO, Protocol, cast
+
+import zstandard
+
+from btrfs_ublk_image.errors import SourceError
+from btrfs_ublk_image.sources.base import LayerContext, SourceRecord
+from btrfs_ublk_image.spec import TarLayer
+from btrfs_ublk_image.tree import FileType, Inode
+
+BLOCK = 512
+# tarfile's header exceptions (not in its __all__, nor in typeshed)
+_InvalidHeaderError: type[Exception] = vars(tarfile)["InvalidHeaderError"]
+_EmptyHeaderError: type[Exception] = vars(tarfile)["EmptyHeaderError"]
+_TruncatedHeaderError: type[Exception] = vars(tarfile)["TruncatedHeaderError"]
+_EOFHeaderError: type[Exception] = vars(tarfile)["EOFHeaderError"]
+READ_SIZE = 1 << 20
+ZSTD_READ_SIZE = 1 << 14  # compressed bytes per decompress call: bounds a call's output
+
+# magic bytes -> compression name
+_MAGICS: list[tuple[bytes, str]] = [
+    (b"\x1f\x8b", "gzip"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"BZh", "bzip2"),
+]
+# recognised but unsupported: named in the error
+_OTHER_MAGICS: list[tuple[bytes, str]] = [
+    (b"\x04\x22\x4d\x18", "lz4"),
+    (b"\x5d\x00\x00", "lzma (legacy .lzma)"),
+    (b"\x89LZO", "lzop"),
+    (b"\x1f\x9d", "compress (.Z)"),
+    (b"PK\x03\x04", "zip"),
+]
+
+
+class _Readable(Protocol):
+    def read(self, n: int = -1, /) -> bytes: ...
+
+
+def detect_compression(head: bytes) -> str | None:
+    """'gzip', 'zstd', 'xz', 'bzip2', 'none' (a tar header or an empty archive), or None."""
+    for magic, name in _MAGICS:
+        if head.startswith(magic):
+            return name
+    if len(head) >= BLOCK:
+        block = head[:BLOCK]
+        if block == bytes(BLOCK) or _header_checksum_ok(block):
+            return "none"
+    return None
+
+
+def _header_checksum_ok(block: bytes) -> bool:
+    """The header checksum, as unsigned or (old Sun/NeXT tars) signed byte sum."""
+    try:
+        chk = _nti(block[148:156])
+    except _InvalidHeaderError:
+        return False
+    field = block[148:156]
+    unsigned = 256 + sum(block) - sum(field)
+    if chk == unsigned:
+        return True
+    high = sum(1 for b in block if b >= 128) - sum(1 for b in field if b >= 128)
+    return chk == unsigned - 256 * high
+
+
+class _HashingReader:
+    """Reads the raw source file, hashing every byte once; can give back a peeked head."""
+
+    mode = "rb"
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.hash = hashlib.sha256()
+        self.nbytes = 0
+        self._head = b""
+
+    def peek_head(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            piece = self._raw_read(n - len(data))
+            if not piece:
+                break
+            data += piece
+        self._head = data
+        return data
+
+    def _raw_read(self, n: int) -> bytes:
+        data = self.f.read(n)
+        self.hash.update(data)
+        self.nbytes += len(data)
+        return data
+
+    def read(self, n: int = -1) -> bytes:
+        head = self._head
+        if head:
+            if n < 0 or n >= len(head):
+                self._head = b""
+                rest = self._raw_read(n - len(head)) if n > len(head) else b""
+                if n < 0:
+                    rest = self.f.read()
+                    self.hash.update(rest)
+                    self.nbytes += len(rest)
+                return head + rest
+            self._head = head[n:]
+            return head[:n]
+        if n < 0:
+            data = self.f.read()
+            self.hash.update(data)
+            self.nbytes += len(data)
+            return data
+        return self._raw_read(n)
+
+    def readable(self) -> bool:
+        return True
+
+    def drain(self) -> None:
+        self._head = b""
+        while self._raw_read(READ_SIZE):
+            pass
+
+
+class _ZstdReader:
+    """zstd frames, one after another, with an error for a truncated last frame."""
+
+    def __init__(self, raw: _Readable) -> None:
+        self.raw = raw
+        self.dctx = zstandard.ZstdDecompressor()
+        self.obj = self.dctx.decompressobj()
+        self.in_frame = False
+        self.buf = b""
+        self.pos = 0
+        self.eof = False
+
+    def read(self, n: int = -1) -> bytes:
+        if n < 0:
+            n = 1 << 62
+        avail = len(self.buf) - self.pos
+        if avail >= n:
+            out = self.buf[self.pos : self.pos + n]
+            self.pos += n
+            return out
+        pieces = [self.buf[self.pos :]] if avail else []
+        have = avail
+        self.buf, self.pos = b"", 0
+        while have < n and not self.eof:
+            data = self._more()
+            if data:
+                pieces.append(data)
+                have += len(data)
+        joined = b"".join(pieces)
+        if len(joined) > n:
+            self.buf, self.pos = joined, n
+            return joined[:n]
+        return joined
+
+    def _more(self) -> bytes:
+        if self.obj.eof:
+            leftover = self.obj.unused_data
+            self.obj = self.dctx.decompressobj()
+            self.in_frame = False
+            chunk = leftover
+        else:
+            chunk = b""
+        if not chunk:
+            chunk = self.raw.read(ZSTD_READ_SIZE)
+        if not chunk:
+            if self.in_frame:
+                raise EOFError("zstd stream ended before the end of the frame")
+            self.eof = True
+            return b""
+        self.in_frame = True
+        data: bytes = self.obj.decompress(chunk)
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+
+def _decompressor(kind: str, raw: _HashingReader) -> _Readable:
+    if kind == "none":
+        return raw
+    if kind == "gzip":
+        return gzip.GzipFile(fileobj=cast(BinaryIO, raw), mode="rb")
+    if kind == "zstd":
+        return _ZstdReader(raw)
+    if kind == "xz":
+        return lzma.LZMAFile(cast(BinaryIO, raw), mode="rb")
+    if kind == "bzip2":
+        return bz2.BZ2File(cast(BinaryIO, raw), mode="rb")
+    raise AssertionError(kind)
+
+
+# ---- a faster tarfile header parser -----------------------------------------------------
+
+_HDR = struct.Struct("100s8s8s8s12s12s8sc100s6s2s32s32s8s8s155s")
+_ZERO_BLOCK = bytes(BLOCK)
+_DEV_TYPES = (tarfile.CHRTYPE, tarfile.BLKTYPE)
+
+
+def _nts(s: bytes, encoding: str, errors: str) -> str:
+    p = s.find(b"\0")
+    if p != -1:
+        s = s[:p]
+    return s.decode(encoding, errors)
+
+
+def _nti(s: bytes) -> int:
+    first = s[0]
+    if first == 0o200 or first == 0o377:  # GNU base-256
+        n = int.from_bytes(s[1:], "big")
+        return n - 256 ** (len(s) - 1) if first == 0o377 else n
+    p = s.find(b"\0")
+    if p != -1:
+        s = s[:p]
+    try:
+        return int(s.strip() or b"0", 8)
+    except ValueError:
+        raise _InvalidHeaderError("invalid header") from None
+
+
+class _FastTarInfo(tarfile.TarInfo):
+    __slots__ = ()
+
+    @classmethod
+    def frombuf(cls, buf: bytes | bytearray, encoding: str, errors: str) -> _FastTarInfo:
+        if len(buf) != BLOCK:
+            if not buf:
+                raise _EmptyHeaderError("empty header")
+            raise _TruncatedHeaderError("truncated header")
+        if buf == _ZERO_BLOCK:
+            raise _EOFHeaderError("end of file header")
+        buf = bytes(buf)
+        (name, mode, uid, gid, size, mtime, chksum, typ, linkname, _magic, _version, uname, gname,
+         devmajor, devminor, prefix) = _HDR.unpack_from(buf)  # fmt: skip
+        chk = _nti(chksum)
+        if chk != 256 + sum(buf) - sum(chksum) and not _header_checksum_ok(buf):
+            raise _InvalidHeaderError("bad checksum")
+        obj = cls()
+        obj.name = _nts(name, encoding, errors)
+        obj.mode = _nti(mode)
+        obj.uid = _nti(uid)
+        obj.gid = _nti(gid)
+        obj.size = _nti(size)
+        obj.mtime = _nti(mtime)
+        obj.chksum = chk
+        obj.type = typ
+        obj.linkname = _nts(linkname, encoding, errors) if linkname[0] else ""
+        obj.uname = _nts(uname, encoding, errors) if uname[0] else ""
+        obj.gname = _nts(gname, encoding, errors) if gname[0] else ""
+        if typ in _DEV_TYPES:
+            obj.devmajor = _nti(devmajor)
+            obj.devminor = _nti(devminor)
+        if typ == tarfile.AREGTYPE and obj.name.endswith("/"):
+            obj.type = tarfile.DIRTYPE  # old V7 directory
+        if typ == tarfile.GNUTYPE_SPARSE:
+            pos = 386
+            structs = []
+            for _ in range(4):
+                try:
+                    offset = _nti(buf[pos : pos + 12])
+                    numbytes = _nti(buf[pos + 12 : pos + 24])
+                except ValueError:
+                    break
+                structs.append((offset, numbytes))
+                pos += 24
+            obj._sparse_structs = (structs, bool(buf[482]), _nti(buf[483:495]))  # type: ignore[attr-defined]
+        if obj.type == tarfile.DIRTYPE:
+            obj.name = obj.name.rstrip("/")
+        if prefix[0] and obj.type not in tarfile.GNU_TYPES:
+            obj.name = _nts(prefix, encoding, errors) + "/" + obj.name
+        return obj
+
+    @classmethod
+    def fromtarfile(cls, tarfile_: tarfile.TarFile) -> _FastTarInfo:
+        try:
+            return super().fromtarfile(tarfile_)
+        except tarfile.HeaderError as e:
+            if isinstance(tarfile_, _TarFile):
+                tarfile_.header_error = e
+            raise
+
+
+class _TarFile(tarfile.TarFile):
+    tarinfo = _FastTarInfo
+    header_error: Exception | None = None
+
+
+# ---- members -> tree --------------------------------------------------------------------
+
+
+def parse_pax_time(value: str) -> int:
+    """A PAX time ("1700000000.123456789", "-1.5") as integer nanoseconds, exactly."""
+    s = value.strip()
+    neg = s.startswith("-")
+    if neg or s.startswith("+"):
+        s = s[1:]
+    whole, _, frac = s.partition(".")
+    if not (whole or frac) or not (whole or "0").isdigit() or not (frac or "0").isdigit():
+        raise ValueError(f"invalid PAX time {value!r}")
+    ns = int(whole or "0") * 1_000_000_000 + int((frac + "000000000")[:9])
+    return -ns if neg else ns
+
+
+def _xattrs(pax: Mapping[str, str]) -> dict[bytes, bytes]:
+    out: dict[bytes, bytes] = {}
+    for key, value in pax.items():
+        if key.startswith("SCHILY.xattr."):
+            out[key[13:].encode("utf-8", "surrogateescape")] = value.encode(
+                "utf-8", "surrogateescape"
+            )
+        elif key.startswith("LIBARCHIVE.xattr."):
+            name = urllib.parse.unquote_to_bytes(key[17:])
+            raw = value.encode("ascii", "surrogateescape").strip()
+            try:
+                out.setdefault(name, base64.b64decode(raw + b"=" * (-len(raw) % 4), validate=True))
+            except (binascii.Error, ValueError):
+                raise ValueError(f"invalid base64 in PAX header {key}") from None
+    return out
+
+
+def _fail(tar_path: Path, member: str | None, msg: str) -> SourceError:
+    at = f": member {member!r}" if member is not None else ""
+    return SourceError(f"{tar_path}{at}: {msg}")
+
+
+def apply(layer: TarLayer, ctx: LayerContext) -> SourceRecord:
+    tar_path = ctx.resolve(layer.tar.path)
+    try:
+        f = open(tar_path, "rb")  # noqa: SIM115 - closed below; open errors get their own message
+    except OSError as e:
+        raise SourceError(f"{tar_path}: cannot open tarball: {e.strerror or e}") from None
+    with f:
+        digest = read_tar(f, tar_path, ctx)
+    return SourceRecord(kind="tar", path=layer.tar.path, sha256=digest)
+
+
+def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext) -> str:
+    """Stream the tarball ``f`` into ``ctx.tree``; returns ``sha256:<hex>`` of its raw bytes."""
+    raw = _HashingReader(f)
+    head = raw.peek_head(BLOCK)
+    kind = detect_compression(head)
+    if kind is None:
+        if not head:
+            raise _fail(tar_path, None, "empty file, not a tar archive")
+        for magic, name in _OTHER_MAGICS:
+            if head.startswith(magic):
+                raise _fail(tar_path, None, f"unsupported compression: {name}")
+        raise _fail(
+            tar_path,
+            None,
+            f"unknown compression or not a tar archive (first bytes: {head[:8].hex(' ')})",
+        )
+    member: str | None = None
+    try:
+        stream = _decompressor(kind, raw)
+        tf = _TarFile.open(
+            fileobj=cast(BinaryIO, stream),
+            mode="r|",
+            encoding="utf-8",
+            errors="surrogateescape",
+        )
+        assert isinstance(tf, _TarFile)
+        member = _read_members(tf, tar_path, ctx)
+        # validate the compressed stream's end and hash every remaining byte
+        while stream.read(READ_SIZE):
+            pass
+        raw.drain()
+    except SourceError:
+        raise
+    except (
+        tarfile.TarError,
+        EOFError,
+        OSError,
+        zlib.error,
+        lzma.LZMAError,
+        zstandard.ZstdError,
+    ) as e:
+        what = "corrupt or truncated archive"
+        if kind != "none":
+            what += f" ({kind})"
+        after = f" after member {member!r}" if member is not None else ""
+        raise _fail(tar_path, None, f"{what}{after}: {e}") from None
+    except ValueError as e:
+        raise _fail(tar_path, member, str(e)) from None
+    return "sha256:" + raw.hash.hexdigest()
+
+
+def _read_members(tf: _TarFile, tar_path: Path, ctx: LayerContext) -> str | None:
+    """Returns the last member's name (for errors after it)."""
+    place = ctx.place
+    packs = ctx.packs
+    progress = ctx.progress
+    data_stream = cast(BinaryIO, tf.fileobj)
+    last: str | None = None
+    members: list[tarfile.TarInfo] = vars(tf)["members"]
+    while True:
+        try:
+            m = tf.next()
+        except tarfile.ReadError as e:
+            after = f" after member {last!r}" if last is not None else ""
+            raise _fail(tar_path, None, f"corrupt or truncated archive{after}: {e}") from None
+        members.clear()  # tarfile keeps every member otherwise
+        if m is None:
+            break
+        name = m.name
+        last = name
+        bname = name.encode("utf-8", "surrogateescape")
+        t = m.type
+        pax = m.pax_headers
+        if t in tarfile.REGULAR_TYPES or t not in tarfile.SUPPORTED_TYPES:
+            inode = Inode(FileType.REG)
+        elif t == tarfile.DIRTYPE:
+            inode = Inode(FileType.DIR)
+        elif t == tarfile.SYMTYPE:
+            inode = Inode(FileType.SYMLINK)
+            inode.target = m.linkname.encode("utf-8", "surrogateescape")
+        elif t == tarfile.LNKTYPE:
+            target = m.linkname.encode("utf-8", "surrogateescape")
+            linked = ctx.lookup(target)
+            if linked is None:
+                raise _fail(
+                    tar_path, name, f"hard link to {m.linkname!r}, which is not in the image"
+                )
+            if linked.type == FileType.DIR:
+                raise _fail(tar_path, name, f"hard link to directory {m.linkname!r}")
+            place(bname, linked, f"{tar_path}: member {name!r}")
+            if progress is not None:
+                progress.add_file()
+            continue
+        elif t == tarfile.CHRTYPE:
+            inode = Inode(FileType.CHR, rdev=os.makedev(m.devmajor, m.devminor))
+        elif t == tarfile.BLKTYPE:
+            inode = Inode(FileType.BLK, rdev=os.makedev(m.devmajor, m.devminor))
+        elif t == tarfile.FIFOTYPE:
+            inode = Inode(FileType.FIFO)
+        else:  # pragma: no cover - SUPPORTED_TYPES is covered above
+            raise _fail(tar_path, name, f"unsupported member type {t!r}")
+        inode.mode = m.mode & 0o7777
+        uid, gid = m.uid, m.gid
+        if not (0 <= uid <= 0xFFFFFFFF and 0 <= gid <= 0xFFFFFFFF):
+            raise _fail(tar_path, name, f"owner {uid}:{gid} out of range")
+        inode.uid, inode.gid = uid, gid
+        if pax:
+            try:
+                mt = pax.get("mtime")
+                inode.mtime_ns = parse_pax_time(mt) if mt is not None else int(m.mtime) * 10**9
+                at = pax.get("atime")
+                if at is not None:
+                    inode.atime_ns = parse_pax_time(at)
+                ct = pax.get("ctime")
+                if ct is not None:
+                    inode.ctime_ns = parse_pax_time(ct)
+                inode.xattrs = _xattrs(pax)
+            except ValueError as e:
+                raise _fail(tar_path, name, str(e)) from None
+        else:
+            inode.mtime_ns = int(m.mtime) * 1_000_000_000
+        if inode.type == FileType.REG:
+            where = f"{tar_path}: member {name!r}"
+            if m.issparse():
+                fobj = tf.extractfile(m)
+                assert fobj is not None
+                inode.content = packs.put_stream(cast(BinaryIO, fobj), m.size, where)
+            else:
+                inode.content = packs.put_stream(data_stream, m.size, where)
+            place(bname, inode, where)
+        else:
+            place(bname, inode, f"{tar_path}: member {name!r}")
+        if progress is not None:
+            progress.add_file()
+    err = tf.header_error
+    if not isinstance(err, _EOFHeaderError):
+        after = f" after member {last!r}" if last is not None else ""
+        if err is None or isinstance(err, _EmptyHeaderError):
+            msg = "truncated archive: it ends without an end-of-archive marker"
+        elif isinstance(err, _TruncatedHeaderError):
+            msg = "truncated archive: it ends inside a header"
+        else:
+            msg = f"corrupt archive: invalid header ({err})"
+        raise _fail(tar_path, None, msg + after)
+    return last

@@ -1,0 +1,415 @@
+"""The image spec (version 1): pydantic models, YAML loading with located errors, JSON schema.
+
+A spec is a YAML mapping::
+
+    version: 1
+    name: web-base
+    btrfs: {inline_limit: 2048, fsid: null, label: ""}   # optional
+    source_date_epoch: null                               # optional
+    layers:
+      - tar: {path: rootfs.tar.zst}
+      - files:
+          - {path: /etc/motd, content: "hello\\n", mode: "0644"}
+          - {path: /usr/bin/vi, symlink: /usr/bin/vim.tiny}
+          - {path: /srv/data, directory: true}
+
+Every layer is a mapping with exactly ONE key naming its kind. ``Layer`` is a
+discriminated union over that key: a new source kind (``oci:``, ``dir:``) is one
+new model plus one entry in ``_LAYER_KINDS`` and in the ``Layer`` union.
+
+``load_spec`` turns every problem (YAML syntax, duplicate keys, validation) into
+a ``SpecError`` whose lines read ``FILE:LINE: field.path: message``; the line
+comes from the YAML node the failing field was read from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PrivateAttr,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import WithJsonSchema
+
+from btrfs_ublk_image.errors import SpecError
+
+SPEC_VERSION = 1
+DEFAULT_INLINE_LIMIT = 2048
+MAX_INLINE_LIMIT = 4095
+
+_MODE_RE = re.compile(r"(?:0o|0)?([0-7]{1,4})")
+
+
+def parse_mode(value: object) -> int:
+    """A mode as an octal string ("0644", "4755", "0o755") or an int, permission bits only."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid octal mode {value!r}")  # noqa: TRY004 - pydantic wants ValueError
+    if isinstance(value, int):
+        if not 0 <= value <= 0o7777:
+            raise ValueError(f"mode {value} (octal {value:o}) is outside 0..0o7777")
+        return value
+    if isinstance(value, str):
+        m = _MODE_RE.fullmatch(value.strip())
+        if m is None:
+            raise ValueError(f"invalid octal mode {value!r}")
+        return int(m.group(1), 8)
+    raise ValueError(f"invalid octal mode {value!r}")
+
+
+Mode = Annotated[
+    int,
+    BeforeValidator(parse_mode),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "pattern": "^(0o|0)?[0-7]{1,4}$"},
+                {"type": "integer", "minimum": 0, "maximum": 0o7777},
+            ],
+            "description": 'Permission bits incl. setuid/setgid/sticky: an octal string ("0644",'
+            ' "4755") or an integer (YAML reads an unquoted 0644 as octal)',
+        }
+    ),
+]
+
+
+def _check_image_path(value: str) -> str:
+    raw = value.encode("utf-8", "surrogateescape")
+    if b"\0" in raw:
+        raise ValueError("path contains a NUL byte")
+    for comp in raw.split(b"/"):
+        if len(comp) > 255:
+            raise ValueError(f"path component longer than 255 bytes: {comp[:40]!r}...")
+    return value
+
+
+ImagePath = Annotated[
+    StrictStr,
+    Field(min_length=1, description="Path inside the image; '..' never leaves the image root"),
+    BeforeValidator(lambda v: _check_image_path(v) if isinstance(v, str) else v),
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BtrfsOptions(_Model):
+    """Options of the btrfs writer."""
+
+    inline_limit: StrictInt = Field(
+        DEFAULT_INLINE_LIMIT,
+        ge=0,
+        le=MAX_INLINE_LIMIT,
+        description="Files up to this many bytes become inline extents; 0 disables inlining",
+    )
+    fsid: uuid.UUID | None = Field(
+        None, description="Filesystem UUID; default: derived from the image content"
+    )
+    label: StrictStr = Field("", description="Filesystem label, at most 255 bytes (UTF-8)")
+
+    @field_validator("label")
+    @classmethod
+    def _label_fits(cls, v: str) -> str:
+        raw = v.encode("utf-8")
+        if len(raw) > 255:
+            raise ValueError(f"label is {len(raw)} bytes long, at most 255 allowed")
+        if "\0" in v:
+            raise ValueError("label contains a NUL character")
+        return v
+
+
+# ---- layers -----------------------------------------------------------------------------
+
+
+class TarSource(_Model):
+    """A tarball: plain, gzip, zstd, xz or bzip2 (detected from its first bytes)."""
+
+    path: StrictStr = Field(min_length=1, description="The tarball, relative to the spec file")
+
+
+class TarLayer(_Model):
+    tar: TarSource
+
+
+class FileEntry(_Model):
+    """One inline entry: exactly one of ``content``, ``symlink``, ``directory: true``."""
+
+    path: ImagePath
+    content: StrictStr | None = Field(None, description="Regular file content (UTF-8 text)")
+    symlink: StrictStr | None = Field(None, min_length=1, description="Symlink target")
+    directory: StrictBool = Field(False, description="true: a directory")
+    mode: Mode | None = Field(None, description="Default: 0644 files, 0755 dirs, 0777 symlinks")
+    uid: StrictInt = Field(0, ge=0, le=0xFFFFFFFF)
+    gid: StrictInt = Field(0, ge=0, le=0xFFFFFFFF)
+    mtime: StrictInt | None = Field(
+        None, description="Seconds since the epoch; default: source_date_epoch, else 0"
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> FileEntry:
+        kinds = [
+            k
+            for k, on in (
+                ("content", self.content is not None),
+                ("symlink", self.symlink is not None),
+                ("directory", self.directory),
+            )
+            if on
+        ]
+        if len(kinds) != 1:
+            got = ", ".join(kinds) if kinds else "none"
+            raise ValueError(
+                f"an entry needs exactly one of content, symlink, directory: true (got: {got})"
+            )
+        if not self.directory and not self.path.strip("/").strip("."):
+            raise ValueError("only a directory entry can describe the image root '/'")
+        return self
+
+    @property
+    def kind(self) -> Literal["file", "symlink", "directory"]:
+        if self.directory:
+            return "directory"
+        return "symlink" if self.symlink is not None else "file"
+
+
+class FilesLayer(_Model):
+    files: list[FileEntry]
+
+
+# The layer kinds: the single key of a layer mapping -> its model.
+_LAYER_KINDS: dict[str, type[_Model]] = {"tar": TarLayer, "files": FilesLayer}
+
+
+def _layer_kind(value: Any) -> str | None:
+    if isinstance(value, dict):
+        keys = list(value)
+        return keys[0] if len(keys) == 1 and keys[0] in _LAYER_KINDS else None
+    for kind, model in _LAYER_KINDS.items():
+        if isinstance(value, model):
+            return kind
+    return None
+
+
+def _check_layer_shape(value: Any) -> Any:
+    if isinstance(value, dict):
+        keys = list(value)
+        kinds = ", ".join(_LAYER_KINDS)
+        if len(keys) != 1:
+            raise ValueError(
+                f"a layer is a mapping with exactly one key, one of: {kinds}"
+                f" (got {len(keys)} keys: {', '.join(map(str, keys)) or 'none'})"
+            )
+        if keys[0] not in _LAYER_KINDS:
+            raise ValueError(f"unknown layer kind {keys[0]!r}: expected one of {kinds}")
+    elif not isinstance(value, BaseModel):
+        raise ValueError(  # noqa: TRY004 - pydantic reports ValueError, not TypeError
+            f"a layer is a mapping like '- tar: {{path: ...}}', got {value!r}"
+        )
+    return value
+
+
+Layer = Annotated[
+    Annotated[
+        Annotated[TarLayer, Tag("tar")] | Annotated[FilesLayer, Tag("files")],
+        Discriminator(_layer_kind),
+    ],
+    BeforeValidator(_check_layer_shape),
+]
+
+
+class Spec(_Model):
+    """An image spec, version 1."""
+
+    version: Literal[1] = Field(description="Spec format version")
+    name: StrictStr = Field(
+        min_length=1,
+        max_length=255,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]*$",
+        description="Image name (letters, digits, '.', '_', '+', '-')",
+    )
+    btrfs: BtrfsOptions = Field(default_factory=lambda: BtrfsOptions.model_validate({}))
+    source_date_epoch: StrictInt | None = Field(
+        None,
+        ge=0,
+        description="Seconds since the epoch: mtime of directories the builder creates"
+        " and default mtime of inline files",
+    )
+    layers: list[Layer] = Field(description="Applied in order; later layers win")
+
+    _sha256: str | None = PrivateAttr(default=None)
+
+    @property
+    def spec_sha256(self) -> str:
+        """``sha256:<hex>`` of the spec file's bytes (of the canonical JSON if not from a file)."""
+        if self._sha256 is not None:
+            return self._sha256
+        canon = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()
+
+
+# ---- loading ----------------------------------------------------------------------------
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a spec file; any problem is a ``SpecError`` naming file, line, field."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read spec: {e.strerror or e}") from None
+    spec = parse_spec(raw, str(path))
+    spec._sha256 = "sha256:" + hashlib.sha256(raw).hexdigest()
+    return spec
+
+
+def parse_spec(text: bytes | str, filename: str = "<spec>") -> Spec:
+    """Validate spec text; errors name ``filename``."""
+    node, data = _compose(text, filename)
+    if node is None:
+        raise SpecError(f"{filename}:1: the spec is empty")
+    _check_duplicate_keys(node, filename)
+    if not isinstance(data, dict):
+        raise SpecError(f"{filename}:{node.start_mark.line + 1}: the spec must be a mapping")
+    try:
+        return Spec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(_format_errors(e, node, filename)) from None
+
+
+def _compose(text: bytes | str, filename: str) -> tuple[yaml.Node | None, Any]:
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+        return node, data
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = f"{mark.line + 1}" if mark is not None else "1"
+        what = " ".join(p for p in (e.context, e.problem) if p)
+        raise SpecError(f"{filename}:{line}: invalid YAML: {what}") from None
+    except yaml.YAMLError as e:
+        raise SpecError(f"{filename}: invalid YAML: {e}") from None
+    finally:
+        loader.dispose()
+
+
+def _check_duplicate_keys(node: yaml.Node, filename: str) -> None:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, yaml.MappingNode):
+            seen: set[str] = set()
+            for k, v in n.value:
+                if isinstance(k, yaml.ScalarNode):
+                    if k.value in seen:
+                        raise SpecError(
+                            f"{filename}:{k.start_mark.line + 1}: duplicate key {k.value!r}"
+                        )
+                    seen.add(k.value)
+                stack.append(v)
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
+
+
+def _locate(root: yaml.Node, loc: Sequence[int | str]) -> tuple[int, str]:
+    """Follow a pydantic error location through the YAML nodes: (line, dotted field path).
+
+    The line is the deepest node reached: a mapping key's line for a key that is present,
+    the enclosing node's line for a missing one.
+    """
+    node: yaml.Node | None = root
+    line = root.start_mark.line + 1
+    path = ""
+    for item in loc:
+        if isinstance(item, int):
+            path += f"[{item}]"
+            if isinstance(node, yaml.SequenceNode) and 0 <= item < len(node.value):
+                node = node.value[item]
+                line = node.start_mark.line + 1
+            else:
+                node = None
+            continue
+        path += f".{item}" if path else item
+        found = None
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.value == item:
+                    found, line = v, k.start_mark.line + 1
+                    break
+        node = found
+    return line, path
+
+
+def _format_errors(err: ValidationError, root: yaml.Node, filename: str) -> str:
+    lines = []
+    for e in err.errors(include_url=False):
+        line, field = _locate(root, _strip_tags(e["loc"]))
+        msg = e["msg"]
+        for prefix in ("Value error, ", "Assertion failed, "):
+            msg = msg.removeprefix(prefix)
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "missing required key"
+        lines.append(f"{filename}:{line}: {field or '(top level)'}: {msg}")
+    return "\n".join(sorted(set(lines), key=lines.index))
+
+
+def _strip_tags(loc: Sequence[int | str]) -> list[int | str]:
+    """Drop discriminated-union tags: ``layers.1.files.files.0`` -> ``layers.1.files.0``."""
+    out: list[int | str] = []
+    i = 0
+    while i < len(loc):
+        item = loc[i]
+        if (
+            isinstance(item, str)
+            and item in _LAYER_KINDS
+            and i + 1 < len(loc)
+            and loc[i + 1] == item
+            and out
+            and isinstance(out[-1], int)
+            and out[:1] == ["layers"]
+        ):
+            i += 1  # the tag; the repeated key that follows is the real field
+            continue
+        out.append(item)
+        i += 1
+    return out
+
+
+# ---- schema -----------------------------------------------------------------------------
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON schema of the spec (``specs/schema.json`` is this, as ``json_schema_text``)."""
+    schema = Spec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "btrfs-ublk-image spec, version 1"
+    return schema
+
+
+def json_schema_text() -> str:
+    return json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    print(json_schema_text(), end="")
