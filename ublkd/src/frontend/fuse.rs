@@ -1,0 +1,303 @@
+//! FUSE frontend: device 2 as one read-only file, `dev2`, on a FUSE filesystem that is
+//! never attached to any mount point. The server creates it with the new mount API
+//! (fsopen/fsconfig/fsmount gives a detached mount), opens `dev2` and keeps that fd;
+//! `mount` reopens it through /proc/<server pid>/fd/<n> and puts a read-only,
+//! direct-I/O loop device on it. Nothing is left in any mount table, so a killed
+//! server leaves no stale FUSE mount behind: the detached mount goes away with the
+//! last file reference.
+
+use crate::device::Device2;
+use anyhow::{Context, Result};
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner,
+    OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
+    ReplyOpen, ReplyWrite, Request, WriteFlags,
+};
+use std::ffi::{CString, OsStr};
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+pub const FILE_NAME: &str = "dev2";
+const ROOT: u64 = 1;
+const FILE: u64 = 2;
+const TTL: Duration = Duration::from_secs(86400);
+
+pub struct DevFs {
+    dev: Arc<Device2>,
+    uid: u32,
+    gid: u32,
+}
+
+impl DevFs {
+    fn attr(&self, ino: u64) -> FileAttr {
+        let (kind, perm, size, nlink) = if ino == ROOT {
+            (FileType::Directory, 0o555, 0, 2)
+        } else {
+            (FileType::RegularFile, 0o444, self.dev.size(), 1)
+        };
+        FileAttr {
+            ino: INodeNo(ino),
+            size,
+            blocks: size.div_ceil(512),
+            atime: SystemTime::UNIX_EPOCH,
+            mtime: SystemTime::UNIX_EPOCH,
+            ctime: SystemTime::UNIX_EPOCH,
+            crtime: SystemTime::UNIX_EPOCH,
+            kind,
+            perm,
+            nlink,
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            blksize: 4096,
+            flags: 0,
+        }
+    }
+}
+
+impl Filesystem for DevFs {
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        if parent.0 == ROOT && name == FILE_NAME {
+            reply.entry(&TTL, &self.attr(FILE), Generation(0));
+        } else {
+            reply.error(Errno::ENOENT);
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        match ino.0 {
+            ROOT | FILE => reply.attr(&TTL, &self.attr(ino.0)),
+            _ => reply.error(Errno::ENOENT),
+        }
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        if ino.0 != FILE {
+            return reply.error(Errno::EISDIR);
+        }
+        if flags.acc_mode() != OpenAccMode::O_RDONLY {
+            self.dev.reject_write();
+            return reply.error(Errno::EROFS);
+        }
+        reply.opened(FileHandle(0), FopenFlags::FOPEN_DIRECT_IO);
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        if ino.0 != FILE {
+            return reply.error(Errno::EISDIR);
+        }
+        let devsize = self.dev.size();
+        if offset >= devsize {
+            return reply.data(&[]);
+        }
+        let len = (size as u64).min(devsize - offset) as usize;
+        let mut buf = vec![0u8; len];
+        match self.dev.read(offset, &mut buf) {
+            Ok(()) => reply.data(&buf),
+            Err(_) => reply.error(Errno::EIO),
+        }
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: u64,
+        _data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        self.dev.reject_write();
+        reply.error(Errno::EROFS);
+    }
+
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        if ino.0 != ROOT {
+            return reply.error(Errno::ENOTDIR);
+        }
+        let entries = [
+            (ROOT, FileType::Directory, "."),
+            (ROOT, FileType::Directory, ".."),
+            (FILE, FileType::RegularFile, FILE_NAME),
+        ];
+        for (i, (ino, kind, name)) in entries.iter().enumerate().skip(offset as usize) {
+            if reply.add(INodeNo(*ino), (i + 1) as u64, *kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+}
+
+fn sys_fsopen(name: &str) -> Result<OwnedFd> {
+    let c = CString::new(name).unwrap();
+    // SAFETY: fsopen(2) with a valid C string; returns a new fd or -1.
+    let r = unsafe {
+        libc::syscall(libc::SYS_fsopen, c.as_ptr(), 1 /* FSOPEN_CLOEXEC */)
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error())
+            .context("fsopen(\"fuse\") (kernel without the new mount API?)");
+    }
+    // SAFETY: r is a fresh fd we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
+}
+
+fn sys_fsconfig_str(fsfd: &OwnedFd, key: &str, value: &str) -> Result<()> {
+    let k = CString::new(key).unwrap();
+    let v = CString::new(value).unwrap();
+    // SAFETY: FSCONFIG_SET_STRING (1) with valid C strings.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fsfd.as_raw_fd(),
+            1,
+            k.as_ptr(),
+            v.as_ptr(),
+            0,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("fsconfig fuse {key}={value}"));
+    }
+    Ok(())
+}
+
+fn sys_fsconfig_create(fsfd: &OwnedFd) -> Result<()> {
+    // SAFETY: FSCONFIG_CMD_CREATE (6) takes no key/value.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fsfd.as_raw_fd(),
+            6,
+            std::ptr::null::<u8>(),
+            std::ptr::null::<u8>(),
+            0,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error()).context("fsconfig fuse FSCONFIG_CMD_CREATE");
+    }
+    Ok(())
+}
+
+fn sys_fsmount(fsfd: &OwnedFd) -> Result<OwnedFd> {
+    // FSMOUNT_CLOEXEC; MOUNT_ATTR_RDONLY | NOSUID | NODEV | NOEXEC
+    // SAFETY: fsmount(2) on a configured fs context.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_fsmount,
+            fsfd.as_raw_fd(),
+            1,
+            0x1 | 0x2 | 0x4 | 0x8,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error()).context("fsmount fuse");
+    }
+    // SAFETY: r is a fresh fd we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
+}
+
+/// A running FUSE frontend. `file` is the open `dev2`; the session threads run until
+/// the connection ends (server exit, or the detached mount's last user goes away).
+pub struct FuseFrontend {
+    pub file: File,
+    _mount: OwnedFd,
+    pub session: std::thread::JoinHandle<std::io::Result<()>>,
+}
+
+pub fn start(dev: Arc<Device2>, threads: usize) -> Result<FuseFrontend> {
+    let fuse = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")
+        .context("/dev/fuse: open (is the fuse module available?)")?;
+    let fuse: OwnedFd = fuse.into();
+    let fsfd = sys_fsopen("fuse")?;
+    sys_fsconfig_str(&fsfd, "source", "ublkd")?;
+    sys_fsconfig_str(&fsfd, "fd", &fuse.as_raw_fd().to_string())?;
+    sys_fsconfig_str(&fsfd, "rootmode", "40555")?;
+    // SAFETY: trivial getters.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    sys_fsconfig_str(&fsfd, "user_id", &uid.to_string())?;
+    sys_fsconfig_str(&fsfd, "group_id", &gid.to_string())?;
+    sys_fsconfig_create(&fsfd)?;
+    let mnt = sys_fsmount(&fsfd)?;
+    drop(fsfd);
+
+    let mut config = fuser::Config::default();
+    config.n_threads = Some(threads.max(1));
+    config.clone_fd = true;
+    let fs = DevFs { dev, uid, gid };
+    let session = fuser::Session::from_fd(fs, fuse, fuser::SessionACL::All, config)
+        .context("FUSE handshake")?;
+    let session = std::thread::Builder::new()
+        .name("fuse".into())
+        .spawn(move || session.run())?;
+
+    let name = CString::new(FILE_NAME).unwrap();
+    // SAFETY: openat on the detached mount's root fd.
+    let fd = unsafe {
+        libc::openat(
+            mnt.as_raw_fd(),
+            name.as_ptr(),
+            libc::O_RDONLY | libc::O_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error()).context("open dev2 on the FUSE mount");
+    }
+    // SAFETY: fd is fresh and ours.
+    let file = unsafe { File::from_raw_fd(fd) };
+    Ok(FuseFrontend {
+        file,
+        _mount: mnt,
+        session,
+    })
+}

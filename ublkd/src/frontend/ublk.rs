@@ -1,0 +1,169 @@
+//! ublk frontend: device 2 as /dev/ublkbN through libublk, one sync io handler per
+//! queue calling [`Device2::read`]. The device is created with UBLK_F_USER_RECOVERY:
+//! when the server dies the kernel keeps /dev/ublkbN (I/O waits) and a new server
+//! started with `recover_id` reattaches to it (START/END_USER_RECOVERY) without the
+//! filesystem on top noticing.
+//!
+//! This host's kernel has no ublk_drv; this path runs in the VM harness (tests/vm/).
+
+use crate::device::Device2;
+use anyhow::{anyhow, Context, Result};
+use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
+use libublk::io::{BufDescList, UblkDev, UblkIOCtx, UblkQueue};
+use libublk::{sys, BufDesc, UblkFlags, UblkIORes};
+use std::rc::Rc;
+use std::sync::Arc;
+
+pub struct Options {
+    pub nr_queues: u16,
+    pub depth: u16,
+    pub io_buf_bytes: u32,
+    /// Reattach to this existing (quiesced) device instead of adding a new one.
+    pub recover_id: Option<i32>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            nr_queues: 1,
+            depth: 64,
+            io_buf_bytes: 512 << 10,
+            recover_id: None,
+        }
+    }
+}
+
+fn handle(dev: &Device2, q: &UblkQueue, tag: u16, buf: &mut [u8]) -> i32 {
+    let iod = q.get_iod(tag);
+    let op = iod.op_flags & 0xff;
+    let off = iod.start_sector << 9;
+    let len = (iod.nr_sectors as usize) << 9;
+    match op {
+        sys::UBLK_IO_OP_READ => {
+            if len > buf.len() {
+                return -libc::EINVAL;
+            }
+            match dev.read(off, &mut buf[..len]) {
+                Ok(()) => len as i32,
+                Err(_) => -libc::EIO,
+            }
+        }
+        sys::UBLK_IO_OP_FLUSH => 0,
+        _ => {
+            dev.reject_write();
+            -libc::EROFS
+        }
+    }
+}
+
+fn queue_fn(qid: u16, udev: &UblkDev, dev: Arc<Device2>) {
+    let bufs = Rc::new(udev.alloc_queue_io_bufs());
+    let bufs2 = bufs.clone();
+    let handler = move |q: &UblkQueue, tag: u16, _io: &UblkIOCtx| {
+        let b = &bufs2[tag as usize];
+        // SAFETY: each tag's buffer is used by exactly one in-flight command, and only
+        // from this queue thread; the kernel reads it after we complete the command.
+        let slice = unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr(), b.len()) };
+        let res = handle(&dev, q, tag, slice);
+        if let Err(e) = q.complete_io_cmd_unified(
+            tag,
+            BufDesc::Slice(b.as_slice()),
+            Ok(UblkIORes::Result(res)),
+        ) {
+            log::error!("ublk queue {qid}: complete tag {tag}: {e}");
+        }
+    };
+    let queue = match UblkQueue::new(qid, udev)
+        .and_then(|q| q.submit_fetch_commands_unified(BufDescList::Slices(Some(&bufs))))
+    {
+        Ok(q) => q,
+        Err(e) => {
+            log::error!("ublk queue {qid}: setup failed: {e}");
+            return;
+        }
+    };
+    queue.wait_and_handle_io(handler);
+}
+
+/// Prepare a quiesced device for a new server (START_USER_RECOVERY).
+pub fn begin_recovery(id: i32) -> Result<()> {
+    let ctrl = UblkCtrl::new_simple(id).map_err(|e| anyhow!("ublk device {id}: {e}"))?;
+    let info = ctrl.dev_info();
+    if info.flags & sys::UBLK_F_USER_RECOVERY as u64 == 0 {
+        return Err(anyhow!(
+            "ublk device {id} was not created with UBLK_F_USER_RECOVERY"
+        ));
+    }
+    ctrl.start_user_recover()
+        .map_err(|e| anyhow!("ublk device {id}: START_USER_RECOVERY: {e}"))?;
+    Ok(())
+}
+
+/// Delete a ublk device (umount after the server died). Pending I/O fails.
+pub fn delete(id: i32) -> Result<()> {
+    let ctrl = UblkCtrl::new_simple(id).map_err(|e| anyhow!("ublk device {id}: {e}"))?;
+    ctrl.del_dev()
+        .map_err(|e| anyhow!("ublk device {id}: delete: {e}"))?;
+    Ok(())
+}
+
+/// Run the device until it is killed (`stop` flips, see [`Stopper`]). `ready` is called
+/// once /dev/ublkbN is live, with its path and id.
+pub fn run(
+    dev: Arc<Device2>,
+    opts: Options,
+    ready: impl FnOnce(String, i32) + Send + Sync + 'static,
+    stopper: Stopper,
+) -> Result<()> {
+    let recovering = opts.recover_id.is_some();
+    let ctrl = UblkCtrlBuilder::default()
+        .name("ublkd")
+        .id(opts.recover_id.unwrap_or(-1))
+        .nr_queues(opts.nr_queues)
+        .depth(opts.depth)
+        .io_buf_bytes(opts.io_buf_bytes)
+        .ctrl_flags(sys::UBLK_F_USER_RECOVERY as u64)
+        .dev_flags(if recovering {
+            UblkFlags::UBLK_DEV_F_RECOVER_DEV
+        } else {
+            UblkFlags::UBLK_DEV_F_ADD_DEV
+        })
+        .build()
+        .map_err(|e| anyhow!("create ublk device: {e}"))?;
+    let ctrl = Arc::new(ctrl);
+    *stopper.0.lock().unwrap() = Some(ctrl.clone());
+    let size = dev.size();
+    let tgt_init = move |udev: &mut UblkDev| {
+        udev.set_default_params(size);
+        let p = &mut udev.tgt.params;
+        p.basic.attrs = sys::UBLK_ATTR_READ_ONLY;
+        p.basic.logical_bs_shift = 12;
+        Ok(())
+    };
+    let d = dev.clone();
+    let q_handler = move |qid, udev: &_| queue_fn(qid, udev, d.clone());
+    let on_live = move |c: &UblkCtrl| ready(c.get_bdev_path(), c.dev_info().dev_id as i32);
+    ctrl.run_target(tgt_init, q_handler, on_live)
+        .map_err(|e| anyhow!("ublk device: {e}"))
+        .context("run ublk target")?;
+    Ok(())
+}
+
+/// Lets the signal thread kill the device so the queue threads return.
+#[derive(Clone, Default)]
+pub struct Stopper(Arc<std::sync::Mutex<Option<Arc<UblkCtrl>>>>);
+
+impl Stopper {
+    /// Stop serving and delete the device (a clean shutdown).
+    pub fn stop(&self) {
+        if let Some(c) = self.0.lock().unwrap().as_ref() {
+            let _ = c.kill_dev();
+        }
+    }
+
+    pub fn delete(&self) {
+        if let Some(c) = self.0.lock().unwrap().as_ref() {
+            let _ = c.del_dev();
+        }
+    }
+}
