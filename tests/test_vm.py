@@ -41,8 +41,9 @@ def test_vm_suite(capsys: pytest.CaptureFixture[str]) -> None:
         pytest.fail(f"VM assets could not be prepared: {e}", pytrace=False)
     res = harness.run_pytest(os.environ.get("BUI_VM_PYTEST_ARGS", "").split(), assets=assets)
     report = harness.summary(res)
-    with capsys.disabled():  # shown on success too: CI output lists each guest test
-        print("\n" + report)
+    if res.ok:
+        with capsys.disabled():  # CI output lists each guest test on success too
+            print("\n" + report)
     if res.rc is None:
         pytest.fail(f"the VM did not complete its run: {res.failure_reason()}\n{report}", False)
     cases = harness.parse_junit(res.share / "junit.xml")

@@ -53,6 +53,8 @@ MEM = os.environ.get("BUI_VM_MEM", "2G")
 SMP = os.environ.get("BUI_VM_SMP", "2")
 TOTAL_TIMEOUT = float(os.environ.get("BUI_VM_TIMEOUT", "480"))  # all boots of one run together
 BOOT_TIMEOUT = float(os.environ.get("BUI_VM_BOOT_TIMEOUT", "90"))  # qemu start -> "init done"
+# console loglevel: 7 puts the whole boot log on the console (a hang shows where it stopped)
+LOGLEVEL = os.environ.get("BUI_VM_LOGLEVEL", "7")
 MARK_DONE = "VM: init done"
 MARK_FAIL = "VM: FAIL"
 MARK_EXIT = "VM: run exit"
@@ -360,6 +362,7 @@ class RunResult:
     rc: int | None  # the guest script's exit status; None if it never finished
     boots: list[Boot] = field(default_factory=list)
     kver: str = ""
+    limit_s: float = TOTAL_TIMEOUT
 
     @property
     def share(self) -> Path:
@@ -374,6 +377,13 @@ class RunResult:
         return self.rc == 0
 
     def failure_reason(self) -> str:
+        if self.rc == 124:
+            return (
+                "the guest run hit its time limit and was interrupted (a hung test?); "
+                f"{self.limit_s:.0f}s for the whole VM run (BUI_VM_TIMEOUT)"
+            )
+        if self.rc == 5:
+            return "guest pytest collected no tests (is anything marked `vm`?)"
         if self.rc is not None:
             return f"guest run exited with status {self.rc}"
         return "; ".join(f"boot {b.attempt}: {b.status}: {b.reason}" for b in self.boots)
@@ -389,8 +399,7 @@ def _tsc_khz() -> int:
 def qemu_command(assets: Assets, share: Path) -> list[str]:
     append = [
         "console=ttyS0",
-        "quiet",
-        "loglevel=4",
+        f"loglevel={LOGLEVEL}",
         "panic=-1",
         "tsc=reliable",
         f"vm.mods={assets.modules}",
@@ -536,7 +545,7 @@ exit $rc
 
 PYTEST_BODY = """\
 timeout -s INT -k 30 "$budget" {python} -m pytest -p no:cacheprovider -m vm -v -rA \
-  --junitxml=/vmout/junit.xml {args} 2>&1 | tee /vmout/pytest.log
+  -o junit_logging=all --junitxml=/vmout/junit.xml {args} 2>&1 | tee /vmout/pytest.log
 rc=${{PIPESTATUS[0]}}; (exit $rc)"""
 
 SCRIPT_BODY = """\
@@ -574,7 +583,7 @@ def run_in_vm(
     if assets is None:
         assets = prepare()
     out = _new_run_dir()
-    res = RunResult(out=out, rc=None, kver=assets.kver)
+    res = RunResult(out=out, rc=None, kver=assets.kver, limit_s=timeout)
     for attempt in (1, 2):
         share = out / "share"
         if share.exists():
@@ -654,6 +663,10 @@ def parse_junit(path: Path) -> list[CaseResult]:
                 outcome = "failed" if tag == "failure" else tag
                 message = (el.get("message") or "") + "\n" + (el.text or "")
                 break
+        for tag in ("system-out", "system-err"):
+            el = tc.find(tag)
+            if outcome in ("failed", "error") and el is not None and (el.text or "").strip():
+                message += f"\n[{tag}]\n{el.text}"
         cases.append(CaseResult(nodeid, outcome, float(tc.get("time") or 0), message.strip()))
     return cases
 
@@ -680,13 +693,14 @@ def summary(res: RunResult) -> str:
         for c in cases:
             if c.outcome in ("failed", "error"):
                 lines += [f"--- {c.nodeid} ({c.outcome}) ---", tail(c.message, 60)]
-        if not cases:
-            lines += ["--- guest output (tail) ---", tail(res.read("pytest.log"), 60)]
+        out = res.read("pytest.log")
+        if not cases and out.strip():
+            lines += ["--- guest output (tail) ---", tail(out, 60)]
         dmesg = res.read("dmesg.txt")
         if dmesg:
             lines += ["--- guest dmesg (tail) ---", tail(dmesg, 40)]
         last = res.boots[-1] if res.boots else None
-        if last is not None and last.console.exists():
+        if res.rc is None and last is not None and last.console.exists():
             lines += [
                 f"--- console {last.console.name} (tail) ---",
                 tail(last.console.read_text(errors="replace"), 40),
