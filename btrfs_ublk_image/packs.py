@@ -124,6 +124,10 @@ class PackWriter:
     def _write(self, data: bytes) -> None:
         self._file.write(data)
         self._size += len(data)
+        if self._chunk_fill + len(data) < self.chunk_size:  # the common case: inside one chunk
+            self._chunk.update(data)
+            self._chunk_fill += len(data)
+            return
         view = memoryview(data)
         while view:
             take = min(len(view), self.chunk_size - self._chunk_fill)

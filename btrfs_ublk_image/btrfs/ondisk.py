@@ -102,6 +102,7 @@ Key = tuple[int, int, int]  # (objectid, type, offset): tuples sort as btrfs key
 
 _KEY = struct.Struct("<QBQ")
 _MASK32 = 0xFFFFFFFF
+_U64 = 0xFFFFFFFFFFFFFFFF
 
 
 # --- checksums and hashes -------------------------------------------------
@@ -143,7 +144,8 @@ def pack_timespec(ns: int) -> bytes:
 
 # struct btrfs_inode_item: generation transid size nbytes block_group nlink uid gid mode
 # rdev flags sequence reserved[4] atime ctime mtime otime
-_INODE_HEAD = struct.Struct("<5Q4I3Q32x")
+_INODE_ITEM = struct.Struct("<5Q4I3Q32xQIQIQIQI")
+_NS = 1_000_000_000
 
 
 def pack_inode_item(
@@ -162,15 +164,16 @@ def pack_inode_item(
     mtime_ns: int = 0,
     otime_ns: int = 0,
 ) -> bytes:
-    return (
-        _INODE_HEAD.pack(
-            generation, generation, size, nbytes, 0, nlink, uid, gid, mode, rdev, flags, 0
-        )
-        + pack_timespec(atime_ns)
-        + pack_timespec(ctime_ns)
-        + pack_timespec(mtime_ns)
-        + pack_timespec(otime_ns)
+    a, c, m, o = (
+        divmod(atime_ns, _NS),
+        divmod(ctime_ns, _NS),
+        divmod(mtime_ns, _NS),
+        divmod(otime_ns, _NS),
     )
+    return _INODE_ITEM.pack(
+        generation, generation, size, nbytes, 0, nlink, uid, gid, mode, rdev, flags, 0,
+        a[0] & _U64, a[1], c[0] & _U64, c[1], m[0] & _U64, m[1], o[0] & _U64, o[1],
+    )  # fmt: skip
 
 
 INODE_ITEM_SIZE = 160
@@ -369,22 +372,22 @@ def pack_leaf(
     fsid: bytes,
     chunk_tree_uuid: bytes,
 ) -> bytes:
-    block = bytearray(NODESIZE)
     flags = HEADER_FLAG_WRITTEN | (MIXED_BACKREF_REV << 56)
-    _HEADER.pack_into(
-        block, 0, bytes(32), fsid, bytenr, flags, chunk_tree_uuid, generation, owner, len(items), 0
+    head = _HEADER.pack(
+        bytes(32), fsid, bytenr, flags, chunk_tree_uuid, generation, owner, len(items), 0
     )
-    end = LEAF_DATA_SIZE  # data offsets count from the end of the header
-    pos = HEADER_SIZE
-    for key, data in items:
+    # item headers grow from the front, item data from the back (first item's data last)
+    end = LEAF_DATA_SIZE
+    heads = []
+    pack = _ITEM.pack
+    for (objectid, type_, offset), data in items:
         end -= len(data)
-        _ITEM.pack_into(block, pos, key[0], key[1], key[2], end, len(data))
-        pos += ITEM_SIZE
-        block[HEADER_SIZE + end : HEADER_SIZE + end + len(data)] = data
-    if pos > HEADER_SIZE + end:
+        heads.append(pack(objectid, type_, offset, end, len(data)))
+    gap = end - len(items) * ITEM_SIZE
+    if gap < 0:
         raise AssertionError("leaf overflow")
-    block[0:32] = csum(memoryview(block)[32:])
-    return bytes(block)
+    block = b"".join([head, *heads, bytes(gap), *[data for _, data in reversed(items)]])
+    return csum(block[32:]) + block[32:]
 
 
 def pack_node(

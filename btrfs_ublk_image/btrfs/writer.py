@@ -298,13 +298,17 @@ def _fs_tree_items(table: list[_Numbered], placer: _DataPlacer, imax: int) -> _F
                 ),
             )
         )
-        by_parent: dict[int, bytes] = {}
-        for parent, index, name in sorted(num.refs):
-            by_parent[parent] = by_parent.get(parent, b"") + d.pack_inode_ref(index, name)
-        for parent, data in sorted(by_parent.items()):
-            if len(data) > d.MAX_ITEM_DATA:
-                raise ImageError(f"too many hardlinks to inode {ino} in one directory")
-            items.append(((ino, d.INODE_REF_KEY, parent), data))
+        if len(num.refs) == 1:
+            parent, index, name = num.refs[0]
+            items.append(((ino, d.INODE_REF_KEY, parent), d.pack_inode_ref(index, name)))
+        else:
+            by_parent: dict[int, bytes] = {}
+            for parent, index, name in sorted(num.refs):
+                by_parent[parent] = by_parent.get(parent, b"") + d.pack_inode_ref(index, name)
+            for parent, data in sorted(by_parent.items()):
+                if len(data) > d.MAX_ITEM_DATA:
+                    raise ImageError(f"too many hardlinks to inode {ino} in one directory")
+                items.append(((ino, d.INODE_REF_KEY, parent), data))
         if node.xattrs:
             xattrs = []
             for name, value in node.xattrs.items():
@@ -387,6 +391,15 @@ _META_TREES = (
     d.UUID_TREE_OBJECTID,
     d.FREE_SPACE_TREE_OBJECTID,
     d.DATA_RELOC_TREE_OBJECTID,
+)
+
+
+# trees whose items change with the chunk layout and block addresses
+_ADDRESS_DEPENDENT = (
+    d.EXTENT_TREE_OBJECTID,
+    d.DEV_TREE_OBJECTID,
+    d.FREE_SPACE_TREE_OBJECTID,
+    d.CHUNK_TREE_OBJECTID,
 )
 
 
@@ -635,7 +648,7 @@ def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
     # identity: derived from the fs tree's bytes unless the spec fixes the fsid
     content = hashlib.sha256()
     for key, data in fs.items:
-        content.update(repr(key).encode())
+        content.update(d.pack_disk_key(key))
         content.update(data)
     seed = content.digest()
     fsid = opts.fsid or _derive_uuid(seed, b"fsid")
@@ -686,8 +699,8 @@ def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
             d.CHUNK_TREE_OBJECTID: meta.chunk_tree(chunks, dev_sizes),
         }
         new = dict(levels)
-        for tree_id, tree_items in items.items():
-            new[tree_id] = block_levels(_sizes(tree_items))
+        for tree_id in _ADDRESS_DEPENDENT:
+            new[tree_id] = block_levels(_sizes(items[tree_id]))
         if new == levels:
             break
         levels = new

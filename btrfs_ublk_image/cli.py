@@ -1,0 +1,137 @@
+"""Command line: ``btrfs-ublk-image build | schema | inspect``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from btrfs_ublk_image import __version__
+from btrfs_ublk_image.btrfs.writer import WriterOptions
+from btrfs_ublk_image.bundle import read_manifest, write_bundle
+from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.packs import PackWriter
+from btrfs_ublk_image.progress import Progress, human_bytes
+from btrfs_ublk_image.tree import Tree
+
+PROG = "btrfs-ublk-image"
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from btrfs_ublk_image.sources import build_tree
+    from btrfs_ublk_image.spec import load_spec
+
+    spec_path = Path(args.spec)
+    spec = load_spec(spec_path)
+    out = args.output or f"{spec.name}.bundle"
+    opts = WriterOptions(
+        inline_limit=spec.btrfs.inline_limit,
+        label=spec.btrfs.label,
+        fsid=spec.btrfs.fsid,
+        time_ns=(spec.source_date_epoch or 0) * 1_000_000_000,
+    )
+    progress = Progress("reading sources", force=args.progress)
+
+    def fill(packs: PackWriter) -> tuple[Tree, list[dict[str, Any]], None]:
+        tree, records = build_tree(spec, spec_path, packs, progress)
+        return tree, [r.to_json() for r in records], None
+
+    try:
+        res = write_bundle(
+            out,
+            name=spec.name,
+            opts=opts,
+            fill=fill,
+            spec_sha256=spec.spec_sha256,
+            progress=progress,
+        )
+    finally:
+        progress.done()
+    s = res.manifest["stats"]
+    print(
+        f"{res.path}: {res.image_id}\n"
+        f"  {s['files']} files, {s['directories']} dirs, {s['symlinks']} symlinks;"
+        f" {human_bytes(s['content_bytes'])} content, {human_bytes(s['unique_bytes'])} in packs,"
+        f" meta.img {human_bytes(res.layout.meta_size)}; {progress.elapsed():.1f} s"
+    )
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from btrfs_ublk_image.spec import json_schema_text
+
+    sys.stdout.write(json_schema_text())
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    manifest, image_id = read_manifest(args.bundle)
+    if args.json:
+        json.dump({"image_id": image_id, **manifest}, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+        return 0
+    s = manifest["stats"]
+    dev = {d["devid"]: d for d in manifest["devices"]}
+    print(f"image id:   {image_id}")
+    print(f"name:       {manifest['name']}")
+    print(f"fsid:       {manifest['fsid']}")
+    print(f"meta.img:   {human_bytes(dev[1]['size'])}")
+    print(f"data dev:   {human_bytes(dev[2]['size'])}")
+    print(
+        f"packs:      {len(manifest['packs'])}, {human_bytes(sum(p['size'] for p in manifest['packs']))}"
+    )
+    print(
+        f"contents:   {s['files']} files, {s['directories']} dirs, {s['symlinks']} symlinks,"
+        f" {s['devices']} special, {s['hardlinks']} extra hardlinks"
+    )
+    for src in manifest["sources"]:
+        print(f"source:     {src['kind']} {src['path']} {src['sha256']}")
+    if manifest.get("image_config"):
+        print(f"config:     {json.dumps(manifest['image_config'], sort_keys=True)}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Build btrfs seed images that mount in O(metadata) time (see README.md).",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    b = sub.add_parser(
+        "build", help="build a bundle from a spec", description="Build a bundle from SPEC."
+    )
+    b.add_argument("spec", metavar="SPEC", help="spec file (YAML)")
+    b.add_argument(
+        "-o", "--output", metavar="DIR", help="bundle directory to create (default: NAME.bundle)"
+    )
+    b.add_argument(
+        "--progress", action="store_true", help="show progress even when stderr is not a terminal"
+    )
+    b.set_defaults(func=cmd_build)
+
+    s = sub.add_parser("schema", help="print the spec's JSON schema")
+    s.set_defaults(func=cmd_schema)
+
+    i = sub.add_parser("inspect", help="print a bundle's manifest summary")
+    i.add_argument("bundle", metavar="BUNDLE")
+    i.add_argument("--json", action="store_true", help="the whole manifest and image id as JSON")
+    i.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        rc: int = args.func(args)
+        return rc
+    except ImageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
