@@ -360,7 +360,7 @@ def _locate(root: yaml.Node, loc: Sequence[int | str]) -> tuple[int, str]:
 
 
 def _format_errors(err: ValidationError, root: yaml.Node, filename: str) -> str:
-    lines = []
+    found: list[tuple[int, str]] = []
     for e in err.errors(include_url=False):
         line, field = _locate(root, _strip_tags(e["loc"]))
         msg = e["msg"]
@@ -370,8 +370,11 @@ def _format_errors(err: ValidationError, root: yaml.Node, filename: str) -> str:
             msg = "unknown key"
         elif e["type"] == "missing":
             msg = "missing required key"
-        lines.append(f"{filename}:{line}: {field or '(top level)'}: {msg}")
-    return "\n".join(sorted(set(lines), key=lines.index))
+        item = (line, f"{filename}:{line}: {field or '(top level)'}: {msg}")
+        if item not in found:
+            found.append(item)
+    found.sort(key=lambda item: item[0])  # stable: same-line errors keep pydantic's order
+    return "\n".join(text for _, text in found)
 
 
 def _strip_tags(loc: Sequence[int | str]) -> list[int | str]:
