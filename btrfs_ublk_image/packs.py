@@ -58,7 +58,7 @@ class PackWriter:
         self.chunk_size = chunk_size
         self.progress = progress
         self._path = os.path.join(directory, "pack.tmp")
-        self._file = open(self._path, "w+b")
+        self._file = open(self._path, "w+b")  # noqa: SIM115 (closed by finish or abort)
         self._size = 0
         self._by_digest: dict[bytes, Blob] = {}
         self._chunk_digests: list[bytes] = []

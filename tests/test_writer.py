@@ -9,6 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from btrfs_ublk_image import blockmap
+from btrfs_ublk_image.btrfs import ondisk
+from btrfs_ublk_image.btrfs.writer import WriterOptions
+from btrfs_ublk_image.bundle import BuildResult, read_manifest, write_bundle
+from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.packs import PackWriter
+from btrfs_ublk_image.tree import FileType, Inode, Tree
+
 from bundletools import (
     dmesg_btrfs_problems,
     dmesg_len,
@@ -18,14 +27,6 @@ from bundletools import (
     mounted_bundle,
     run,
 )
-
-from btrfs_ublk_image import blockmap
-from btrfs_ublk_image.btrfs import ondisk
-from btrfs_ublk_image.btrfs.writer import WriterOptions
-from btrfs_ublk_image.bundle import BuildResult, read_manifest, write_bundle
-from btrfs_ublk_image.errors import ImageError
-from btrfs_ublk_image.packs import PackWriter
-from btrfs_ublk_image.tree import FileType, Inode, Tree
 
 MiB = 1 << 20
 NS = 1_700_000_000_123_456_789
