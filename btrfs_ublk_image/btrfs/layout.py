@@ -19,7 +19,7 @@ MiB = 1024 * 1024
 GiB = 1024 * MiB
 DEVICE_START = 1 * MiB  # nothing below 1 MiB but the superblock
 CHUNK_ALIGN = 1 * MiB
-SYSTEM_CHUNK_SIZE = 4 * MiB
+SYSTEM_CHUNK_SIZE = 1 * MiB  # 64 chunk-tree blocks: thousands of chunks
 MAX_CHUNK_SIZE = 1 * GiB  # conventional: mkfs/kernel data chunks are 1 GiB
 SYSTEM_LOGICAL = 1 * MiB
 
