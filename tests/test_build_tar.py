@@ -108,3 +108,16 @@ def test_build_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFix
     assert err.count("\n") == 1
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["spec.yaml"]
+
+
+@pytest.mark.unit
+def test_example_builds_are_reproducible(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = Path(__file__).parent.parent / "examples" / "webroot" / "spec.yaml"
+    for out in ("a", "b"):
+        assert cli(["build", str(spec), "-o", str(tmp_path / out)]) == 0
+    ids = [line.split()[-1] for line in capsys.readouterr().out.splitlines() if ": sha256:" in line]
+    assert len(ids) == 2 and ids[0] == ids[1]
+    for name in ("manifest.json", "meta.img", "blockmap"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
