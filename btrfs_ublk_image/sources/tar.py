@@ -225,6 +225,7 @@ def _decompressor(kind: str, raw: _HashingReader) -> _Readable:
 _HDR = struct.Struct("100s8s8s8s12s12s8sc100s6s2s32s32s8s8s155s")
 _ZERO_BLOCK = bytes(BLOCK)
 _DEV_TYPES = (tarfile.CHRTYPE, tarfile.BLKTYPE)
+_NUL_TO_SPACE = bytes.maketrans(b"\0", b" ")
 
 
 def _nts(s: bytes, encoding: str, errors: str) -> str:
@@ -260,18 +261,26 @@ class _FastTarInfo(tarfile.TarInfo):
         if buf == _ZERO_BLOCK:
             raise _EOFHeaderError("end of file header")
         buf = bytes(buf)
-        (name, mode, uid, gid, size, mtime, chksum, typ, linkname, _magic, _version, uname, gname,
-         devmajor, devminor, prefix) = _HDR.unpack_from(buf)  # fmt: skip
-        chk = _nti(chksum)
+        (name, _mode, _uid, _gid, _size, _mtime, chksum, typ, linkname, _magic, _version, uname,
+         gname, devmajor, devminor, prefix) = _HDR.unpack_from(buf)  # fmt: skip
+        # the six numeric fields in one go (NUL and space padding both become spaces);
+        # base-256, empty or odd fields take the careful path
+        nums = buf[100:156].translate(_NUL_TO_SPACE)
+        try:
+            mode, uid, gid = int(nums[0:8], 8), int(nums[8:16], 8), int(nums[16:24], 8)
+            size, mtime, chk = int(nums[24:36], 8), int(nums[36:48], 8), int(nums[48:56], 8)
+        except ValueError:
+            mode, uid, gid = _nti(buf[100:108]), _nti(buf[108:116]), _nti(buf[116:124])
+            size, mtime, chk = _nti(buf[124:136]), _nti(buf[136:148]), _nti(chksum)
         if chk != 256 + sum(buf) - sum(chksum) and not _header_checksum_ok(buf):
             raise _InvalidHeaderError("bad checksum")
         obj = cls()
         obj.name = _nts(name, encoding, errors)
-        obj.mode = _nti(mode)
-        obj.uid = _nti(uid)
-        obj.gid = _nti(gid)
-        obj.size = _nti(size)
-        obj.mtime = _nti(mtime)
+        obj.mode = mode
+        obj.uid = uid
+        obj.gid = gid
+        obj.size = size
+        obj.mtime = mtime
         obj.chksum = chk
         obj.type = typ
         obj.linkname = _nts(linkname, encoding, errors) if linkname[0] else ""
