@@ -1,0 +1,373 @@
+"""Build benchmark: ``btrfs-ublk-image build`` vs ``tar -x`` + ``mkfs.btrfs --rootdir`` and peers.
+
+Run as ``bench/run [--quick] [--json OUT] [--workdir DIR] [--repeat N] [--profile]
+[--update-docs]``. One run measures, side by side and on the same cached input
+(bench/inputs.py), each of:
+
+* ours: ``btrfs-ublk-image build spec.yaml -o OUT`` on a spec with one tar layer;
+* the baseline: ``tar -xf`` into a directory, then ``mkfs.btrfs --rootdir`` on it;
+* peers on the extracted tree (when installed): ``mksquashfs`` and ``mkfs.erofs``,
+  both uncompressed; and ``mksquashfs -tar`` straight from the tarball.
+
+Each repeat drops the page cache (when root) before ours and before ``tar -x``, so
+both read the input tarball cold; the steps after ``tar -x`` find the extracted tree
+warm in the page cache, as a shell pipeline would. Every command is followed by an
+untimed ``sync``. Outputs and the extracted tree are deleted after each step.
+
+A benchmark, not a test: it fails only when a command fails, never on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pstats
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import inputs as inp
+from bench.measure import Result, drop_caches, pipeline, remove, run_measured, tree_size
+from bench.report import build_section, build_table, machine_info, update_doc
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_WORKDIR = Path("/var/tmp/btrfs-ublk-image-bench")
+FULL = inp.InputParams(files=100_000, large_bytes=2 << 30, large_count=4)
+QUICK = inp.InputParams(files=10_000, large_bytes=256 << 20, large_count=4)
+GiB = 1 << 30
+
+
+@dataclass
+class Step:
+    """One measured command of a repeat; ``cmd`` gets (tar, spec, tree, output path)."""
+
+    name: str
+    label: str
+    output: str | None  # file or directory name under scratch, None for tar -x
+    make_cmd: Callable[[Path, Path, Path, Path], list[str]]
+    needs: str | None = None  # the executable that must exist
+    stdin_tar: bool = False
+    presize: bool = False  # create the output file sparse first (mkfs.btrfs)
+    cold: bool = False  # drop caches before it
+
+
+def _steps() -> list[Step]:
+    py = sys.executable
+    return [
+        Step(
+            "ours",
+            "**ours: btrfs-ublk-image build**",
+            "ours.bundle",
+            lambda tar, spec, tree, out: [py, "-m", "btrfs_ublk_image", "build", str(spec), "-o", str(out)],
+            cold=True,
+        ),
+        Step(
+            "tar_x",
+            "tar -x (step)",
+            None,
+            lambda tar, spec, tree, out: ["tar", "-xf", str(tar), "-C", str(tree)],
+            needs="tar",
+            cold=True,
+        ),
+        Step(
+            "mkfs_btrfs",
+            "mkfs.btrfs --rootdir (step)",
+            "btrfs.img",
+            lambda tar, spec, tree, out: [
+                "mkfs.btrfs", "-q", "-K", "--shrink", "--rootdir", str(tree), str(out),
+            ],
+            needs="mkfs.btrfs",
+            presize=True,
+        ),
+        Step(
+            "mksquashfs",
+            "mksquashfs uncompressed (step)",
+            "tree.squashfs",
+            lambda tar, spec, tree, out: [
+                "mksquashfs", str(tree), str(out), "-noappend", "-no-progress",
+                "-noI", "-noD", "-noF", "-noX",
+            ],
+            needs="mksquashfs",
+        ),
+        Step(
+            "mkfs_erofs",
+            "mkfs.erofs uncompressed (step)",
+            "tree.erofs",
+            lambda tar, spec, tree, out: ["mkfs.erofs", str(out), str(tree)],
+            needs="mkfs.erofs",
+        ),
+        Step(
+            "mksquashfs_tar",
+            "mksquashfs -tar, uncompressed (from the tarball)",
+            "tar.squashfs",
+            lambda tar, spec, tree, out: [
+                "mksquashfs", "-", str(out), "-tar", "-noappend", "-no-progress",
+                "-noI", "-noD", "-noF", "-noX",
+            ],
+            needs="mksquashfs",
+            stdin_tar=True,
+            cold=True,
+        ),
+    ]  # fmt: skip
+
+
+def _supports_squashfs_tar() -> bool:
+    p = subprocess.run(["mksquashfs"], capture_output=True, text=True, check=False)
+    return "-tar" in (p.stdout + p.stderr)
+
+
+def _git_state() -> str | None:
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "btrfs_ublk_image"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+uncommitted changes in btrfs_ublk_image/" if dirty else "")
+
+
+def _check_disk(workdir: Path, params: inp.InputParams, cached: bool) -> None:
+    content = params.large_bytes + params.files * 5 * 1024
+    need = int(2.3 * content) + GiB  # extracted tree + one output + slack
+    if not cached:
+        need += int(1.1 * content) + params.files * 2048  # the tarball itself
+    free = shutil.disk_usage(workdir).free
+    if free < need:
+        raise SystemExit(
+            f"bench: {workdir}: {free / GiB:.1f} GiB free, about {need / GiB:.1f} GiB needed"
+            " (use --workdir on a bigger filesystem, or --quick)"
+        )
+
+
+def _log(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def _measure(
+    step: Step, res: Result, data: inp.Inputs, scratch: Path, tree: Path, log: Path
+) -> None:
+    out = scratch / (step.output or "unused")
+    if step.output:
+        remove(out)
+    if step.presize:
+        with open(out, "wb") as f:
+            f.truncate(2 * data.stats.content_bytes + 2 * GiB)
+    cmd = step.make_cmd(data.tar, data.spec, tree, out)
+    res.cmd = cmd
+    if step.cold:
+        drop_caches()
+    sample = run_measured(cmd, log, stdin=data.tar if step.stdin_tar else None)
+    if sample.returncode != 0:
+        res.error = f"exit status {sample.returncode} (see {log})"
+        if step.output:
+            remove(out)
+        return
+    res.samples.append(sample)
+    if step.output:
+        size = tree_size(out)
+        if res.output_bytes is None:
+            res.output_bytes, res.output_alloc_bytes = size
+        remove(out)
+    _log(f"  {step.name}: {sample.wall_s:.2f} s, peak RSS {sample.maxrss_kib / 1024:.0f} MiB")
+
+
+def run_build(
+    data: inp.Inputs, workdir: Path, repeats: int, peers: bool
+) -> tuple[list[Result], dict[str, str]]:
+    scratch = workdir / "scratch"
+    remove(scratch)
+    scratch.mkdir(parents=True)
+    log = workdir / "bench.log"
+    log.write_bytes(b"")
+    tree = scratch / "tree"
+    skipped: dict[str, str] = {}
+    steps = []
+    for s in _steps():
+        if not peers and s.name in ("mksquashfs", "mkfs_erofs", "mksquashfs_tar"):
+            continue
+        if s.needs and shutil.which(s.needs) is None:
+            skipped[s.name] = f"{s.needs} not installed"
+            continue
+        if s.name == "mksquashfs_tar" and not _supports_squashfs_tar():
+            skipped[s.name] = "mksquashfs has no -tar"
+            continue
+        steps.append(s)
+    results = {s.name: Result(s.name, s.label, []) for s in steps}
+    try:
+        for i in range(repeats):
+            _log(f"repeat {i + 1}/{repeats}")
+            for s in steps:
+                res = results[s.name]
+                if res.error:
+                    continue
+                if s.name == "tar_x":
+                    remove(tree)
+                    tree.mkdir()
+                needs_tree = s.name in ("mkfs_btrfs", "mksquashfs", "mkfs_erofs")
+                if needs_tree and (results["tar_x"].error or not tree.is_dir()):
+                    res.error = "tar -x failed"
+                    continue
+                _measure(s, res, data, scratch, tree, log)
+            remove(tree)
+    finally:
+        remove(scratch)
+    out = [results[s.name] for s in steps]
+    if "tar_x" in results:
+        tx = results["tar_x"]
+        for name, label in (
+            ("mkfs_btrfs", "**baseline: tar -x + mkfs.btrfs --rootdir**"),
+            ("mksquashfs", "tar -x + mksquashfs uncompressed"),
+            ("mkfs_erofs", "tar -x + mkfs.erofs uncompressed"),
+        ):
+            if name in results:
+                p = pipeline(f"tar_x+{name}", label, [tx, results[name]])
+                out.insert(out.index(results[name]) + 1, p)
+    return out, skipped
+
+
+def profile_ours(data: inp.Inputs, workdir: Path, top: int = 25) -> dict[str, Any]:
+    """One extra (untimed, cold-cache) build under cProfile; the top functions by own time."""
+    scratch = workdir / "scratch"
+    remove(scratch)
+    scratch.mkdir(parents=True)
+    prof = workdir / "ours.prof"
+    out = scratch / "ours.bundle"
+    drop_caches()
+    cmd = [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "btrfs_ublk_image"]
+    cmd += ["build", str(data.spec), "-o", str(out)]
+    try:
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    finally:
+        remove(scratch)
+    st = pstats.Stats(str(prof))
+    total = float(st.total_tt)  # type: ignore[attr-defined]
+    rows = []
+    stats: dict[Any, Any] = st.stats  # type: ignore[attr-defined]
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in sorted(
+        stats.items(), key=lambda kv: -kv[1][2]
+    )[:top]:
+        where = f"{Path(file).name}:{line}" if line else file
+        rows.append({"function": f"{where}({func})", "calls": nc, "tottime_s": tt, "cumtime_s": ct})
+    return {"profile": str(prof), "total_s": total, "top_by_tottime": rows}
+
+
+def _print_profile(p: dict[str, Any]) -> None:
+    print(f"\ncProfile of one build ({p['total_s']:.1f} s under the profiler; {p['profile']}):")
+    print(f"{'own s':>8} {'cum s':>8} {'calls':>10}  function")
+    for r in p["top_by_tottime"]:
+        print(f"{r['tottime_s']:8.2f} {r['cumtime_s']:8.2f} {r['calls']:10d}  {r['function']}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/run", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="10,000 files + 256 MiB instead of 100,000 + 2 GiB"
+    )
+    ap.add_argument("--json", metavar="OUT", help="write the results as JSON to OUT")
+    ap.add_argument(
+        "--workdir",
+        metavar="DIR",
+        default=str(DEFAULT_WORKDIR),
+        help=f"inputs cache and scratch space (default {DEFAULT_WORKDIR})",
+    )
+    ap.add_argument(
+        "--repeat", type=int, default=3, metavar="N", help="runs of each command (default 3)"
+    )
+    ap.add_argument("--no-peers", action="store_true", help="skip mksquashfs and mkfs.erofs")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also run one build under cProfile and print where the time goes",
+    )
+    ap.add_argument(
+        "--update-docs", action="store_true", help="rewrite the Build section of docs/benchmarks.md"
+    )
+    args = ap.parse_args(argv)  # fmt: skip
+
+    params = QUICK if args.quick else FULL
+    workdir = Path(args.workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    cached = (workdir / "inputs" / params.key / "input.json").exists()
+    _check_disk(workdir, params, cached)
+    data = inp.ensure_inputs(workdir, params, log=_log)
+    s = data.stats
+    _log(
+        f"input: {data.tar} ({s.tar_bytes / 2**20:.0f} MiB tar, {s.entries:,} entries,"
+        f" {s.content_bytes / 2**20:.0f} MiB content)"
+    )
+    can_drop = drop_caches()
+    cache_policy = (
+        "Page cache dropped before ours, before `tar -x` and before `mksquashfs -tar` (cold"
+        " input tarball); the steps that follow `tar -x` read the extracted tree warm, as a"
+        " pipeline would. Each command is followed by an untimed `sync`."
+        if can_drop
+        else "Page cache NOT dropped (not root): the input is warm for every command."
+    )
+    machine = machine_info()
+    results, skipped = run_build(data, workdir, max(1, args.repeat), not args.no_peers)
+
+    table = build_table(results, s.content_bytes, s.entries, "ours")
+    command = "bench/run" + (" --quick" if args.quick else "")
+    by_name = {r.name: r for r in results}
+    ours = by_name.get("ours")
+    ratios = {}
+    if ours is not None and ours.ok:
+        for r in results:
+            if r.ok and r is not ours:
+                ratios[r.name] = r.wall_median / ours.wall_median
+    doc: dict[str, Any] = {
+        "machine": machine,
+        "build": {
+            "command": command,
+            "builder_commit": _git_state(),
+            "repeats": max(1, args.repeat),
+            "cache_policy": cache_policy,
+            "input": {"params": asdict(params), "tar": str(data.tar), "stats": s.to_json()},
+            "results": {r.name: r.to_json(s.content_bytes, s.entries) for r in results},
+            "speedup_of_ours": ratios,
+            "skipped": skipped,
+        },
+    }
+    print()
+    print(
+        f"Build benchmark ({command}; {s.entries:,} entries, {s.content_bytes / 2**20:.0f} MiB"
+        f" content; {doc['build']['repeats']} repeats; builder {doc['build']['builder_commit']})"
+    )
+    print(cache_policy)
+    print()
+    print(table, end="")
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}")
+    if ours is not None and ours.ok and "tar_x+mkfs_btrfs" in ratios:
+        print(
+            f"\nours vs baseline (tar -x + mkfs.btrfs --rootdir): {ratios['tar_x+mkfs_btrfs']:.2f}x"
+            " faster (median wall)"
+        )
+    if args.profile and ours is not None and ours.ok:
+        doc["build"]["profile"] = profile_ours(data, workdir)
+        _print_profile(doc["build"]["profile"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        _log(f"JSON written to {args.json}")
+    if args.update_docs:
+        path = ROOT / "docs" / "benchmarks.md"
+        update_doc(path, "build", build_section(doc, table))
+        _log(f"{path}: Build section updated")
+    failed = [r.name for r in results if r.error]
+    if failed:
+        _log(f"failed: {', '.join(failed)} (see {workdir / 'bench.log'})")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

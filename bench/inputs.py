@@ -1,0 +1,258 @@
+"""Synthetic benchmark input: many small files plus a few large ones, as ONE pax tarball.
+
+The tree is generated deterministically from a seed (names, sizes, kinds, modes,
+owners, times and the bytes themselves), packed with GNU tar (``--format=pax
+--sort=name``) and cached under the work directory, keyed by the parameters and
+``GENERATOR_VERSION``; the extracted tree is deleted once the tarball exists.
+
+Shape of the small-file set (``InputParams.files`` entries, not counting directories):
+
+* sizes 0..16 KiB: 5% empty, otherwise half log-uniform (many tiny files), half
+  uniform (mean about 5 KiB);
+* ~10% duplicates: their content comes from a pool of shared blobs, so groups of
+  identical files exist (reflink/dedup candidates);
+* ~1% symlinks (absolute or same-directory targets), ~1% hardlinks to earlier files;
+* spread over 10-way nested directories about 100 entries per leaf (three levels
+  for 100k entries) plus one big directory holding 5% of the entries;
+* 10% executable, 10% owned by 1000:1000 (when generated as root), mtimes with
+  nanoseconds.
+
+The large files (``large_count`` of them, ``large_bytes`` in total) are
+incompressible: AES-CTR keystream from ``openssl enc`` when available (fast),
+otherwise ``random.randbytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+GENERATOR_VERSION = 1
+MAX_SMALL = 16 * 1024
+_BASE_MTIME_NS = 1_700_000_000 * 1_000_000_000
+_EXTS = ("", ".txt", ".py", ".so", ".conf", ".h", ".json", ".gz")
+
+
+@dataclass(frozen=True)
+class InputParams:
+    files: int
+    large_bytes: int
+    large_count: int = 4
+    seed: int = 1
+
+    @property
+    def key(self) -> str:
+        return (
+            f"v{GENERATOR_VERSION}-f{self.files}-l{self.large_bytes}"
+            f"x{self.large_count}-s{self.seed}"
+        )
+
+
+@dataclass
+class InputStats:
+    """What the tarball holds; ``entries`` (every name but the root) is the files/s base."""
+
+    entries: int = 0
+    directories: int = 0
+    regular_names: int = 0  # regular files, counting every hardlink name
+    regular_inodes: int = 0
+    hardlinks: int = 0  # extra names of an inode
+    symlinks: int = 0
+    duplicate_files: int = 0  # inodes whose content equals another inode's
+    small_bytes: int = 0  # content of the small regular inodes
+    large_files: int = 0
+    large_bytes: int = 0
+    content_bytes: int = 0  # small_bytes + large_bytes: the MB/s base
+    unique_bytes: int = 0  # content_bytes counting identical contents once
+    tar_bytes: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class Inputs:
+    params: InputParams
+    directory: Path
+    tar: Path
+    spec: Path
+    stats: InputStats
+
+
+def _small_size(rng: random.Random) -> int:
+    r = rng.random()
+    if r < 0.05:
+        return 0
+    if r < 0.525:
+        return min(MAX_SMALL, int(math.exp(rng.uniform(0.0, math.log(MAX_SMALL + 1)))))
+    return rng.randint(1, MAX_SMALL)
+
+
+def _leaf_dirs(n_entries: int) -> list[str]:
+    """10-way nested directory names with about 100 entries per leaf."""
+    leaves = max(1, n_entries // 100)
+    depth = max(1, math.ceil(math.log10(leaves))) if leaves > 1 else 1
+    out = []
+    for i in range(leaves):
+        digits = f"{i:0{depth}d}"
+        out.append("/".join(f"d{c}{j}" for j, c in enumerate(digits)))
+    return out
+
+
+def _write_random(path: Path, size: int, seed: int) -> None:
+    """Incompressible, deterministic bytes: AES-128-CTR keystream over zeros if openssl exists."""
+    if shutil.which("openssl") and shutil.which("head"):
+        cmd = (
+            f"head -c {size} /dev/zero | openssl enc -aes-128-ctr -nosalt -pbkdf2"
+            f" -pass pass:btrfs-ublk-image-bench-{seed}"
+        )
+        with open(path, "wb") as f:
+            subprocess.run(["sh", "-c", cmd], stdout=f, check=True)
+        if path.stat().st_size == size:
+            return
+    rng = random.Random(seed)
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, 4 << 20)
+            f.write(rng.randbytes(n))
+            left -= n
+
+
+def generate_tree(root: Path, params: InputParams) -> InputStats:
+    """Write the synthetic tree into the (existing, empty) directory ``root``."""
+    rng = random.Random(params.seed)
+    as_root = os.geteuid() == 0
+    st = InputStats()
+    leaves = _leaf_dirs(params.files)
+    dirs: set[str] = set()
+
+    def ensure_dir(rel: str) -> None:
+        parts = rel.split("/")
+        for k in range(1, len(parts) + 1):
+            d = "/".join(parts[:k])
+            if d not in dirs:
+                os.mkdir(root / d)
+                dirs.add(d)
+
+    pool = [rng.randbytes(_small_size(rng)) for _ in range(max(1, params.files // 200))]
+    pool_used: set[int] = set()
+    regulars: list[str] = []  # relative paths of regular files, for links
+    unique_small = 0
+    for i in range(params.files):
+        d = "big" if rng.random() < 0.05 else rng.choice(leaves)
+        ensure_dir(d)
+        rel = f"{d}/file-{i:06d}{rng.choice(_EXTS)}"
+        path = root / rel
+        kind = rng.random()
+        if kind < 0.01 and regulars:
+            target = rng.choice(regulars)
+            if rng.random() < 0.5:
+                link = "/" + target
+            elif target.rsplit("/", 1)[0] == d:
+                link = target.rsplit("/", 1)[1]
+            else:
+                link = "../" * (d.count("/") + 1) + target
+            os.symlink(link, path)
+            st.symlinks += 1
+            os.utime(path, ns=(_BASE_MTIME_NS, _BASE_MTIME_NS + i), follow_symlinks=False)
+            continue
+        if kind < 0.02 and regulars:
+            os.link(root / rng.choice(regulars), path)
+            st.hardlinks += 1
+            st.regular_names += 1
+            continue
+        if kind < 0.12:
+            k = rng.randrange(len(pool))
+            data = pool[k]
+            st.duplicate_files += 1
+            if k not in pool_used:
+                pool_used.add(k)
+                unique_small += len(data)
+        else:
+            data = rng.randbytes(_small_size(rng))
+            unique_small += len(data)
+        with open(path, "wb") as f:
+            f.write(data)
+        os.chmod(path, 0o755 if rng.random() < 0.1 else 0o644)
+        if as_root and rng.random() < 0.1:
+            os.chown(path, 1000, 1000)
+        mtime = _BASE_MTIME_NS + rng.randrange(10**16)
+        os.utime(path, ns=(mtime, mtime))
+        regulars.append(rel)
+        st.regular_names += 1
+        st.regular_inodes += 1
+        st.small_bytes += len(data)
+
+    if params.large_count and params.large_bytes:
+        ensure_dir("large")
+        each, extra = divmod(params.large_bytes, params.large_count)
+        for k in range(params.large_count):
+            size = each + (1 if k < extra else 0)
+            _write_random(root / "large" / f"blob-{k}.bin", size, params.seed * 1000 + k)
+            st.large_files += 1
+            st.large_bytes += size
+        st.regular_names += params.large_count
+        st.regular_inodes += params.large_count
+
+    for d in sorted(dirs, key=lambda s: -s.count("/")):
+        os.utime(root / d, ns=(_BASE_MTIME_NS, _BASE_MTIME_NS))
+    st.directories = len(dirs)
+    st.entries = st.directories + st.regular_names + st.symlinks
+    st.content_bytes = st.small_bytes + st.large_bytes
+    st.unique_bytes = unique_small + st.large_bytes
+    return st
+
+
+def spec_text(tar_name: str) -> str:
+    return f"version: 1\nname: bench\nlayers:\n  - tar: {{path: {tar_name}}}\n"
+
+
+def ensure_inputs(workdir: Path, params: InputParams, log: Any = None) -> Inputs:
+    """The cached input for ``params`` under ``workdir/inputs``, generated on first use."""
+    base = workdir / "inputs"
+    base.mkdir(parents=True, exist_ok=True)
+    final = base / params.key
+    meta = final / "input.json"
+    if not meta.exists():
+        if log:
+            log(f"generating input {params.key} (cached in {final}) ...")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{params.key}.", dir=base))
+        try:
+            tree = tmp / "tree"
+            tree.mkdir()
+            stats = generate_tree(tree, params)
+            tar = tmp / "input.tar"
+            subprocess.run(
+                ["tar", "--format=pax", "--sort=name", "-cf", str(tar), "-C", str(tree), "."],
+                check=True,
+            )
+            shutil.rmtree(tree)
+            stats.tar_bytes = tar.stat().st_size
+            (tmp / "spec.yaml").write_text(spec_text(tar.name))
+            (tmp / "input.json").write_text(
+                json.dumps({"params": asdict(params), "stats": stats.to_json()}, indent=2) + "\n"
+            )
+            os.chmod(tmp, 0o755)
+            if final.exists():  # a half-written leftover without input.json
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    doc = json.loads(meta.read_text())
+    return Inputs(
+        params=params,
+        directory=final,
+        tar=final / "input.tar",
+        spec=final / "spec.yaml",
+        stats=InputStats(**doc["stats"]),
+    )
