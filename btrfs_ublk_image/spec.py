@@ -144,6 +144,19 @@ class TarSource(_Model):
     """A tarball: plain, gzip, zstd, xz or bzip2 (detected from its first bytes)."""
 
     path: StrictStr = Field(min_length=1, description="The tarball, relative to the spec file")
+    sha256: StrictStr | None = Field(
+        None,
+        pattern=r"^(sha256:)?[0-9a-f]{64}$",
+        description="Expected sha256 of the tarball's bytes (as stored, compressed); a mismatch"
+        " fails the build",
+    )
+    dest: ImagePath = Field("/", description="Directory of the image the archive unpacks into")
+    strip_components: StrictInt = Field(
+        0,
+        ge=0,
+        description="Drop this many leading components from member names (and hard link"
+        " targets); members with no name left are skipped",
+    )
 
 
 class TarLayer(_Model):

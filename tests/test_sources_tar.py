@@ -819,3 +819,57 @@ def test_random_archives_round_trip(
                 assert node.rdev == os.makedev(*e["dev"])
     finally:
         packs.abort()
+
+
+# ---- options: sha256 pinning, dest, strip_components ----------------------------------
+
+
+@unit
+def test_sha256_pin(tmp_path: Path, build: Build) -> None:
+    raw = gzip.compress(make_tar([member("f", data=b"f")]))
+    (tmp_path / "a.tar.gz").write_bytes(raw)
+    digest = hashlib.sha256(raw).hexdigest()
+    for pin in (digest, "sha256:" + digest):
+        tree, _ = build(
+            f"version: 1\nname: t\nlayers:\n  - tar: {{path: a.tar.gz, sha256: '{pin}'}}\n"
+        )
+        assert tree.lookup("/f") is not None
+    wrong = "0" * 64
+    with pytest.raises(SourceError) as info:
+        build(f"version: 1\nname: t\nlayers:\n  - tar: {{path: a.tar.gz, sha256: '{wrong}'}}\n")
+    assert str(info.value) == (
+        f"{tmp_path / 'a.tar.gz'}: sha256 mismatch: the spec pins {wrong}, the file is {digest}"
+    )
+
+
+@unit
+def test_dest_and_strip_components(tmp_path: Path, build: Build) -> None:
+    (tmp_path / "a.tar").write_bytes(
+        make_tar(
+            [
+                member("./", tarfile.DIRTYPE, mode=0o700),
+                member("pkg-1.0", tarfile.DIRTYPE, mode=0o750),
+                member("pkg-1.0/bin/tool", data=b"t"),
+                member("pkg-1.0/bin/alias", tarfile.LNKTYPE, linkname="pkg-1.0/bin/tool"),
+                member("pkg-1.0/../../escape", data=b"e"),
+            ]
+        )
+    )
+    tree, _ = build(
+        "version: 1\nname: t\nlayers:\n"
+        "  - tar: {path: a.tar, dest: /opt/pkg, strip_components: 1}\n"
+    )
+    assert sorted(p for p, _ in tree.walk()) == [
+        b"/",
+        b"/opt",
+        b"/opt/pkg",
+        b"/opt/pkg/bin",
+        b"/opt/pkg/bin/alias",
+        b"/opt/pkg/bin/tool",
+    ]
+    assert tree.lookup("/opt/pkg/bin/alias") is tree.lookup("/opt/pkg/bin/tool")
+    assert tree.root.mode == 0o755  # "./" and "pkg-1.0" were stripped away
+    tree, _ = build("version: 1\nname: t\nlayers:\n  - tar: {path: a.tar, dest: /srv}\n")
+    srv = tree.lookup("/srv")
+    assert srv is not None and srv.mode == 0o700  # the archive's "./" describes dest
+    assert tree.lookup("/srv/escape") is not None  # '..' stops at the image root, then dest

@@ -26,7 +26,7 @@ import struct
 import tarfile
 import urllib.parse
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import BinaryIO, Protocol, cast
 
@@ -35,7 +35,7 @@ import zstandard
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.sources.base import LayerContext, SourceRecord
 from btrfs_ublk_image.spec import TarLayer
-from btrfs_ublk_image.tree import FileType, Inode
+from btrfs_ublk_image.tree import FileType, Inode, split_path
 
 BLOCK = 512
 # tarfile's header exceptions (not in its __all__, nor in typeshed)
@@ -368,13 +368,44 @@ def apply(layer: TarLayer, ctx: LayerContext) -> SourceRecord:
         f = open(tar_path, "rb")  # noqa: SIM115 - closed below; open errors get their own message
     except OSError as e:
         raise SourceError(f"{tar_path}: cannot open tarball: {e.strerror or e}") from None
+    src = layer.tar
     with f:
-        digest = read_tar(f, tar_path, ctx)
-    return SourceRecord(kind="tar", path=layer.tar.path, sha256=digest)
+        digest = read_tar(f, tar_path, ctx, _renamer(src.dest, src.strip_components))
+    if src.sha256 is not None:
+        want = src.sha256.removeprefix("sha256:")
+        if digest != "sha256:" + want:
+            raise SourceError(
+                f"{tar_path}: sha256 mismatch: the spec pins {want}, the file is {digest[7:]}"
+            )
+    return SourceRecord(kind="tar", path=src.path, sha256=digest)
 
 
-def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext) -> str:
-    """Stream the tarball ``f`` into ``ctx.tree``; returns ``sha256:<hex>`` of its raw bytes."""
+Renamer = Callable[[bytes], "bytes | None"]
+
+
+def _renamer(dest: str, strip: int) -> Renamer | None:
+    """Member name -> image path (``dest``, ``strip_components``); None: keep names as they are."""
+    prefix = b"/".join(split_path(dest))
+    if not prefix and not strip:
+        return None
+
+    def rename(name: bytes) -> bytes | None:
+        parts = split_path(name)
+        if strip:
+            if len(parts) <= strip:
+                return None
+            parts = parts[strip:]
+        return prefix + b"/" + b"/".join(parts)
+
+    return rename
+
+
+def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext, rename: Renamer | None = None) -> str:
+    """Stream the tarball ``f`` into ``ctx.tree``; returns ``sha256:<hex>`` of its raw bytes.
+
+    ``rename`` maps member names (and hard link targets) to image paths; a None result skips
+    the member.
+    """
     raw = _HashingReader(f)
     head = raw.peek_head(BLOCK)
     kind = detect_compression(head)
@@ -399,7 +430,7 @@ def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext) -> str:
             errors="surrogateescape",
         )
         assert isinstance(tf, _TarFile)
-        member = _read_members(tf, tar_path, ctx)
+        member = _read_members(tf, tar_path, ctx, rename)
         # validate the compressed stream's end and hash every remaining byte
         while stream.read(READ_SIZE):
             pass
@@ -424,7 +455,9 @@ def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext) -> str:
     return "sha256:" + raw.hash.hexdigest()
 
 
-def _read_members(tf: _TarFile, tar_path: Path, ctx: LayerContext) -> str | None:
+def _read_members(
+    tf: _TarFile, tar_path: Path, ctx: LayerContext, rename: Renamer | None
+) -> str | None:
     """Returns the last member's name (for errors after it)."""
     place = ctx.place
     packs = ctx.packs
@@ -444,6 +477,13 @@ def _read_members(tf: _TarFile, tar_path: Path, ctx: LayerContext) -> str | None
         name = m.name
         last = name
         bname = name.encode("utf-8", "surrogateescape")
+        if rename is not None:
+            renamed = rename(bname)
+            if renamed is None:
+                if progress is not None:
+                    progress.add_file()
+                continue
+            bname = renamed
         t = m.type
         pax = m.pax_headers
         if t in tarfile.REGULAR_TYPES or t not in tarfile.SUPPORTED_TYPES:
@@ -454,8 +494,10 @@ def _read_members(tf: _TarFile, tar_path: Path, ctx: LayerContext) -> str | None
             inode = Inode(FileType.SYMLINK)
             inode.target = m.linkname.encode("utf-8", "surrogateescape")
         elif t == tarfile.LNKTYPE:
-            target = m.linkname.encode("utf-8", "surrogateescape")
-            linked = ctx.lookup(target)
+            target: bytes | None = m.linkname.encode("utf-8", "surrogateescape")
+            if rename is not None and target is not None:
+                target = rename(target)
+            linked = ctx.lookup(target) if target is not None else None
             if linked is None:
                 raise _fail(
                     tar_path, name, f"hard link to {m.linkname!r}, which is not in the image"
