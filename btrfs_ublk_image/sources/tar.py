@@ -98,8 +98,9 @@ class _HashingReader:
 
     mode = "rb"
 
-    def __init__(self, f: BinaryIO) -> None:
+    def __init__(self, f: BinaryIO, path: Path) -> None:
         self.f = f
+        self.path = path
         self.hash = hashlib.sha256()
         self.nbytes = 0
         self._head = b""
@@ -115,30 +116,25 @@ class _HashingReader:
         return data
 
     def _raw_read(self, n: int) -> bytes:
-        data = self.f.read(n)
+        try:
+            data = self.f.read(n)
+        except OSError as e:
+            raise SourceError(f"{self.path}: read error: {e.strerror or e}") from None
         self.hash.update(data)
         self.nbytes += len(data)
         return data
 
     def read(self, n: int = -1) -> bytes:
         head = self._head
-        if head:
-            if n < 0 or n >= len(head):
-                self._head = b""
-                rest = self._raw_read(n - len(head)) if n > len(head) else b""
-                if n < 0:
-                    rest = self.f.read()
-                    self.hash.update(rest)
-                    self.nbytes += len(rest)
-                return head + rest
+        if not head:
+            return self._raw_read(n)
+        if 0 <= n < len(head):
             self._head = head[n:]
             return head[:n]
-        if n < 0:
-            data = self.f.read()
-            self.hash.update(data)
-            self.nbytes += len(data)
-            return data
-        return self._raw_read(n)
+        self._head = b""
+        if n == len(head):
+            return head
+        return head + self._raw_read(-1 if n < 0 else n - len(head))
 
     def readable(self) -> bool:
         return True
@@ -321,7 +317,8 @@ class _FastTarInfo(tarfile.TarInfo):
 
 class _TarFile(tarfile.TarFile):
     tarinfo = _FastTarInfo
-    header_error: Exception | None = None
+    header_error: Exception | None = None  # the last header problem (tarfile hides some)
+    last_name: str | None = None  # the member being read (for errors)
 
 
 # ---- members -> tree --------------------------------------------------------------------
@@ -406,7 +403,7 @@ def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext, rename: Renamer | N
     ``rename`` maps member names (and hard link targets) to image paths; a None result skips
     the member.
     """
-    raw = _HashingReader(f)
+    raw = _HashingReader(f, tar_path)
     head = raw.peek_head(BLOCK)
     kind = detect_compression(head)
     if kind is None:
@@ -420,7 +417,7 @@ def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext, rename: Renamer | N
             None,
             f"unknown compression or not a tar archive (first bytes: {head[:8].hex(' ')})",
         )
-    member: str | None = None
+    tf: _TarFile | None = None
     try:
         stream = _decompressor(kind, raw)
         tf = _TarFile.open(
@@ -430,7 +427,7 @@ def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext, rename: Renamer | N
             errors="surrogateescape",
         )
         assert isinstance(tf, _TarFile)
-        member = _read_members(tf, tar_path, ctx, rename)
+        _read_members(tf, tar_path, ctx, rename)
         # validate the compressed stream's end and hash every remaining byte
         while stream.read(READ_SIZE):
             pass
@@ -445,13 +442,16 @@ def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext, rename: Renamer | N
         lzma.LZMAError,
         zstandard.ZstdError,
     ) as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise  # a system error (the pack's disk is full, ...), not a problem of the archive
         what = "corrupt or truncated archive"
         if kind != "none":
             what += f" ({kind})"
-        after = f" after member {member!r}" if member is not None else ""
-        raise _fail(tar_path, None, f"{what}{after}: {e}") from None
-    except ValueError as e:
-        raise _fail(tar_path, member, str(e)) from None
+        last = tf.last_name if tf is not None else None
+        at = f" at or after member {last!r}" if last is not None else ""
+        raise _fail(tar_path, None, f"{what}{at}: {e}") from None
+    except (ValueError, OverflowError) as e:
+        raise _fail(tar_path, tf.last_name if tf is not None else None, str(e)) from None
     return "sha256:" + raw.hash.hexdigest()
 
 
@@ -475,7 +475,7 @@ def _read_members(
         if m is None:
             break
         name = m.name
-        last = name
+        last = tf.last_name = name
         bname = name.encode("utf-8", "surrogateescape")
         if rename is not None:
             renamed = rename(bname)
