@@ -47,11 +47,7 @@ pub enum Segment {
     /// `len` bytes of zeros (nothing mapped there).
     Zero { len: u64 },
     /// `len` bytes of pack `pack` starting at `pack_offset`.
-    Pack {
-        pack: u32,
-        pack_offset: u64,
-        len: u64,
-    },
+    Pack { pack: u32, pack_offset: u64, len: u64 },
 }
 
 impl Segment {
@@ -81,16 +77,8 @@ impl Blockmap {
     /// Parse and validate a whole blockmap file. Every structural rule of the format is
     /// checked here so that the I/O path can index without further checks.
     pub fn parse(b: &[u8]) -> Result<Blockmap> {
-        ensure!(
-            b.len() >= HEADER_LEN,
-            "truncated header ({} bytes)",
-            b.len()
-        );
-        ensure!(
-            &b[0..8] == MAGIC,
-            "bad magic {:?} (not a blockmap)",
-            &b[0..8]
-        );
+        ensure!(b.len() >= HEADER_LEN, "truncated header ({} bytes)", b.len());
+        ensure!(&b[0..8] == MAGIC, "bad magic {:?} (not a blockmap)", &b[0..8]);
         let version = u32_at(b, 8);
         ensure!(
             version == VERSION,
@@ -103,7 +91,7 @@ impl Blockmap {
         );
         let device_size = u64_at(b, 16);
         ensure!(
-            device_size % 4096 == 0,
+            device_size.is_multiple_of(4096),
             "device_size {device_size} is not a multiple of 4096"
         );
         let n_packs = u32_at(b, 24) as usize;
@@ -113,11 +101,7 @@ impl Blockmap {
             .checked_add(n_packs.checked_mul(PACK_LEN).context("n_packs too large")?)
             .context("n_packs too large")?;
         let ranges_end = packs_end
-            .checked_add(
-                n_ranges
-                    .checked_mul(RANGE_LEN)
-                    .context("n_ranges too large")?,
-            )
+            .checked_add(n_ranges.checked_mul(RANGE_LEN).context("n_ranges too large")?)
             .context("n_ranges too large")?;
         ensure!(
             b.len() >= ranges_end,
@@ -169,26 +153,24 @@ impl Blockmap {
             ensure!(flags == 0, "range {i}: unknown flags {flags:#x}");
             ensure!(r.length > 0, "range {i}: length 0");
             ensure!(
-                r.dev_offset % 4096 == 0,
+                r.dev_offset.is_multiple_of(4096),
                 "range {i}: dev_offset {} not 4096-aligned",
                 r.dev_offset
             );
-            ensure!(r.dev_offset >= prev_end, "range {i}: dev_offset {} overlaps or precedes the previous range (ends at {prev_end})", r.dev_offset);
-            let end = r
-                .dev_offset
-                .checked_add(r.length)
-                .context("range end overflows")?;
+            ensure!(
+                r.dev_offset >= prev_end,
+                "range {i}: dev_offset {} overlaps or precedes the previous range (ends at {prev_end})",
+                r.dev_offset
+            );
+            let end = r.dev_offset.checked_add(r.length).context("range end overflows")?;
             ensure!(
                 end <= device_size,
                 "range {i}: ends at {end}, past device_size {device_size}"
             );
-            let pack = packs.get(r.pack as usize).with_context(|| {
-                format!("range {i}: pack index {} but only {n_packs} packs", r.pack)
-            })?;
-            let pend = r
-                .pack_offset
-                .checked_add(r.length)
-                .context("pack range overflows")?;
+            let pack = packs
+                .get(r.pack as usize)
+                .with_context(|| format!("range {i}: pack index {} but only {n_packs} packs", r.pack))?;
+            let pend = r.pack_offset.checked_add(r.length).context("pack range overflows")?;
             ensure!(
                 pend <= pack.size,
                 "range {i}: pack bytes [{}, {pend}) past pack {} size {}",
@@ -283,7 +265,8 @@ fn push_zero(out: &mut Vec<Segment>, len: u64) {
     }
 }
 
-/// Serialize a blockmap (tests and tools; the builder is the real writer).
+/// Serialize a blockmap (tests; the builder is the real writer).
+#[cfg(test)]
 pub fn encode(bm: &Blockmap) -> Vec<u8> {
     let mut v = Vec::new();
     v.extend_from_slice(MAGIC);
@@ -356,10 +339,7 @@ mod tests {
         assert_eq!(bm.ranges, sample().ranges);
         assert_eq!(bm.digest(0, 3), &[5; 32]);
         assert_eq!(bm.chunk_bounds(0, 3), (3 * 4096, 3 * 4096 + 100));
-        assert_eq!(
-            bm.segments(0, 4096).unwrap(),
-            vec![Segment::Zero { len: 4096 }]
-        );
+        assert_eq!(bm.segments(0, 4096).unwrap(), vec![Segment::Zero { len: 4096 }]);
         assert_eq!(
             bm.segments(4000, 4096 + 200).unwrap(),
             vec![
@@ -396,10 +376,7 @@ mod tests {
                 Segment::Zero { len: 50 },
             ]
         );
-        assert_eq!(
-            bm.segments(63 * 4096, 4096).unwrap(),
-            vec![Segment::Zero { len: 4096 }]
-        );
+        assert_eq!(bm.segments(63 * 4096, 4096).unwrap(), vec![Segment::Zero { len: 4096 }]);
         assert!(bm.segments(63 * 4096, 4097).is_err());
     }
 

@@ -49,7 +49,7 @@ pub struct Bundle {
     pub manifest: Manifest,
     /// `sha256:<hex>` of manifest.json's bytes.
     pub image_id: String,
-    pub blockmap: Blockmap,
+    pub blockmap: std::sync::Arc<Blockmap>,
 }
 
 pub fn sha256_hex(data: &[u8]) -> String {
@@ -63,9 +63,7 @@ pub fn sha256_file(path: &Path) -> Result<(String, u64)> {
     let mut buf = vec![0u8; 1 << 20];
     let mut total = 0u64;
     loop {
-        let n = f
-            .read(&mut buf)
-            .with_context(|| format!("{}: read", path.display()))?;
+        let n = f.read(&mut buf).with_context(|| format!("{}: read", path.display()))?;
         if n == 0 {
             break;
         }
@@ -114,8 +112,8 @@ impl Bundle {
                 mpath.display()
             );
         }
-        let manifest: Manifest = serde_json::from_slice(&mbytes)
-            .with_context(|| format!("{}: not a valid manifest", mpath.display()))?;
+        let manifest: Manifest =
+            serde_json::from_slice(&mbytes).with_context(|| format!("{}: not a valid manifest", mpath.display()))?;
         ensure!(
             manifest.format == "btrfs-ublk-image.bundle",
             "{}: format is {:?}, not \"btrfs-ublk-image.bundle\"",
@@ -129,9 +127,7 @@ impl Bundle {
             manifest.format_version
         );
         ensure!(
-            manifest.devices.len() == 2
-                && manifest.devices[0].devid == 1
-                && manifest.devices[1].devid == 2,
+            manifest.devices.len() == 2 && manifest.devices[0].devid == 1 && manifest.devices[1].devid == 2,
             "{}: devices must list devid 1 and 2",
             mpath.display()
         );
@@ -142,8 +138,7 @@ impl Bundle {
                 .get(name)
                 .with_context(|| format!("{}: files has no {name:?}", mpath.display()))?;
             let path = dir.join(name);
-            let meta =
-                std::fs::metadata(&path).with_context(|| format!("{}: stat", path.display()))?;
+            let meta = std::fs::metadata(&path).with_context(|| format!("{}: stat", path.display()))?;
             ensure!(
                 meta.len() == info.size,
                 "{}: size {} but the manifest says {}",
@@ -152,8 +147,8 @@ impl Bundle {
                 info.size
             );
             if hash {
-                let want = strip_sha(&info.sha256)
-                    .with_context(|| format!("{}: files.{name}.sha256", mpath.display()))?;
+                let want =
+                    strip_sha(&info.sha256).with_context(|| format!("{}: files.{name}.sha256", mpath.display()))?;
                 let (got, _) = sha256_file(&path)?;
                 ensure!(
                     got == want,
@@ -171,8 +166,7 @@ impl Bundle {
             manifest.devices[0].size
         );
         let bm_path = check("blockmap", false)?;
-        let bm_bytes =
-            std::fs::read(&bm_path).with_context(|| format!("{}: read", bm_path.display()))?;
+        let bm_bytes = std::fs::read(&bm_path).with_context(|| format!("{}: read", bm_path.display()))?;
         let want = strip_sha(&manifest.files["blockmap"].sha256)?;
         let got = sha256_hex(&bm_bytes);
         ensure!(
@@ -180,8 +174,8 @@ impl Bundle {
             "{}: sha256 is {got}, the manifest says {want}",
             bm_path.display()
         );
-        let blockmap = Blockmap::parse(&bm_bytes)
-            .with_context(|| format!("{}: invalid blockmap", bm_path.display()))?;
+        let blockmap =
+            Blockmap::parse(&bm_bytes).with_context(|| format!("{}: invalid blockmap", bm_path.display()))?;
 
         ensure!(
             blockmap.device_size == manifest.devices[1].size,
@@ -238,7 +232,7 @@ impl Bundle {
             dir,
             manifest,
             image_id,
-            blockmap,
+            blockmap: blockmap.into(),
         })
     }
 
@@ -247,10 +241,6 @@ impl Bundle {
     }
 
     pub fn pack_paths(&self) -> Vec<PathBuf> {
-        self.manifest
-            .packs
-            .iter()
-            .map(|p| self.dir.join(&p.path))
-            .collect()
+        self.manifest.packs.iter().map(|p| self.dir.join(&p.path)).collect()
     }
 }

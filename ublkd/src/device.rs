@@ -18,6 +18,18 @@ pub enum ReadError {
     Chunk(crate::verify::ChunkError),
 }
 
+impl std::fmt::Display for ReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReadError::OutOfRange => write!(f, "read past the end of device 2"),
+            ReadError::Chunk(crate::verify::ChunkError::Read(m)) => write!(f, "{m}"),
+            ReadError::Chunk(crate::verify::ChunkError::Mismatch { pack, chunk }) => {
+                write!(f, "pack {pack} chunk {chunk} failed verification")
+            }
+        }
+    }
+}
+
 impl Device2 {
     pub fn size(&self) -> u64 {
         self.chunks.blockmap().device_size
@@ -47,9 +59,7 @@ impl Device2 {
             let out = &mut buf[pos..pos + len];
             match s {
                 Segment::Zero { .. } => out.fill(0),
-                Segment::Pack {
-                    pack, pack_offset, ..
-                } => self
+                Segment::Pack { pack, pack_offset, .. } => self
                     .chunks
                     .read_pack(pack, pack_offset, out)
                     .map_err(ReadError::Chunk)?,
@@ -87,10 +97,7 @@ pub mod tests {
                 (x >> 24) as u8
             })
             .collect();
-        let digests: Vec<[u8; 32]> = pack
-            .chunks(chunk)
-            .map(|c| Sha256::digest(c).into())
-            .collect();
+        let digests: Vec<[u8; 32]> = pack.chunks(chunk).map(|c| Sha256::digest(c).into()).collect();
         let mut h = Sha256::new();
         for d in &digests {
             h.update(d);
@@ -133,11 +140,7 @@ pub mod tests {
         let bm = Blockmap::parse(&encode(&bm)).unwrap();
         let mut expect = vec![0u8; device_size as usize];
         for r in &ranges {
-            let (d, p, l) = (
-                r.dev_offset as usize,
-                r.pack_offset as usize,
-                r.length as usize,
-            );
+            let (d, p, l) = (r.dev_offset as usize, r.pack_offset as usize, r.length as usize);
             expect[d..d + l].copy_from_slice(&pack[p..p + l]);
         }
         let counters = Arc::new(Counters::default());
@@ -163,12 +166,7 @@ pub mod tests {
             dev.read(off as u64, &mut b).unwrap();
             assert_eq!(b, expect[off..off + 4096], "block at {off}");
         }
-        for (off, len) in [
-            (1usize, 10000usize),
-            (4095, 3),
-            (size - 5000, 5000),
-            (12345, 40000),
-        ] {
+        for (off, len) in [(1usize, 10000usize), (4095, 3), (size - 5000, 5000), (12345, 40000)] {
             let mut b = vec![0u8; len];
             dev.read(off as u64, &mut b).unwrap();
             assert_eq!(b, expect[off..off + len]);
@@ -177,10 +175,7 @@ pub mod tests {
         assert!(dev.read(size as u64 - 4095, &mut b).is_err());
         let s = dev.counters.snapshot();
         assert_eq!(s.verify_failures, 0);
-        assert!(
-            s.chunks_verified >= 6,
-            "every pack chunk was needed at least once"
-        );
+        assert!(s.chunks_verified >= 6, "every pack chunk was needed at least once");
         assert!(dev.chunks.cache_len() <= 4);
     }
 

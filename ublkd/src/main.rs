@@ -1,9 +1,66 @@
+//! ublkd: serve a btrfs-ublk-image bundle's data device lazily and mount the image.
+
 mod blockmap;
 mod bundle;
 mod device;
 mod frontend;
+mod ops;
 mod plumbing;
+mod server;
 mod state;
 mod stats;
 mod verify;
-fn main() {}
+
+use clap::{Parser, Subcommand};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "ublkd",
+    version,
+    about = "Serve btrfs-ublk-image bundles lazily and mount them"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Verify a bundle, serve its device 2 in the background and mount the image.
+    Mount(ops::MountArgs),
+    /// Unmount, detach every device, stop the server, remove the state.
+    Umount {
+        mountpoint: PathBuf,
+        /// Detach the mount even if it is busy (MNT_DETACH).
+        #[arg(long)]
+        lazy: bool,
+    },
+    /// List mounts with their devices and the server's counters.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Restart a dead server and reattach device 2 without unmounting.
+    Recover { mountpoint: PathBuf },
+    /// Run the device-2 server in the foreground (what `mount` starts).
+    Serve(server::ServeArgs),
+}
+
+fn main() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info,fuser=error"))
+        .format_target(false)
+        .init();
+    let cli = Cli::parse();
+    let res = match cli.cmd {
+        Cmd::Mount(a) => ops::mount(a),
+        Cmd::Umount { mountpoint, lazy } => ops::umount(&mountpoint, lazy),
+        Cmd::Status { json } => ops::status(json),
+        Cmd::Recover { mountpoint } => ops::recover(&mountpoint),
+        Cmd::Serve(a) => server::serve(a),
+    };
+    if let Err(e) = res {
+        eprintln!("ublkd: error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -122,8 +122,7 @@ pub fn lock(path: &Path) -> Result<Lock> {
         .with_context(|| format!("{}: open", path.display()))?;
     // SAFETY: flock on an fd we own.
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("{}: flock", path.display()));
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("{}: flock", path.display()));
     }
     Ok(Lock(f))
 }

@@ -9,9 +9,9 @@
 use crate::device::Device2;
 use anyhow::{Context, Result};
 use fuser::{
-    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner,
-    OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry,
-    ReplyOpen, ReplyWrite, Request, WriteFlags,
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner, OpenAccMode,
+    OpenFlags, ReplyAttr, ReplyData, ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyWrite, Request,
+    WriteFlags,
 };
 use std::ffi::{CString, OsStr};
 use std::fs::File;
@@ -106,7 +106,10 @@ impl Filesystem for DevFs {
         let mut buf = vec![0u8; len];
         match self.dev.read(offset, &mut buf) {
             Ok(()) => reply.data(&buf),
-            Err(_) => reply.error(Errno::EIO),
+            Err(e) => {
+                log::debug!("read [{offset}, +{len}): {e}");
+                reply.error(Errno::EIO)
+            }
         }
     }
 
@@ -126,36 +129,15 @@ impl Filesystem for DevFs {
         reply.error(Errno::EROFS);
     }
 
-    fn flush(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _lock_owner: LockOwner,
-        reply: ReplyEmpty,
-    ) {
+    fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
         reply.ok();
     }
 
-    fn fsync(
-        &self,
-        _req: &Request,
-        _ino: INodeNo,
-        _fh: FileHandle,
-        _datasync: bool,
-        reply: ReplyEmpty,
-    ) {
+    fn fsync(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
         reply.ok();
     }
 
-    fn readdir(
-        &self,
-        _req: &Request,
-        ino: INodeNo,
-        _fh: FileHandle,
-        offset: u64,
-        mut reply: ReplyDirectory,
-    ) {
+    fn readdir(&self, _req: &Request, ino: INodeNo, _fh: FileHandle, offset: u64, mut reply: ReplyDirectory) {
         if ino.0 != ROOT {
             return reply.error(Errno::ENOTDIR);
         }
@@ -180,8 +162,7 @@ fn sys_fsopen(name: &str) -> Result<OwnedFd> {
         libc::syscall(libc::SYS_fsopen, c.as_ptr(), 1 /* FSOPEN_CLOEXEC */)
     };
     if r < 0 {
-        return Err(std::io::Error::last_os_error())
-            .context("fsopen(\"fuse\") (kernel without the new mount API?)");
+        return Err(std::io::Error::last_os_error()).context("fsopen(\"fuse\") (kernel without the new mount API?)");
     }
     // SAFETY: r is a fresh fd we own.
     Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
@@ -191,19 +172,9 @@ fn sys_fsconfig_str(fsfd: &OwnedFd, key: &str, value: &str) -> Result<()> {
     let k = CString::new(key).unwrap();
     let v = CString::new(value).unwrap();
     // SAFETY: FSCONFIG_SET_STRING (1) with valid C strings.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_fsconfig,
-            fsfd.as_raw_fd(),
-            1,
-            k.as_ptr(),
-            v.as_ptr(),
-            0,
-        )
-    };
+    let r = unsafe { libc::syscall(libc::SYS_fsconfig, fsfd.as_raw_fd(), 1, k.as_ptr(), v.as_ptr(), 0) };
     if r < 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("fsconfig fuse {key}={value}"));
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("fsconfig fuse {key}={value}"));
     }
     Ok(())
 }
@@ -229,14 +200,7 @@ fn sys_fsconfig_create(fsfd: &OwnedFd) -> Result<()> {
 fn sys_fsmount(fsfd: &OwnedFd) -> Result<OwnedFd> {
     // FSMOUNT_CLOEXEC; MOUNT_ATTR_RDONLY | NOSUID | NODEV | NOEXEC
     // SAFETY: fsmount(2) on a configured fs context.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_fsmount,
-            fsfd.as_raw_fd(),
-            1,
-            0x1 | 0x2 | 0x4 | 0x8,
-        )
-    };
+    let r = unsafe { libc::syscall(libc::SYS_fsmount, fsfd.as_raw_fd(), 1, 0x1 | 0x2 | 0x4 | 0x8) };
     if r < 0 {
         return Err(std::io::Error::last_os_error()).context("fsmount fuse");
     }
@@ -275,21 +239,14 @@ pub fn start(dev: Arc<Device2>, threads: usize) -> Result<FuseFrontend> {
     config.n_threads = Some(threads.max(1));
     config.clone_fd = true;
     let fs = DevFs { dev, uid, gid };
-    let session = fuser::Session::from_fd(fs, fuse, fuser::SessionACL::All, config)
-        .context("FUSE handshake")?;
+    let session = fuser::Session::from_fd(fs, fuse, fuser::SessionACL::All, config).context("FUSE handshake")?;
     let session = std::thread::Builder::new()
         .name("fuse".into())
         .spawn(move || session.run())?;
 
     let name = CString::new(FILE_NAME).unwrap();
     // SAFETY: openat on the detached mount's root fd.
-    let fd = unsafe {
-        libc::openat(
-            mnt.as_raw_fd(),
-            name.as_ptr(),
-            libc::O_RDONLY | libc::O_CLOEXEC,
-        )
-    };
+    let fd = unsafe { libc::openat(mnt.as_raw_fd(), name.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error()).context("open dev2 on the FUSE mount");
     }

@@ -65,11 +65,7 @@ fn queue_fn(qid: u16, udev: &UblkDev, dev: Arc<Device2>) {
         // from this queue thread; the kernel reads it after we complete the command.
         let slice = unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr(), b.len()) };
         let res = handle(&dev, q, tag, slice);
-        if let Err(e) = q.complete_io_cmd_unified(
-            tag,
-            BufDesc::Slice(b.as_slice()),
-            Ok(UblkIORes::Result(res)),
-        ) {
+        if let Err(e) = q.complete_io_cmd_unified(tag, BufDesc::Slice(b.as_slice()), Ok(UblkIORes::Result(res))) {
             log::error!("ublk queue {qid}: complete tag {tag}: {e}");
         }
     };
@@ -90,9 +86,7 @@ pub fn begin_recovery(id: i32) -> Result<()> {
     let ctrl = UblkCtrl::new_simple(id).map_err(|e| anyhow!("ublk device {id}: {e}"))?;
     let info = ctrl.dev_info();
     if info.flags & sys::UBLK_F_USER_RECOVERY as u64 == 0 {
-        return Err(anyhow!(
-            "ublk device {id} was not created with UBLK_F_USER_RECOVERY"
-        ));
+        return Err(anyhow!("ublk device {id} was not created with UBLK_F_USER_RECOVERY"));
     }
     ctrl.start_user_recover()
         .map_err(|e| anyhow!("ublk device {id}: START_USER_RECOVERY: {e}"))?;
@@ -102,8 +96,7 @@ pub fn begin_recovery(id: i32) -> Result<()> {
 /// Delete a ublk device (umount after the server died). Pending I/O fails.
 pub fn delete(id: i32) -> Result<()> {
     let ctrl = UblkCtrl::new_simple(id).map_err(|e| anyhow!("ublk device {id}: {e}"))?;
-    ctrl.del_dev()
-        .map_err(|e| anyhow!("ublk device {id}: delete: {e}"))?;
+    ctrl.del_dev().map_err(|e| anyhow!("ublk device {id}: delete: {e}"))?;
     Ok(())
 }
 

@@ -22,31 +22,11 @@ pub struct DevInfoArgs {
     pub path: [u8; 1024],
 }
 
-#[repr(C)]
-pub struct FsInfoArgs {
-    pub max_id: u64,
-    pub num_devices: u64,
-    pub fsid: [u8; 16],
-    pub nodesize: u32,
-    pub sectorsize: u32,
-    pub clone_alignment: u32,
-    pub csum_type: u16,
-    pub csum_size: u16,
-    pub flags: u64,
-    pub generation: u64,
-    pub metadata_uuid: [u8; 16],
-    reserved: [u8; 944],
-}
-
 const _: () = assert!(std::mem::size_of::<VolArgs>() == 4096);
 const _: () = assert!(std::mem::size_of::<DevInfoArgs>() == 4096);
-const _: () = assert!(std::mem::size_of::<FsInfoArgs>() == 1024);
 
 const fn iow(nr: u64, size: usize) -> libc::c_ulong {
     ((1u64 << 30) | ((size as u64) << 16) | (0x94 << 8) | nr) as libc::c_ulong
-}
-const fn ior(nr: u64, size: usize) -> libc::c_ulong {
-    ((2u64 << 30) | ((size as u64) << 16) | (0x94 << 8) | nr) as libc::c_ulong
 }
 const fn iowr(nr: u64, size: usize) -> libc::c_ulong {
     ((3u64 << 30) | ((size as u64) << 16) | (0x94 << 8) | nr) as libc::c_ulong
@@ -55,13 +35,9 @@ const BTRFS_IOC_SCAN_DEV: libc::c_ulong = iow(4, 4096);
 const BTRFS_IOC_FORGET_DEV: libc::c_ulong = iow(5, 4096);
 const BTRFS_IOC_ADD_DEV: libc::c_ulong = iow(10, 4096);
 const BTRFS_IOC_DEV_INFO: libc::c_ulong = iowr(30, 4096);
-const BTRFS_IOC_FS_INFO: libc::c_ulong = ior(31, 1024);
 
 fn vol_args(dev: &Path) -> Box<VolArgs> {
-    let mut a = Box::new(VolArgs {
-        fd: 0,
-        name: [0; 4088],
-    });
+    let mut a = Box::new(VolArgs { fd: 0, name: [0; 4088] });
     let b = dev.as_os_str().as_encoded_bytes();
     let n = b.len().min(4087);
     a.name[..n].copy_from_slice(&b[..n]);
@@ -89,44 +65,19 @@ fn control() -> Result<File> {
 
 /// `btrfs device scan DEV`: register a device with the kernel.
 pub fn scan(dev: &Path) -> Result<()> {
-    vol_ioctl(&control()?, BTRFS_IOC_SCAN_DEV, dev)
-        .with_context(|| format!("btrfs device scan {}", dev.display()))
+    vol_ioctl(&control()?, BTRFS_IOC_SCAN_DEV, dev).with_context(|| format!("btrfs device scan {}", dev.display()))
 }
 
 /// `btrfs device scan --forget DEV`: drop a registered, unmounted device.
 pub fn forget(dev: &Path) -> Result<()> {
-    vol_ioctl(&control()?, BTRFS_IOC_FORGET_DEV, dev)
-        .with_context(|| format!("btrfs device forget {}", dev.display()))
+    vol_ioctl(&control()?, BTRFS_IOC_FORGET_DEV, dev).with_context(|| format!("btrfs device forget {}", dev.display()))
 }
 
 /// `btrfs device add DEV MNT`.
 pub fn add_device(mountpoint: &Path, dev: &Path) -> Result<()> {
     let f = File::open(mountpoint).with_context(|| format!("{}: open", mountpoint.display()))?;
-    vol_ioctl(&f, BTRFS_IOC_ADD_DEV, dev).with_context(|| {
-        format!(
-            "btrfs device add {} {}",
-            dev.display(),
-            mountpoint.display()
-        )
-    })
-}
-
-pub fn fs_info(mountpoint: &Path) -> Result<Box<FsInfoArgs>> {
-    let f = File::open(mountpoint).with_context(|| format!("{}: open", mountpoint.display()))?;
-    // SAFETY: all-zero is a valid FsInfoArgs; the ioctl fills it.
-    let mut a: Box<FsInfoArgs> = Box::new(unsafe { std::mem::zeroed() });
-    let r = unsafe {
-        libc::ioctl(
-            f.as_raw_fd(),
-            BTRFS_IOC_FS_INFO as _,
-            &mut *a as *mut FsInfoArgs,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("{}: BTRFS_IOC_FS_INFO", mountpoint.display()));
-    }
-    Ok(a)
+    vol_ioctl(&f, BTRFS_IOC_ADD_DEV, dev)
+        .with_context(|| format!("btrfs device add {} {}", dev.display(), mountpoint.display()))
 }
 
 /// Device `devid` of the filesystem mounted at `mountpoint` (seed devices included).
@@ -135,21 +86,13 @@ pub fn dev_info(mountpoint: &Path, devid: u64) -> Result<Option<Box<DevInfoArgs>
     // SAFETY: all-zero is a valid DevInfoArgs; the ioctl fills it.
     let mut a: Box<DevInfoArgs> = Box::new(unsafe { std::mem::zeroed() });
     a.devid = devid;
-    let r = unsafe {
-        libc::ioctl(
-            f.as_raw_fd(),
-            BTRFS_IOC_DEV_INFO as _,
-            &mut *a as *mut DevInfoArgs,
-        )
-    };
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), BTRFS_IOC_DEV_INFO as _, &mut *a as *mut DevInfoArgs) };
     if r < 0 {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::ENODEV) {
             return Ok(None);
         }
-        return Err(e).with_context(|| {
-            format!("{}: BTRFS_IOC_DEV_INFO devid {devid}", mountpoint.display())
-        });
+        return Err(e).with_context(|| format!("{}: BTRFS_IOC_DEV_INFO devid {devid}", mountpoint.display()));
     }
     Ok(Some(a))
 }

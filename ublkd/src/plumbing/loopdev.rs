@@ -6,7 +6,6 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 const LOOP_CLR_FD: libc::c_ulong = 0x4C01;
-const LOOP_GET_STATUS64: libc::c_ulong = 0x4C05;
 const LOOP_CHANGE_FD: libc::c_ulong = 0x4C06;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
@@ -87,14 +86,9 @@ pub fn attach(backing: &File, name: &Path, opts: &AttachOptions) -> Result<LoopD
         flags |= LO_FLAGS_AUTOCLEAR;
     }
     for _attempt in 0..20 {
-        let n = ioctl(&ctl, LOOP_CTL_GET_FREE, 0).context("/dev/loop-control: LOOP_CTL_GET_FREE")?
-            as u32;
+        let n = ioctl(&ctl, LOOP_CTL_GET_FREE, 0).context("/dev/loop-control: LOOP_CTL_GET_FREE")? as u32;
         let path = PathBuf::from(format!("/dev/loop{n}"));
-        let dev = match OpenOptions::new()
-            .read(true)
-            .write(!opts.read_only)
-            .open(&path)
-        {
+        let dev = match OpenOptions::new().read(true).write(!opts.read_only).open(&path) {
             Ok(f) => f,
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
                 // udev-less systems: the node appears a moment after GET_FREE
@@ -115,26 +109,10 @@ pub fn attach(backing: &File, name: &Path, opts: &AttachOptions) -> Result<LoopD
                 info,
                 reserved: [0; 8],
             };
-            ioctl(
-                &dev,
-                LOOP_CONFIGURE,
-                &cfg as *const LoopConfig as libc::c_ulong,
-            )
+            ioctl(&dev, LOOP_CONFIGURE, &cfg as *const LoopConfig as libc::c_ulong)
         };
-        let mut res = try_flags(
-            flags
-                | if opts.direct_io {
-                    LO_FLAGS_DIRECT_IO
-                } else {
-                    0
-                },
-        );
-        if opts.direct_io
-            && matches!(
-                res.as_ref().map_err(|e| e.raw_os_error()),
-                Err(Some(libc::EINVAL))
-            )
-        {
+        let mut res = try_flags(flags | if opts.direct_io { LO_FLAGS_DIRECT_IO } else { 0 });
+        if opts.direct_io && matches!(res.as_ref().map_err(|e| e.raw_os_error()), Err(Some(libc::EINVAL))) {
             log::warn!(
                 "{}: direct I/O refused for {}, attaching without it",
                 path.display(),
@@ -157,9 +135,7 @@ pub fn attach(backing: &File, name: &Path, opts: &AttachOptions) -> Result<LoopD
             // somebody else took this device between GET_FREE and CONFIGURE: try another
             Err(e) if e.raw_os_error() == Some(libc::EBUSY) => continue,
             Err(e) => {
-                return Err(e).with_context(|| {
-                    format!("{}: LOOP_CONFIGURE with {}", path.display(), name.display())
-                })
+                return Err(e).with_context(|| format!("{}: LOOP_CONFIGURE with {}", path.display(), name.display()))
             }
         }
     }
@@ -201,16 +177,4 @@ pub fn change_fd(number: u32, backing: &File) -> Result<()> {
     ioctl(&dev, LOOP_CHANGE_FD, backing.as_raw_fd() as libc::c_ulong)
         .with_context(|| format!("{path}: LOOP_CHANGE_FD"))?;
     Ok(())
-}
-
-/// lo_flags of an attached device (tests, status).
-pub fn flags(dev: &File) -> Result<u32> {
-    let mut info: LoopInfo64 = unsafe { std::mem::zeroed() };
-    ioctl(
-        dev,
-        LOOP_GET_STATUS64,
-        &mut info as *mut LoopInfo64 as libc::c_ulong,
-    )
-    .context("LOOP_GET_STATUS64")?;
-    Ok(info.lo_flags)
 }

@@ -5,17 +5,8 @@ use nix::mount::{MntFlags, MsFlags};
 use std::path::Path;
 
 /// Mount btrfs from `source`, naming every device with `device=` options.
-pub fn mount_btrfs(
-    source: &Path,
-    target: &Path,
-    devices: &[&Path],
-    read_only: bool,
-    extra: &str,
-) -> Result<()> {
-    let mut opts: Vec<String> = devices
-        .iter()
-        .map(|d| format!("device={}", d.display()))
-        .collect();
+pub fn mount_btrfs(source: &Path, target: &Path, devices: &[&Path], read_only: bool, extra: &str) -> Result<()> {
+    let mut opts: Vec<String> = devices.iter().map(|d| format!("device={}", d.display())).collect();
     if !extra.is_empty() {
         opts.push(extra.to_string());
     }
@@ -25,14 +16,7 @@ pub fn mount_btrfs(
     } else {
         MsFlags::empty()
     };
-    nix::mount::mount(
-        Some(source),
-        target,
-        Some("btrfs"),
-        flags,
-        Some(data.as_str()),
-    )
-    .with_context(|| {
+    nix::mount::mount(Some(source), target, Some("btrfs"), flags, Some(data.as_str())).with_context(|| {
         format!(
             "mount -t btrfs -o {}{data} {} {}",
             if read_only { "ro," } else { "" },
@@ -43,25 +27,12 @@ pub fn mount_btrfs(
 }
 
 pub fn remount_rw(target: &Path) -> Result<()> {
-    nix::mount::mount(
-        None::<&str>,
-        target,
-        None::<&str>,
-        MsFlags::MS_REMOUNT,
-        None::<&str>,
-    )
-    .with_context(|| format!("mount -o remount,rw {}", target.display()))
+    nix::mount::mount(None::<&str>, target, None::<&str>, MsFlags::MS_REMOUNT, None::<&str>)
+        .with_context(|| format!("mount -o remount,rw {}", target.display()))
 }
 
 pub fn umount(target: &Path, lazy: bool) -> nix::Result<()> {
-    nix::mount::umount2(
-        target,
-        if lazy {
-            MntFlags::MNT_DETACH
-        } else {
-            MntFlags::empty()
-        },
-    )
+    nix::mount::umount2(target, if lazy { MntFlags::MNT_DETACH } else { MntFlags::empty() })
 }
 
 #[derive(Debug, Clone)]
@@ -91,8 +62,7 @@ fn unescape(s: &str) -> String {
 }
 
 pub fn mounts() -> Result<Vec<MountInfo>> {
-    let text =
-        std::fs::read_to_string("/proc/self/mountinfo").context("/proc/self/mountinfo: read")?;
+    let text = std::fs::read_to_string("/proc/self/mountinfo").context("/proc/self/mountinfo: read")?;
     let mut out = Vec::new();
     for line in text.lines() {
         let (left, right) = match line.split_once(" - ") {

@@ -82,12 +82,7 @@ impl VerifiedChunks {
         }
         if c.map.len() >= self.capacity {
             // evict the least recently used entry (the cache is small: a scan is fine)
-            if let Some(old) = c
-                .map
-                .iter()
-                .min_by_key(|(_, (_, used))| *used)
-                .map(|(k, _)| *k)
-            {
+            if let Some(old) = c.map.iter().min_by_key(|(_, (_, used))| *used).map(|(k, _)| *k) {
                 c.map.remove(&old);
             }
         }

@@ -34,10 +34,6 @@ impl LocalPacks {
         }
         Ok(LocalPacks { files })
     }
-
-    pub fn path(&self, pack: u32) -> &std::path::Path {
-        &self.files[pack as usize].0
-    }
 }
 
 impl PackSource for LocalPacks {

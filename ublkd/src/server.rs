@@ -1,0 +1,245 @@
+//! `ublkd serve`: the device-2 server. It opens and verifies the bundle, builds the
+//! one [`Device2`] read path, starts a frontend on it, announces itself with one
+//! `READY {json}` line on stdout, publishes counters to `<dir>/stats.json`, and runs
+//! until SIGTERM/SIGINT (or until its frontend goes away).
+//!
+//! The serving core (`Device2`: blockmap, verified chunk cache, counters) does not
+//! know how many device instances sit on it: a FUSE file can back any number of loop
+//! devices, and more ublk devices could be added over the same `Arc<Device2>`.
+
+use crate::bundle::Bundle;
+use crate::device::Device2;
+use crate::frontend::{self, Kind};
+use crate::state::write_atomic;
+use crate::stats::Counters;
+use crate::verify::source::LocalPacks;
+use crate::verify::VerifiedChunks;
+use anyhow::{bail, Context, Result};
+use nix::sys::signal::{SigSet, Signal};
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Bundle directory.
+    pub bundle: PathBuf,
+    /// Frontend (auto: ublk when available, else fuse).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub frontend: Kind,
+    /// Directory for stats.json (the mount's state directory when started by `mount`).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Refuse to serve unless the bundle's image id is this.
+    #[arg(long)]
+    pub expect_id: Option<String>,
+    /// Memory for verified chunks, in MiB.
+    #[arg(long, default_value_t = 256)]
+    pub cache_mb: u64,
+    /// FUSE worker threads / ublk queues.
+    #[arg(long, default_value_t = 4)]
+    pub threads: usize,
+    /// Reattach to an existing ublk device left by a dead server (USER_RECOVERY).
+    #[arg(long)]
+    pub ublk_recover: Option<i32>,
+}
+
+/// The line `serve` prints once the device is live.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Ready {
+    pub pid: i32,
+    pub frontend: String,
+    /// The device-2 node: /dev/ublkbN, or /proc/<pid>/fd/<n> for the FUSE file.
+    pub device: String,
+    pub ublk_id: Option<i32>,
+    pub image_id: String,
+}
+
+enum Event {
+    Signal(Signal),
+    FrontendEnded(String),
+    Ready(Ready),
+    Failed(String),
+}
+
+fn announce(r: &Ready) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "READY {}", serde_json::to_string(r)?)?;
+    out.flush()?;
+    // nobody reads stdout after this: point it at /dev/null so a closed pipe cannot hurt
+    let null = std::fs::OpenOptions::new().write(true).open("/dev/null")?;
+    nix::unistd::dup2(null.as_raw_fd(), 1)?;
+    Ok(())
+}
+
+fn stats_writer(counters: Arc<Counters>, dir: PathBuf) {
+    std::thread::Builder::new()
+        .name("stats".into())
+        .spawn(move || {
+            let mut last = None;
+            loop {
+                let s = counters.snapshot();
+                if last.as_ref() != Some(&s) {
+                    if let Ok(b) = serde_json::to_vec(&s) {
+                        let _ = write_atomic(&dir.join("stats.json"), &b);
+                    }
+                    last = Some(s);
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        })
+        .expect("spawn stats thread");
+}
+
+pub fn open_device(bundle: &Bundle, counters: Arc<Counters>, cache_mb: u64) -> Result<Arc<Device2>> {
+    let paths = bundle.pack_paths();
+    let sizes: Vec<u64> = bundle.blockmap.packs.iter().map(|p| p.size).collect();
+    let src = LocalPacks::open(&paths, &sizes)?;
+    let names = bundle.manifest.packs.iter().map(|p| p.path.clone()).collect();
+    let bm = bundle.blockmap.clone();
+    let chunks = VerifiedChunks::new(bm, Box::new(src), counters.clone(), cache_mb << 20, names);
+    Ok(Arc::new(Device2 { chunks, counters }))
+}
+
+pub fn serve(args: ServeArgs) -> Result<()> {
+    // signals are taken synchronously by one thread; block them before any thread starts
+    let mut set = SigSet::empty();
+    for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+        set.add(s);
+    }
+    set.thread_block().context("block signals")?;
+    // SAFETY: ignoring SIGPIPE is always sound.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+
+    let bundle = Bundle::open(&args.bundle, args.expect_id.as_deref(), false)?;
+    let counters = Arc::new(Counters::default());
+    let dev = open_device(&bundle, counters.clone(), args.cache_mb)?;
+    if let Some(dir) = &args.dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("{}: mkdir", dir.display()))?;
+        stats_writer(counters.clone(), dir.clone());
+    }
+    let kind = match args.frontend {
+        Kind::Auto => frontend::choose(Kind::Auto)?.0,
+        k => k,
+    };
+    log::info!(
+        "serving {} ({}), device 2 = {} bytes, {} ranges, frontend {}",
+        bundle.dir.display(),
+        bundle.image_id,
+        dev.size(),
+        bundle.blockmap.ranges.len(),
+        kind.as_str()
+    );
+
+    let (tx, rx) = mpsc::channel::<Event>();
+    {
+        let tx = tx.clone();
+        std::thread::Builder::new().name("signals".into()).spawn(move || loop {
+            if let Ok(sig) = set.wait() {
+                let _ = tx.send(Event::Signal(sig));
+            }
+        })?;
+    }
+    let pid = std::process::id() as i32;
+    let image_id = bundle.image_id.clone();
+
+    match kind {
+        Kind::Fuse => {
+            let fe = frontend::fuse::start(dev.clone(), args.threads)?;
+            let device = format!("/proc/{pid}/fd/{}", fe.file.as_raw_fd());
+            announce(&Ready {
+                pid,
+                frontend: "fuse".into(),
+                device,
+                ublk_id: None,
+                image_id,
+            })?;
+            let tx2 = tx.clone();
+            let session = fe.session;
+            std::thread::spawn(move || {
+                let r = session.join();
+                let _ = tx2.send(Event::FrontendEnded(format!("FUSE session ended: {r:?}")));
+            });
+            let ev = rx.recv().context("event channel")?;
+            match ev {
+                Event::Signal(s) => log::info!("{s}: stopping"),
+                Event::FrontendEnded(m) => log::info!("{m}"),
+                _ => {}
+            }
+            // exiting closes /dev/fuse: a loop device still on dev2 gets EIO from now on
+            write_final(&args.dir, &counters);
+            Ok(())
+        }
+        Kind::Ublk => {
+            let stopper = frontend::ublk::Stopper::default();
+            let opts = frontend::ublk::Options {
+                nr_queues: args.threads.clamp(1, 4) as u16,
+                recover_id: args.ublk_recover,
+                ..Default::default()
+            };
+            let tx_ready = tx.clone();
+            let tx_end = tx.clone();
+            let st = stopper.clone();
+            let d = dev.clone();
+            let img = image_id.clone();
+            let worker = std::thread::Builder::new().name("ublk".into()).spawn(move || {
+                let ready = move |path: String, id: i32| {
+                    let _ = tx_ready.send(Event::Ready(Ready {
+                        pid,
+                        frontend: "ublk".into(),
+                        device: path,
+                        ublk_id: Some(id),
+                        image_id: img,
+                    }));
+                };
+                let r = frontend::ublk::run(d, opts, ready, st);
+                let _ = tx_end.send(match r {
+                    Ok(()) => Event::FrontendEnded("ublk device stopped".into()),
+                    Err(e) => Event::Failed(format!("{e:#}")),
+                });
+            })?;
+            let mut live = false;
+            loop {
+                match rx.recv().context("event channel")? {
+                    Event::Ready(r) => {
+                        announce(&r)?;
+                        live = true;
+                    }
+                    Event::Signal(s) => {
+                        log::info!("{s}: stopping, deleting the ublk device");
+                        stopper.stop();
+                        let _ = worker.join();
+                        stopper.delete();
+                        break;
+                    }
+                    Event::FrontendEnded(m) => {
+                        log::info!("{m}");
+                        break;
+                    }
+                    Event::Failed(m) => {
+                        if live {
+                            log::error!("{m}");
+                            break;
+                        }
+                        bail!("{m}");
+                    }
+                }
+            }
+            write_final(&args.dir, &counters);
+            Ok(())
+        }
+        Kind::Auto => unreachable!(),
+    }
+}
+
+fn write_final(dir: &Option<PathBuf>, counters: &Counters) {
+    if let Some(d) = dir {
+        if let Ok(b) = serde_json::to_vec(&counters.snapshot()) {
+            let _ = write_atomic(&Path::new(d).join("stats.json"), &b);
+        }
+    }
+}
