@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -36,10 +37,9 @@ harness = _load_harness()
 @pytest.mark.skipif(os.environ.get("BUI_IN_VM") == "1", reason="already inside the VM")
 def test_vm_suite(capsys: pytest.CaptureFixture[str]) -> None:
     try:
-        assets = harness.prepare()
+        res = harness.run_pytest(shlex.split(os.environ.get("BUI_VM_PYTEST_ARGS", "")))
     except harness.VMError as e:
         pytest.fail(f"VM assets could not be prepared: {e}", pytrace=False)
-    res = harness.run_pytest(os.environ.get("BUI_VM_PYTEST_ARGS", "").split(), assets=assets)
     report = harness.summary(res)
     if res.ok:
         with capsys.disabled():  # CI output lists each guest test on success too

@@ -374,6 +374,8 @@ class RunResult:
     boots: list[Boot] = field(default_factory=list)
     kver: str = ""
     limit_s: float = TOTAL_TIMEOUT
+    prepare_s: float = 0.0  # prepare(): cached assets, or download + build
+    collect_s: float = 0.0  # host-side collection of the vm test files
 
     @property
     def share(self) -> Path:
@@ -644,13 +646,20 @@ def run_pytest(
     TCG, and the guest would otherwise import every test module of the suite just to
     deselect it); the guest then collects only those files.
     """
+    t0 = time.monotonic()
+    if assets is None:
+        assets = prepare()
+    t1 = time.monotonic()
     files = vm_test_files(pytest_args)
+    t2 = time.monotonic()
     args = [*files, *pytest_args]
     plugins = " ".join(f"-p no:{p}" for p in GUEST_NO_PLUGINS)
     body = PYTEST_BODY.format(
         python=shlex.quote(guest_python()), plugins=plugins, args=shlex.join(args)
     )
-    return run_in_vm(body, timeout=timeout, echo=echo, assets=assets)
+    res = run_in_vm(body, timeout=timeout, echo=echo, assets=assets)
+    res.prepare_s, res.collect_s = t1 - t0, t2 - t1
+    return res
 
 
 def vm_test_files(pytest_args: Sequence[str] = ()) -> list[str]:
@@ -752,7 +761,8 @@ def summary(res: RunResult) -> str:
     )
     lines = [
         f"VM run: kernel {res.read('uname').strip() or res.kver}; {boots}; guest rc={res.rc}",
-        f"results: {res.out}",
+        f"host side: prepare {res.prepare_s:.1f}s, vm test collection {res.collect_s:.1f}s; "
+        f"results in {res.out}",
     ]
     for c in cases:
         lines.append(f"  [guest] {c.outcome.upper():7} {c.nodeid} ({c.time_s:.1f}s)")
