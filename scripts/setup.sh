@@ -69,4 +69,4 @@ fi
 log "vm: preparing VM test assets"
 bash tests/vm/setup.sh
 # --- end VM test assets -------------------------------------------------------------------
-log "done: $(command -v btrfs-ublk-image)${UBLKD:+ }$(command -v ublkd || true)"
+log "done: $(command -v btrfs-ublk-image) $(command -v ublkd || echo "(no ublkd)")"
