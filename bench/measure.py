@@ -139,8 +139,28 @@ class Result:
         return statistics.median(self.walls)
 
     @property
+    def synced_median(self) -> float:
+        """Median of wall + the untimed sync after it: the time until the output is on disk."""
+        return statistics.median(s.wall_s + s.sync_s for s in self.samples)
+
+    @property
     def peak_rss_kib(self) -> int:
         return max(s.maxrss_kib for s in self.samples)
+
+    @classmethod
+    def from_json(cls, name: str, d: dict[str, Any]) -> Result:
+        """The inverse of ``to_json`` (derived figures are recomputed, not read)."""
+        return cls(
+            name,
+            d["label"],
+            list(d["cmd"]),
+            [Sample(**s) for s in d["samples"]],
+            d.get("output_bytes"),
+            d.get("output_alloc_bytes"),
+            list(d.get("steps", [])),
+            d.get("error"),
+            d.get("note"),
+        )
 
     def to_json(self, content_bytes: int, entries: int) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -158,6 +178,7 @@ class Result:
             d.update(
                 wall_min_s=self.wall_min,
                 wall_median_s=med,
+                wall_plus_sync_median_s=self.synced_median,
                 mb_per_s=content_bytes / 1e6 / med,
                 files_per_s=entries / med,
                 peak_rss_kib=self.peak_rss_kib,

@@ -81,16 +81,19 @@ def _rate(n: float) -> str:
 
 
 def build_table(results: Sequence[Result], content_bytes: int, entries: int, ours: str) -> str:
-    """The Build table in Markdown; the last column is that row's median wall / ours'."""
+    """The Build table in Markdown; the last column is that row's median wall / ours'.
+
+    Above 1.00x ours is faster than that row, below 1.00x slower.
+    """
     ref = next((r for r in results if r.name == ours and r.ok), None)
     rows = [
-        "| build | wall min (s) | wall median (s) | MB/s | files/s | peak RSS | RSS/file"
-        " | output | ours faster by |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| build | wall min (s) | wall median (s) | + sync (s) | MB/s | files/s | peak RSS"
+        " | RSS/file | output | its time / ours |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if not r.ok:
-            rows.append(f"| {r.label} | {r.error or 'not run'} | | | | | | | |")
+            rows.append(f"| {r.label} | {r.error or 'not run'} | | | | | | | | |")
             continue
         med = r.wall_median
         out = "" if r.output_bytes is None else human(r.output_bytes)
@@ -102,7 +105,8 @@ def build_table(results: Sequence[Result], content_bytes: int, entries: int, our
         else:
             ratio = f"{med / ref.wall_median:.2f}x"
         rows.append(
-            f"| {r.label} | {r.wall_min:.2f} | {med:.2f} | {_rate(content_bytes / 1e6 / med)}"
+            f"| {r.label} | {r.wall_min:.2f} | {med:.2f} | {r.synced_median:.2f}"
+            f" | {_rate(content_bytes / 1e6 / med)}"
             f" | {_rate(entries / med)} | {human(r.peak_rss_kib * 1024)}"
             f" | {r.peak_rss_kib * 1024 / max(1, entries):,.0f} B | {out} | {ratio} |"
         )
@@ -124,7 +128,7 @@ def build_section(doc: dict[str, Any], table: str) -> str:
     tools = "; ".join(f"{v}" for v in m.get("tools", {}).values() if v)
     lines = [
         f"Run `{b['command']}` on {machine_line(m)}.",
-        f"Tools: {tools}.",
+        f"Tools: {tools}. Builder at commit {b.get('builder_commit')}.",
         "",
         f"Input: one uncompressed pax tarball ({human(s['tar_bytes'])}) holding"
         f" {s['entries']:,} entries: {s['regular_names']:,} regular file names"
@@ -139,11 +143,29 @@ def build_section(doc: dict[str, Any], table: str) -> str:
         table.rstrip("\n"),
         "",
         "MB/s is content bytes (10^6) per second and files/s is entries per second, both from"
-        ' the median wall time; "ours faster by" is that row\'s median wall time divided by'
-        " ours. Peak RSS is the largest process of the command's tree (`wait4` rusage);"
-        " RSS/file divides it by the entry count. Output is the bundle (meta.img + blockmap +"
-        " packs) for ours, the image file for the others.",
+        ' the median wall time. "+ sync" is the median of wall time plus the untimed `sync`'
+        " after the command (until its output is on disk; ours and mkfs.btrfs fsync their"
+        ' output themselves). "its time / ours" is that row\'s median wall time divided by'
+        " ours' (above 1.00x ours is faster, below 1.00x ours is slower). Peak RSS is the"
+        " largest process of the command's tree (GNU time `%M`); RSS/file divides it by the"
+        " entry count. Output is the bundle (meta.img + blockmap + packs) for ours, the image"
+        " file for the others (allocated size when it differs, e.g. sparse).",
     ]
+    prof = b.get("profile")
+    if prof:
+        lines += [
+            "",
+            f"One more build under cProfile ({prof['total_s']:.1f} s profiled; cProfile"
+            " inflates call-heavy Python code), functions with the most own time:",
+            "",
+            "| own s | cumulative s | calls | function |",
+            "|---:|---:|---:|---|",
+        ]
+        for r in prof["top_by_tottime"][:12]:
+            fn = r["function"].replace("|", "\\|")
+            lines.append(
+                f"| {r['tottime_s']:.2f} | {r['cumtime_s']:.2f} | {r['calls']:,} | `{fn}` |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -101,7 +101,7 @@ def test_report_table_json_and_doc_section(tmp_path: Path) -> None:
     table = build_table([ours, tar_x, mkfs, base, broken], 100_000_000, 1000, "ours")
     lines = table.splitlines()
     assert len(lines) == 2 + 5
-    assert lines[2].startswith("| ours | 1.00 | 2.00 | 50.0 | 500 |")
+    assert lines[2].startswith("| ours | 1.00 | 2.00 | 2.00 | 50.0 | 500 |")
     assert lines[2].rstrip().endswith("| 1.00x |")
     assert "| 2.00x |" in lines[5]  # baseline median 4.0 / ours 2.0
     assert "exit status 1" in lines[6]
