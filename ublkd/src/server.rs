@@ -150,7 +150,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     match kind {
         Kind::Fuse => {
             let fe = frontend::fuse::start(dev.clone(), args.threads)?;
-            let device = format!("/proc/{pid}/fd/{}", fe.file.as_raw_fd());
+            let device = format!("/proc/{pid}/fd/{}/{}", fe.root.as_raw_fd(), frontend::fuse::FILE_NAME);
             announce(&Ready {
                 pid,
                 frontend: "fuse".into(),

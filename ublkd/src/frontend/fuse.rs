@@ -1,8 +1,10 @@
 //! FUSE frontend: device 2 as one read-only file, `dev2`, on a FUSE filesystem that is
 //! never attached to any mount point. The server creates it with the new mount API
-//! (fsopen/fsconfig/fsmount gives a detached mount), opens `dev2` and keeps that fd;
-//! `mount` reopens it through /proc/<server pid>/fd/<n> and puts a read-only,
-//! direct-I/O loop device on it. Nothing is left in any mount table, so a killed
+//! (fsopen/fsconfig/fsmount gives a detached mount) and keeps only the mount's root fd
+//! (an O_PATH fd); `mount` opens `/proc/<server pid>/fd/<root fd>/dev2` and puts a
+//! read-only, direct-I/O loop device on it. The server never holds `dev2` open
+//! itself: closing a FUSE file can send FLUSH to its own server, and a server killed
+//! while holding one would wait for itself forever on exit. Nothing is left in any mount table, so a killed
 //! server leaves no stale FUSE mount behind: the detached mount goes away with the
 //! last file reference.
 
@@ -14,7 +16,6 @@ use fuser::{
     WriteFlags,
 };
 use std::ffi::{CString, OsStr};
-use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -129,8 +130,10 @@ impl Filesystem for DevFs {
         reply.error(Errno::EROFS);
     }
 
+    /// ENOSYS makes the kernel stop sending FLUSH for good (fc->no_flush): a close()
+    /// of the file then never waits for this server.
     fn flush(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _lock_owner: LockOwner, reply: ReplyEmpty) {
-        reply.ok();
+        reply.error(Errno::ENOSYS);
     }
 
     fn fsync(&self, _req: &Request, _ino: INodeNo, _fh: FileHandle, _datasync: bool, reply: ReplyEmpty) {
@@ -208,11 +211,10 @@ fn sys_fsmount(fsfd: &OwnedFd) -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
 }
 
-/// A running FUSE frontend. `file` is the open `dev2`; the session threads run until
-/// the connection ends (server exit, or the detached mount's last user goes away).
+/// A running FUSE frontend. `root` is the detached mount's root (O_PATH); the session
+/// threads run until the connection ends (server exit).
 pub struct FuseFrontend {
-    pub file: File,
-    _mount: OwnedFd,
+    pub root: OwnedFd,
     pub session: std::thread::JoinHandle<std::io::Result<()>>,
 }
 
@@ -244,17 +246,12 @@ pub fn start(dev: Arc<Device2>, threads: usize) -> Result<FuseFrontend> {
         .name("fuse".into())
         .spawn(move || session.run())?;
 
+    // check the file is there (stat only: no open, see the module comment)
     let name = CString::new(FILE_NAME).unwrap();
-    // SAFETY: openat on the detached mount's root fd.
-    let fd = unsafe { libc::openat(mnt.as_raw_fd(), name.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error()).context("open dev2 on the FUSE mount");
+    // SAFETY: fstatat on the detached mount's root fd with a valid C string and buffer.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstatat(mnt.as_raw_fd(), name.as_ptr(), &mut st, 0) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("stat dev2 on the FUSE mount");
     }
-    // SAFETY: fd is fresh and ours.
-    let file = unsafe { File::from_raw_fd(fd) };
-    Ok(FuseFrontend {
-        file,
-        _mount: mnt,
-        session,
-    })
+    Ok(FuseFrontend { root: mnt, session })
 }

@@ -1,0 +1,394 @@
+"""Root integration tests for ublkd (fuse frontend; this host has no ublk).
+
+Each test builds small bundles from tarballs made here, mounts them with
+`ublkd mount`, and checks the tree, sprouting, integrity and cleanup. State goes
+to a private UBLKD_RUN_DIR under tmp_path; the `no_leftovers` fixture fails a test
+that leaves a loop device, a mount or a server process of ours behind (and
+cleans up after it).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from btrfs_ublk_image.cli import main as cli
+
+from bundletools import list_dir, list_tar
+
+ROOT = Path(__file__).resolve().parent.parent
+CHUNK = 1 << 20
+
+pytestmark = pytest.mark.root
+
+
+def ublkd_binary() -> str | None:
+    if os.environ.get("UBLKD"):
+        return os.environ["UBLKD"]
+    built = ROOT / "ublkd" / "target" / "release" / "ublkd"
+    if built.exists():
+        return str(built)
+    return shutil.which("ublkd")
+
+
+UBLKD = ublkd_binary()
+if os.geteuid() != 0 or UBLKD is None:
+    pytest.skip("ublkd tests need root and a built ublkd", allow_module_level=True)
+
+
+# --- helpers --------------------------------------------------------------------------
+def ublkd(
+    *args: str | Path, check: bool = True, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    assert UBLKD is not None
+    r = subprocess.run([UBLKD, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"ublkd {' '.join(map(str, args))} failed:\n{r.stdout}{r.stderr}")
+    return r
+
+
+def status() -> list[dict[str, object]]:
+    out: list[dict[str, object]] = json.loads(ublkd("status", "--json").stdout)
+    return out
+
+
+def status_of(mountpoint: Path) -> dict[str, object]:
+    for e in status():
+        if e["mountpoint"] == str(mountpoint.resolve()):
+            return e
+    raise AssertionError(f"{mountpoint} not in ublkd status")
+
+
+def make_tarball(path: Path, seed: int) -> dict[str, bytes]:
+    """Files of every type; returns name -> content of the regular files."""
+    rnd = __import__("random").Random(seed)
+
+    def blob(n: int) -> bytes:
+        return rnd.randbytes(n)
+
+    files = {
+        "etc/hostname": f"image-{seed}\n".encode(),
+        "etc/empty": b"",
+        "etc/extent": b"e" * 9000,
+        "data/a.bin": blob(3 * CHUNK + 123),  # spans several pack chunks
+        "data/b.bin": blob(2 * CHUNK + 77),
+        "data/c.bin": blob(70_000),
+        "data/a-copy.bin": b"",  # filled below: same content as a.bin (one extent)
+        "usr/bin/tool": b"#!/bin/sh\necho tool\n",
+    }
+    files["data/a-copy.bin"] = files["data/a.bin"]
+
+    def member(name: str, kind: bytes = tarfile.REGTYPE, **kw: object) -> tarfile.TarInfo:
+        ti = tarfile.TarInfo(name)
+        ti.type = kind
+        ti.mode = 0o644
+        ti.mtime = 1_700_000_000 + seed
+        for k, v in kw.items():
+            setattr(ti, k, v)
+        return ti
+
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        for d in ("etc", "data", "usr", "usr/bin", "empty-dir"):
+            tf.addfile(member(d, tarfile.DIRTYPE, mode=0o755))
+        for name, data in files.items():
+            mode = 0o755 if name.startswith("usr/bin") else 0o644
+            tf.addfile(member(name, size=len(data), mode=mode), io.BytesIO(data))
+        tf.addfile(member("etc/hardlink", tarfile.LNKTYPE, linkname="etc/hostname"))
+        tf.addfile(member("usr/bin/sh-link", tarfile.SYMTYPE, linkname="tool", mode=0o777))
+        tf.addfile(member("null", tarfile.CHRTYPE, devmajor=1, devminor=3, mode=0o666))
+        tf.addfile(member("fifo", tarfile.FIFOTYPE, mode=0o600))
+    return files
+
+
+def build_bundle(tmp: Path, name: str, seed: int) -> tuple[Path, Path, dict[str, bytes]]:
+    """-> (bundle dir, tarball, files)."""
+    work = tmp / f"src-{name}"
+    work.mkdir()
+    tarball = work / "rootfs.tar"
+    files = make_tarball(tarball, seed)
+    spec = work / "spec.yaml"
+    spec.write_text(f"version: 1\nname: {name}\nlayers:\n  - tar: {{path: rootfs.tar}}\n")
+    bundle = tmp / f"{name}.bundle"
+    assert cli(["build", str(spec), "-o", str(bundle)]) == 0
+    return bundle, tarball, files
+
+
+def read_file(path: Path) -> bytes | int:
+    """File content, or the errno of a failed read, in a child with a timeout (a hung
+    read must fail the test, not the run)."""
+    r = subprocess.run(
+        ["python3", "-c", f"import sys;sys.stdout.buffer.write(open({str(path)!r},'rb').read())"],
+        capture_output=True,
+        timeout=60,
+    )
+    if r.returncode == 0:
+        return r.stdout
+    text = r.stderr.decode(errors="replace")
+    if "Input/output error" in text:
+        return errno.EIO
+    if "Transport endpoint" in text:
+        return errno.ENOTCONN
+    raise AssertionError(f"reading {path} failed unexpectedly: {text}")
+
+
+def our_loops(tmp: Path) -> list[str]:
+    """Loop devices whose backing file is ours (under tmp, or a ublkd FUSE device file)."""
+    out = []
+    for d in Path("/sys/block").glob("loop*"):
+        try:
+            backing = (d / "loop" / "backing_file").read_text().strip()
+        except OSError:
+            continue
+        if backing.startswith(str(tmp)) or backing == "/dev2":
+            out.append(f"/dev/{d.name} ({backing})")
+    return out
+
+
+def our_mounts(tmp: Path) -> list[str]:
+    return [line for line in Path("/proc/mounts").read_text().splitlines() if str(tmp) in line]
+
+
+def our_servers(tmp: Path) -> list[int]:
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+            state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and b"serve" in cmd and any(str(tmp).encode() in c for c in cmd):
+            pids.append(int(p.name))
+    return pids
+
+
+@pytest.fixture
+def no_leftovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Private ublkd state dir; after the test: nothing of ours may remain."""
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("UBLKD_RUN_DIR", str(run_dir))
+    loops_before = set(our_loops(tmp_path))
+    yield tmp_path
+    # give autoclear and exiting servers a moment
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (
+        our_mounts(tmp_path) or set(our_loops(tmp_path)) - loops_before or our_servers(tmp_path)
+    ):
+        time.sleep(0.1)
+    left = {
+        "mounts": our_mounts(tmp_path),
+        "loops": sorted(set(our_loops(tmp_path)) - loops_before),
+        "servers": our_servers(tmp_path),
+        "state": sorted(p.name for p in (run_dir / "mounts").glob("*")),
+    }
+    if any(left.values()):
+        # clean up for the next test, then fail this one
+        for line in left["mounts"]:
+            ublkd("umount", "--lazy", line.split()[1], check=False)
+        for pid in our_servers(tmp_path):
+            os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"leftovers after the test: {left}")
+    losetup = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    assert str(tmp_path) not in losetup and "/dev2" not in losetup, losetup
+
+
+# --- tests ----------------------------------------------------------------------------
+def test_mount_tree_identical_then_umount(no_leftovers: Path) -> None:
+    tmp = no_leftovers
+    bundle, tarball, _ = build_bundle(tmp, "one", 1)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    r = ublkd("mount", bundle, mnt, "--frontend", "fuse")
+    assert "frontend fuse" in r.stderr
+    try:
+        assert list_dir(mnt) == list_tar(tarball)
+        with pytest.raises(OSError) as e:
+            (mnt / "new-file").write_text("x")
+        assert e.value.errno == errno.EROFS
+        st = status_of(mnt)
+        assert st["frontend"] == "fuse" and st["mode"] == "ro" and st["mounted"] is True
+        assert st["server_alive"] is True
+        image_id = "sha256:" + hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()
+        assert st["image_id"] == image_id
+        time.sleep(0.5)  # the server rewrites stats.json every 200 ms
+        st = status_of(mnt)
+        assert isinstance(st["bytes_served"], int) and st["bytes_served"] > 5 * CHUNK
+        assert st["chunks_verified"] and st["verify_failures"] == 0
+        assert any(str(d).startswith("dev2=/dev/loop") for d in st["devices"])  # type: ignore[attr-defined]
+    finally:
+        ublkd("umount", mnt)
+    assert status() == []
+
+
+def test_expect_id_and_bad_bundles_are_refused(no_leftovers: Path) -> None:
+    tmp = no_leftovers
+    bundle, _, _ = build_bundle(tmp, "bad", 2)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    r = ublkd(
+        "mount", bundle, mnt, "--frontend", "fuse", "--expect-id", "sha256:" + "0" * 64, check=False
+    )
+    assert r.returncode != 0 and "image id is sha256:" in r.stderr
+    broken = tmp / "broken.bundle"
+    shutil.copytree(bundle, broken)
+    with open(broken / "meta.img", "r+b") as f:
+        f.seek(70000)
+        b = f.read(1)
+        f.seek(70000)
+        f.write(bytes([b[0] ^ 1]))
+    r = ublkd("mount", broken, mnt, "--frontend", "fuse", check=False)
+    assert r.returncode != 0 and "meta.img: sha256 is" in r.stderr, r.stderr
+    # a failure after the server and loop devices are up rolls all of it back
+    junk = tmp / "junk.img"
+    junk.write_bytes(b"not a btrfs" * 1000)
+    r = ublkd("mount", bundle, mnt, "--frontend", "fuse", "--rw", junk, check=False)
+    assert r.returncode != 0 and "refusing to overwrite" in r.stderr, r.stderr
+    assert status() == [] and not our_mounts(tmp)
+
+
+def test_sprout_write_umount_mount_again(no_leftovers: Path) -> None:
+    tmp = no_leftovers
+    bundle, tarball, files = build_bundle(tmp, "sprout", 3)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    rw = tmp / "rw.img"
+    r = ublkd("mount", bundle, mnt, "--frontend", "fuse", "--rw", rw, "--rw-size", "2G")
+    assert "new sprout" in r.stdout
+    assert rw.stat().st_size == 2 << 30 and rw.stat().st_blocks * 512 < 512 << 20  # sparse
+    new = os.urandom(3 * CHUNK)
+    try:
+        (mnt / "new.bin").write_bytes(new)
+        (mnt / "etc" / "hostname").write_text("changed\n")
+        (mnt / "data" / "c.bin").unlink()
+        os.sync()
+    finally:
+        ublkd("umount", mnt)
+    assert not our_mounts(tmp)
+    r = ublkd("mount", bundle, mnt, "--frontend", "fuse", "--rw", rw)
+    assert "existing sprout" in r.stdout
+    try:
+        assert (mnt / "new.bin").read_bytes() == new
+        assert (mnt / "etc" / "hostname").read_text() == "changed\n"
+        assert not (mnt / "data" / "c.bin").exists()
+        assert (mnt / "data" / "a.bin").read_bytes() == files["data/a.bin"]
+        assert status_of(mnt)["mode"] == "rw"
+    finally:
+        ublkd("umount", mnt)
+    # the seed itself is untouched
+    ublkd("mount", bundle, mnt, "--frontend", "fuse")
+    try:
+        assert list_dir(mnt) == list_tar(tarball)
+    finally:
+        ublkd("umount", mnt)
+
+
+def test_two_bundles_at_once(no_leftovers: Path) -> None:
+    tmp = no_leftovers
+    b1, t1, _ = build_bundle(tmp, "first", 4)
+    b2, t2, _ = build_bundle(tmp, "second", 5)
+    m1, m2 = tmp / "m1", tmp / "m2"
+    m1.mkdir()
+    m2.mkdir()
+    ublkd("mount", b1, m1, "--frontend", "fuse")
+    try:
+        ublkd("mount", b2, m2, "--frontend", "fuse", "--rw", tmp / "rw2.img", "--rw-size", "1G")
+        try:
+            assert list_dir(m1) == list_tar(t1)
+            (m2 / "only-in-2").write_text("2")
+            listing = list_dir(m2)
+            del listing["/only-in-2"]
+            assert listing == list_tar(t2)
+            assert {e["mountpoint"] for e in status()} == {str(m1), str(m2)}
+        finally:
+            ublkd("umount", m2)
+        assert list_dir(m1) == list_tar(t1)  # still serving after the other umount
+    finally:
+        ublkd("umount", m1)
+
+
+def test_corrupt_pack_byte_fails_reads_of_that_chunk_only(no_leftovers: Path) -> None:
+    tmp = no_leftovers
+    clean, _, files = build_bundle(tmp, "corrupt", 6)
+    bundle = tmp / "corrupted.bundle"
+    shutil.copytree(clean, bundle)
+    (pack,) = list((bundle / "packs").iterdir())
+    data = bytearray(pack.read_bytes())
+    # where each regular file's bytes sit in the pack -> which chunks it needs
+    chunks: dict[str, set[int]] = {}
+    for name, content in files.items():
+        if len(content) > 4096:
+            at = data.find(content)
+            assert at >= 0, name
+            chunks[name] = set(range(at // CHUNK, (at + len(content) - 1) // CHUNK + 1))
+    victim = (data.find(files["data/b.bin"]) + len(files["data/b.bin"]) // 2) // CHUNK * CHUNK + 5
+    data[victim] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    bad_chunk = victim // CHUNK
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    ublkd("mount", bundle, mnt, "--frontend", "fuse")
+    try:
+        affected = sorted(n for n, c in chunks.items() if bad_chunk in c)
+        fine = sorted(n for n, c in chunks.items() if bad_chunk not in c)
+        assert "data/b.bin" in affected and fine
+        for name in affected:
+            assert read_file(mnt / name) == errno.EIO, name
+        for name in fine:
+            assert read_file(mnt / name) == files[name], name
+        for name in ("etc/hostname", "usr/bin/tool"):  # inline in metadata
+            assert read_file(mnt / name) == files[name]
+        deadline = time.monotonic() + 3
+        while status_of(mnt)["verify_failures"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        st = status_of(mnt)
+        assert isinstance(st["verify_failures"], int) and st["verify_failures"] >= 1
+        log = (tmp / "run" / "mounts").glob("*/server.log")
+        assert any(f"chunk {bad_chunk} " in p.read_text() for p in log)
+    finally:
+        ublkd("umount", mnt)
+
+
+def test_kill_9_server_then_recover_and_umount(no_leftovers: Path) -> None:
+    """kill -9 of a fuse server: reads of data not yet in the page cache fail with EIO
+    (they never hang); `ublkd recover` starts a new server and swaps it under the
+    read-only loop device (LOOP_CHANGE_FD), reads work again without unmounting;
+    after another kill -9, `ublkd umount` still removes everything."""
+    tmp = no_leftovers
+    bundle, _, files = build_bundle(tmp, "kill", 7)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    ublkd("mount", bundle, mnt, "--frontend", "fuse", "--rw", tmp / "rw.img", "--rw-size", "1G")
+    try:
+        assert read_file(mnt / "data" / "c.bin") == files["data/c.bin"]
+        pid = status_of(mnt)["server_pid"]
+        assert isinstance(pid, int)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while status_of(mnt)["server_alive"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status_of(mnt)["server_alive"] is False
+        assert read_file(mnt / "data" / "b.bin") == errno.EIO
+        assert read_file(mnt / "data" / "c.bin") == files["data/c.bin"]  # page cache
+        ublkd("recover", mnt)
+        assert status_of(mnt)["server_alive"] is True
+        assert read_file(mnt / "data" / "b.bin") == files["data/b.bin"]
+        (mnt / "written").write_text("ok")
+        pid = status_of(mnt)["server_pid"]
+        assert isinstance(pid, int)
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        ublkd("umount", mnt)
+    assert status() == []
