@@ -47,7 +47,8 @@ mkdir -p /newroot/dev/pts /newroot/dev/shm /newroot/run /newroot/tmp /newroot/vm
 mount -t devpts devpts /newroot/dev/pts
 mount -t tmpfs tmpfs /newroot/dev/shm
 mount -t tmpfs tmpfs /newroot/run
-mount -t tmpfs tmpfs /newroot/tmp
+# /tmp stays the host's (read-only lower, tmpfs upper): the checkout under test may live there
+# (CI clones anywhere), and the guest must see its .venv and sources at the same path.
 # The host's kernel has no modules (often no /lib/modules at all): use the guest kernel's.
 mkdir -p /newroot/lib/modules
 [ -n "$MODS" ] && [ -d "/mnt$MODS" ] || fail "kernel modules dir '$MODS' not visible over 9p"
