@@ -52,10 +52,10 @@ def cmd_build(args: argparse.Namespace) -> int:
         progress.done()
     s = res.manifest["stats"]
     print(
-        f"{res.path}: {res.image_id}\n"
-        f"  {s['files']} files, {s['directories']} dirs, {s['symlinks']} symlinks;"
-        f" {human_bytes(s['content_bytes'])} content, {human_bytes(s['unique_bytes'])} in packs,"
-        f" meta.img {human_bytes(res.layout.meta_size)}; {progress.elapsed():.1f} s"
+        f"{res.path}: {res.image_id}: {s['files']} files, {s['directories']} dirs,"
+        f" {s['symlinks']} symlinks, {human_bytes(s['content_bytes'])} content,"
+        f" {human_bytes(s['unique_bytes'])} in packs, meta.img {human_bytes(res.layout.meta_size)},"
+        f" {progress.elapsed():.1f} s"
     )
     return 0
 
