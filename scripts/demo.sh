@@ -20,7 +20,8 @@ step "mount it (device 2 is served lazily from the packs; only metadata is local
 mkdir -p "$MNT"
 ublkd mount "$W/webroot.bundle" "$MNT" --rw "$W/rw.img" --rw-size 1G
 ls -la "$MNT"
-cat "$MNT/index.html"
+cat "$MNT/index.html"                      # inline: lives in meta.img
+sha256sum "$MNT/docs/large.txt"             # a data extent: read from the pack through device 2
 
 step "write to the sprouted read-write layer"
 echo "written after mount" > "$MNT/notes.txt"
