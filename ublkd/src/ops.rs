@@ -357,8 +357,23 @@ pub fn mount(args: MountArgs) -> Result<()> {
     holds.push(l.file);
 
     // 4. register both with btrfs
-    btrfs::scan(&meta_dev)?;
-    btrfs::scan(&dev2)?;
+    for d in [&meta_dev, &dev2] {
+        btrfs::scan(d).map_err(|e| {
+            if e.root_cause()
+                .downcast_ref::<std::io::Error>()
+                .and_then(|e| e.raw_os_error())
+                == Some(libc::EEXIST)
+            {
+                e.context(format!(
+                    "image {} (fsid {}) already has an unsprouted mount on other devices; the kernel allows one \
+                     unsprouted mount per image at a time: mount this one with --rw, or unmount the other",
+                    bundle.image_id, bundle.manifest.fsid
+                ))
+            } else {
+                e
+            }
+        })?;
+    }
     {
         let (a, b) = (meta_dev.clone(), dev2.clone());
         rb.push("btrfs device forget", move || {

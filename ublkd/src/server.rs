@@ -106,6 +106,14 @@ pub fn open_device(bundle: &Bundle, counters: Arc<Counters>, cache_mb: u64) -> R
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
+    let kind = match args.frontend {
+        Kind::Auto => frontend::choose(Kind::Auto)?.0,
+        k => k,
+    };
+    if kind == Kind::Ublk {
+        // before any thread exists: unshare(CLONE_NEWNS) fails in a threaded process
+        isolate_mount_namespace()?;
+    }
     // signals are taken synchronously by one thread; block them before any thread starts
     let mut set = SigSet::empty();
     for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
@@ -122,10 +130,6 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         std::fs::create_dir_all(dir).with_context(|| format!("{}: mkdir", dir.display()))?;
         stats_writer(counters.clone(), dir.clone());
     }
-    let kind = match args.frontend {
-        Kind::Auto => frontend::choose(Kind::Auto)?.0,
-        k => k,
-    };
     log::info!(
         "serving {} ({}), device 2 = {} bytes, {} ranges, frontend {}",
         bundle.dir.display(),
@@ -234,6 +238,30 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         }
         Kind::Auto => unreachable!(),
     }
+}
+
+/// A ublk server must not share a mount namespace with users of its device (libublk
+/// README, "Mount namespace caveat": teardown can deadlock). Give the server its own
+/// namespace (slave, so host unmounts still propagate where the host shares them) and
+/// drop its copies of other images' btrfs mounts so it does not pin them.
+fn isolate_mount_namespace() -> Result<()> {
+    use nix::mount::MsFlags;
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).context("unshare(CLONE_NEWNS)")?;
+    nix::mount::mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_REC | MsFlags::MS_SLAVE,
+        None::<&str>,
+    )
+    .context("make / rslave in the server's mount namespace")?;
+    for m in crate::plumbing::mount::mounts()? {
+        let image_dev = m.source.starts_with("/dev/loop") || m.source.starts_with("/dev/ublkb");
+        if m.fstype == "btrfs" && image_dev && m.mount_point != "/" {
+            let _ = crate::plumbing::mount::umount(Path::new(&m.mount_point), true);
+        }
+    }
+    Ok(())
 }
 
 fn write_final(dir: &Option<PathBuf>, counters: &Counters) {

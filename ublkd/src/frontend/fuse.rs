@@ -255,3 +255,55 @@ pub fn start(dev: Arc<Device2>, threads: usize) -> Result<FuseFrontend> {
     }
     Ok(FuseFrontend { root: mnt, session })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plumbing::loopdev;
+    use std::os::unix::fs::FileExt;
+    use std::path::Path;
+
+    /// Root only: serve a synthetic device over FUSE and read it back through a real
+    /// read-only, direct-I/O loop device.
+    #[test]
+    fn synthetic_device_reads_back_through_a_loop_device() {
+        // SAFETY: trivial getter.
+        if unsafe { libc::geteuid() } != 0
+            || !Path::new("/dev/fuse").exists()
+            || !Path::new("/dev/loop-control").exists()
+        {
+            eprintln!("skipped: needs root, /dev/fuse and /dev/loop-control");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let (dev, expect, _) = crate::device::tests::synthetic(tmp.path(), 12);
+        let dev = Arc::new(dev);
+        let fe = start(dev.clone(), 2).unwrap();
+        let file = std::fs::File::open(format!("/proc/self/fd/{}/{FILE_NAME}", fe.root.as_raw_fd())).unwrap();
+        assert_eq!(file.metadata().unwrap().len(), expect.len() as u64);
+        let opts = loopdev::AttachOptions {
+            read_only: true,
+            direct_io: true,
+            block_size: 4096,
+            autoclear: true,
+        };
+        let l = loopdev::attach(&file, Path::new("ublkd-unit-test"), &opts).unwrap();
+        drop(file);
+        let backing = loopdev::backing_file(l.number).unwrap();
+        let mut got = vec![0u8; expect.len()];
+        let res = l.file.read_exact_at(&mut got, 0);
+        // a read-only loop device refuses writes (open for write or the write itself)
+        let write = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&l.path)
+            .and_then(|w| w.write_all_at(&[0u8; 4096], 0).and_then(|_| w.sync_all()));
+        let direct_io = l.direct_io;
+        drop(l.file);
+        loopdev::detach_if(l.number, &backing).unwrap();
+        res.unwrap();
+        assert!(got == expect, "device bytes differ from the synthetic image");
+        assert!(write.is_err(), "a read-only loop device must refuse writes");
+        assert!(direct_io, "the loop device should run with direct I/O on the FUSE file");
+        assert!(dev.counters.snapshot().bytes_served >= expect.len() as u64);
+    }
+}
