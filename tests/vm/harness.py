@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -481,6 +483,7 @@ def boot_once(
             text=True,
             errors="replace",
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
 
         def pump(stream: IO[str]) -> None:
@@ -500,29 +503,35 @@ def boot_once(
         assert p.stdout is not None
         reader = threading.Thread(target=pump, args=(p.stdout,), daemon=True)
         reader.start()
-        boot_limit = min(t0 + boot_timeout, deadline)
-        while not done.is_set() and not ended.is_set() and time.monotonic() < boot_limit:
-            done.wait(0.2)
-        if not done.is_set():
-            if ended.is_set() or p.poll() is not None:
-                p.wait()
-                b.status = "boot-fail"
-                b.init_failed = "fail" in seen
-                b.reason = seen.get("fail") or f"qemu exited ({p.returncode}) before init finished"
+        try:
+            boot_limit = min(t0 + boot_timeout, deadline)
+            while not done.is_set() and not ended.is_set() and time.monotonic() < boot_limit:
+                done.wait(0.2)
+            if not done.is_set():
+                if ended.is_set() or p.poll() is not None:
+                    p.wait()
+                    b.status = "boot-fail"
+                    b.init_failed = "fail" in seen
+                    b.reason = (
+                        seen.get("fail") or f"qemu exited ({p.returncode}) before init finished"
+                    )
+                else:
+                    b.status = "boot-hang"
+                    b.reason = f"'{MARK_DONE}' not seen within {boot_limit - t0:.0f}s"
+                    _kill(p)
             else:
-                b.status = "boot-hang"
-                b.reason = f"'{MARK_DONE}' not seen within {boot_limit - t0:.0f}s"
-                _kill(p)
-        else:
-            try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-                b.status = "ok"
-            except subprocess.TimeoutExpired:
-                b.status = "timeout"
-                b.reason = (
-                    f"the guest run did not finish before the time limit ({deadline - t0:.0f}s)"
-                )
-                _kill(p)
+                try:
+                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                    b.status = "ok"
+                except subprocess.TimeoutExpired:
+                    b.status = "timeout"
+                    b.reason = (
+                        f"the guest run did not finish before the time limit ({deadline - t0:.0f}s)"
+                    )
+                    _kill(p)
+        except BaseException:  # KeyboardInterrupt, or a harness bug: never leave qemu behind
+            _kill(p)
+            raise
         reader.join(timeout=10)
     b.qemu_rc = p.returncode
     b.total_s = time.monotonic() - t0
@@ -530,6 +539,12 @@ def boot_once(
         b.status = "crashed"
         b.reason = f"qemu exited ({p.returncode}) without the guest writing its exit status"
     return b
+
+
+def _die_with_parent() -> None:
+    """In the qemu child before exec: SIGKILL it if the harness dies (SIGTERM, SIGKILL)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _kill(p: subprocess.Popen[str]) -> None:
