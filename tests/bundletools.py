@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import stat
 import subprocess
 import tarfile
@@ -209,12 +210,17 @@ def _decimal_ns(text: str) -> int:
     return int(sec) * 10**9 + int((frac + "000000000")[:9])
 
 
-def dmesg_btrfs_problems(since_lines: int) -> list[str]:
+def dmesg_btrfs_problems(since_lines: int, devices: list[str]) -> list[str]:
+    """BTRFS warnings/errors logged since ``since_lines`` about ``devices`` (other tests may
+    run beside this one: their messages name other devices)."""
+    names = [os.path.basename(dev) for dev in devices]
     lines = run("dmesg").stdout.splitlines()[since_lines:]
     return [
         ln
         for ln in lines
-        if "BTRFS" in ln and any(w in ln for w in ("warning", "error", "critical"))
+        if "BTRFS" in ln
+        and any(w in ln for w in ("warning", "error", "critical"))
+        and any(re.search(rf"\b{re.escape(n)}\b", ln) for n in names)
     ]
 
 

@@ -203,7 +203,7 @@ def test_kernel_mounts_every_type_identically(tmp_path: Path) -> None:
         st = os.stat(m.mountpoint / "small")
         assert st.st_mtime_ns == NS
     assert got == expected
-    assert dmesg_btrfs_problems(before) == []
+    assert dmesg_btrfs_problems(before, m.loops) == []
 
 
 @pytest.mark.root

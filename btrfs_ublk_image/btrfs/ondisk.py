@@ -364,19 +364,8 @@ _ITEM = struct.Struct("<QBQII")
 _KEY_PTR = struct.Struct("<QBQQQ")
 
 
-def pack_leaf(
-    items: list[tuple[Key, bytes]],
-    bytenr: int,
-    owner: int,
-    generation: int,
-    fsid: bytes,
-    chunk_tree_uuid: bytes,
-) -> bytes:
-    flags = HEADER_FLAG_WRITTEN | (MIXED_BACKREF_REV << 56)
-    head = _HEADER.pack(
-        bytes(32), fsid, bytenr, flags, chunk_tree_uuid, generation, owner, len(items), 0
-    )
-    # item headers grow from the front, item data from the back (first item's data last)
+def pack_leaf_payload(items: list[tuple[Key, bytes]]) -> bytes:
+    """A leaf without its header: item headers from the front, data from the back."""
     end = LEAF_DATA_SIZE
     heads = []
     pack = _ITEM.pack
@@ -386,12 +375,12 @@ def pack_leaf(
     gap = end - len(items) * ITEM_SIZE
     if gap < 0:
         raise AssertionError("leaf overflow")
-    block = b"".join([head, *heads, bytes(gap), *[data for _, data in reversed(items)]])
-    return csum(block[32:]) + block[32:]
+    return b"".join([*heads, bytes(gap), *[data for _, data in reversed(items)]])
 
 
-def pack_node(
-    ptrs: list[tuple[Key, int]],
+def pack_block(
+    payload: bytes,
+    nritems: int,
     level: int,
     bytenr: int,
     owner: int,
@@ -399,24 +388,15 @@ def pack_node(
     fsid: bytes,
     chunk_tree_uuid: bytes,
 ) -> bytes:
-    block = bytearray(NODESIZE)
+    """Header + payload (leaf items or node key pointers) + checksum: one tree block."""
     flags = HEADER_FLAG_WRITTEN | (MIXED_BACKREF_REV << 56)
-    _HEADER.pack_into(
-        block,
-        0,
-        bytes(32),
-        fsid,
-        bytenr,
-        flags,
-        chunk_tree_uuid,
-        generation,
-        owner,
-        len(ptrs),
-        level,
+    head = _HEADER.pack(
+        bytes(32), fsid, bytenr, flags, chunk_tree_uuid, generation, owner, nritems, level
     )
-    pos = HEADER_SIZE
-    for key, child in ptrs:
-        _KEY_PTR.pack_into(block, pos, key[0], key[1], key[2], child, generation)
-        pos += KEY_PTR_SIZE
-    block[0:32] = csum(memoryview(block)[32:])
-    return bytes(block)
+    body = head[32:] + payload + bytes(NODESIZE - HEADER_SIZE - len(payload))
+    return csum(body) + body
+
+
+def pack_node_payload(ptrs: list[tuple[Key, int]], generation: int) -> bytes:
+    pack = _KEY_PTR.pack
+    return b"".join(pack(k[0], k[1], k[2], child, generation) for k, child in ptrs)

@@ -1,17 +1,23 @@
 """B-trees from sorted items: leaves filled greedily, then internal nodes level by level.
 
-A tree is planned in two steps because block addresses and item contents
-depend on each other (the extent tree lists every tree block, including its
-own): ``plan`` needs only item sizes and says how many blocks a tree takes;
-``serialize`` takes the addresses and emits the blocks.
+A tree is built in two steps because block addresses and item contents depend
+on each other (the extent tree lists every tree block, including its own):
+``split_leaves``/``block_levels`` need only item sizes and say how many blocks
+a tree takes; ``serialize`` takes the addresses and emits the blocks.
+
+Leaves are packed once into ``Leaf`` payloads (the block minus its header,
+which holds the address). The fs tree, by far the largest, is packed while its
+items are generated (``LeafPacker``), so its items never sit in memory as a list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from btrfs_ublk_image.btrfs import ondisk as d
+
+EMPTY_KEY: d.Key = (0, 0, 0)
 
 
 def split_leaves(sizes: Sequence[int]) -> list[int]:
@@ -40,9 +46,57 @@ def level_sizes(n_leaves: int) -> list[int]:
     return sizes
 
 
+def levels_for_leaves(n_leaves: int) -> list[int]:
+    """The level of each block of a tree with ``n_leaves`` leaves, in ``serialize``'s order."""
+    return [lvl for lvl, n in enumerate(level_sizes(n_leaves)) for _ in range(n)]
+
+
 def block_levels(sizes: Sequence[int]) -> list[int]:
     """The level of each block of a tree with these item sizes, in ``serialize``'s order."""
-    return [lvl for lvl, n in enumerate(level_sizes(len(split_leaves(sizes)))) for _ in range(n)]
+    return levels_for_leaves(len(split_leaves(sizes)))
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    first_key: d.Key
+    nritems: int
+    payload: bytes  # everything after the header
+
+
+class LeafPacker:
+    """Packs sorted items into leaves as they arrive (same split as ``split_leaves``)."""
+
+    def __init__(self) -> None:
+        self.leaves: list[Leaf] = []
+        self._items: list[tuple[d.Key, bytes]] = []
+        self._used = 0
+
+    def add(self, key: d.Key, data: bytes) -> None:
+        need = d.ITEM_SIZE + len(data)
+        if len(data) > d.MAX_ITEM_DATA:
+            raise ValueError(f"item of {len(data)} bytes does not fit in a {d.NODESIZE}-byte leaf")
+        if self._used + need > d.LEAF_DATA_SIZE:
+            self._flush()
+        self._items.append((key, data))
+        self._used += need
+
+    def _flush(self) -> None:
+        items = self._items
+        first = items[0][0] if items else EMPTY_KEY
+        self.leaves.append(Leaf(first, len(items), d.pack_leaf_payload(items)))
+        self._items, self._used = [], 0
+
+    def finish(self) -> list[Leaf]:
+        if self._items or not self.leaves:
+            self._flush()
+        return self.leaves
+
+
+def pack_leaves(items: Sequence[tuple[d.Key, bytes]]) -> list[Leaf]:
+    packer = LeafPacker()
+    for key, data in items:
+        packer.add(key, data)
+    return packer.finish()
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,29 +104,36 @@ class TreeInfo:
     owner: int
     root: int  # bytenr of the root block
     level: int
-    blocks: list[int]  # bytenr of every block
+
+
+BlockSink = Callable[[int, bytes], None]  # (bytenr, 16 KiB block)
 
 
 def serialize(
-    items: Sequence[tuple[d.Key, bytes]],
+    leaves: Sequence[Leaf],
     addresses: Iterator[int],
     owner: int,
     generation: int,
     fsid: bytes,
     chunk_tree_uuid: bytes,
-) -> tuple[TreeInfo, list[tuple[int, bytes]]]:
-    """Blocks of one tree as (bytenr, 16 KiB); takes one address per block from ``addresses``."""
-    out: list[tuple[int, bytes]] = []
+    sink: BlockSink,
+) -> tuple[TreeInfo, int]:
+    """Emit every block of one tree to ``sink``; one address per block from ``addresses``.
+
+    Returns the tree's root and the number of blocks emitted.
+    """
+    n = 0
     level: list[tuple[d.Key, int]] = []  # (first key, bytenr) of the blocks one level down
-    pos = 0
-    for count in split_leaves([len(data) for _, data in items]):
-        chunk = items[pos : pos + count]
-        pos += count
+    for leaf in leaves:
         bytenr = next(addresses)
-        out.append(
-            (bytenr, d.pack_leaf(list(chunk), bytenr, owner, generation, fsid, chunk_tree_uuid))
+        sink(
+            bytenr,
+            d.pack_block(
+                leaf.payload, leaf.nritems, 0, bytenr, owner, generation, fsid, chunk_tree_uuid
+            ),
         )
-        level.append((chunk[0][0] if chunk else (0, 0, 0), bytenr))
+        level.append((leaf.first_key, bytenr))
+        n += 1
     height = 0
     while len(level) > 1:
         height += 1
@@ -80,12 +141,14 @@ def serialize(
         for i in range(0, len(level), d.NODEPTRS_PER_BLOCK):
             ptrs = level[i : i + d.NODEPTRS_PER_BLOCK]
             bytenr = next(addresses)
-            out.append(
-                (
-                    bytenr,
-                    d.pack_node(ptrs, height, bytenr, owner, generation, fsid, chunk_tree_uuid),
-                )
+            payload = d.pack_node_payload(ptrs, generation)
+            sink(
+                bytenr,
+                d.pack_block(
+                    payload, len(ptrs), height, bytenr, owner, generation, fsid, chunk_tree_uuid
+                ),
             )
             upper.append((ptrs[0][0], bytenr))
+            n += 1
         level = upper
-    return TreeInfo(owner, level[0][1], height, [b for b, _ in out]), out
+    return TreeInfo(owner, level[0][1], height), n

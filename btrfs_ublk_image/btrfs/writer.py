@@ -32,7 +32,15 @@ from btrfs_ublk_image.btrfs.layout import (
     system_chunk,
 )
 from btrfs_ublk_image.btrfs.superblock import SuperFields, TreeRoot, pack_super
-from btrfs_ublk_image.btrfs.treeblocks import TreeInfo, block_levels, serialize
+from btrfs_ublk_image.btrfs.treeblocks import (
+    Leaf,
+    LeafPacker,
+    TreeInfo,
+    block_levels,
+    levels_for_leaves,
+    pack_leaves,
+    serialize,
+)
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.tree import Blob, FileType, Inode, Tree
 
@@ -205,7 +213,8 @@ def _group_by_hash(entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
 
 @dataclass(slots=True)
 class _FsTree:
-    items: list[tuple[d.Key, bytes]]
+    leaves: list[Leaf]  # packed as generated: the items never sit in memory as a list
+    digest: bytes  # sha256 over every item (key + data): the content the fsid derives from
     extent_refs: dict[int, list[tuple[int, int]]]  # extent logical -> [(ino, file offset)]
     extent_len: dict[int, int]
     stats: dict[str, int]
@@ -213,7 +222,15 @@ class _FsTree:
 
 def _fs_tree_items(table: list[_Numbered], placer: _DataPlacer, imax: int) -> _FsTree:
     gen = GENERATION
-    items: list[tuple[d.Key, bytes]] = []
+    packer = LeafPacker()
+    items_hash = hashlib.sha256()
+    pack_key = d.pack_disk_key
+
+    def add(key: d.Key, data: bytes) -> None:
+        items_hash.update(pack_key(key))
+        items_hash.update(data)
+        packer.add(key, data)
+
     extent_refs: dict[int, list[tuple[int, int]]] = defaultdict(list)
     extent_len: dict[int, int] = {}
     stats = dict.fromkeys(
@@ -276,31 +293,27 @@ def _fs_tree_items(table: list[_Numbered], placer: _DataPlacer, imax: int) -> _F
             stats["devices"] += 1
         mtime = node.mtime_ns
         ctime = node.ctime_ns if node.ctime_ns is not None else mtime
-        items.append(
-            (
-                (ino, d.INODE_ITEM_KEY, 0),
-                d.pack_inode_item(
-                    generation=gen,
-                    size=size,
-                    nbytes=nbytes,
-                    nlink=1 if node.type == FileType.DIR else len(num.refs),
-                    uid=node.uid,
-                    gid=node.gid,
-                    mode=node.st_mode,
-                    rdev=_kernel_rdev(node.rdev)
-                    if node.type in (FileType.CHR, FileType.BLK)
-                    else 0,
-                    flags=flags,
-                    atime_ns=node.atime_ns if node.atime_ns is not None else mtime,
-                    ctime_ns=ctime,
-                    mtime_ns=mtime,
-                    otime_ns=mtime,
-                ),
-            )
+        add(
+            (ino, d.INODE_ITEM_KEY, 0),
+            d.pack_inode_item(
+                generation=gen,
+                size=size,
+                nbytes=nbytes,
+                nlink=1 if node.type == FileType.DIR else len(num.refs),
+                uid=node.uid,
+                gid=node.gid,
+                mode=node.st_mode,
+                rdev=_kernel_rdev(node.rdev) if node.type in (FileType.CHR, FileType.BLK) else 0,
+                flags=flags,
+                atime_ns=node.atime_ns if node.atime_ns is not None else mtime,
+                ctime_ns=ctime,
+                mtime_ns=mtime,
+                otime_ns=mtime,
+            ),
         )
         if len(num.refs) == 1:
             parent, index, name = num.refs[0]
-            items.append(((ino, d.INODE_REF_KEY, parent), d.pack_inode_ref(index, name)))
+            add((ino, d.INODE_REF_KEY, parent), d.pack_inode_ref(index, name))
         else:
             by_parent: dict[int, bytes] = {}
             for parent, index, name in sorted(num.refs):
@@ -308,7 +321,7 @@ def _fs_tree_items(table: list[_Numbered], placer: _DataPlacer, imax: int) -> _F
             for parent, data in sorted(by_parent.items()):
                 if len(data) > d.MAX_ITEM_DATA:
                     raise ImageError(f"too many hardlinks to inode {ino} in one directory")
-                items.append(((ino, d.INODE_REF_KEY, parent), data))
+                add((ino, d.INODE_REF_KEY, parent), data)
         if node.xattrs:
             xattrs = []
             for name, value in node.xattrs.items():
@@ -318,7 +331,7 @@ def _fs_tree_items(table: list[_Numbered], placer: _DataPlacer, imax: int) -> _F
                     (d.name_hash(name), d.pack_dir_item((0, 0, 0), gen, d.FT_XATTR, name, value))
                 )
             for h, data in _group_by_hash(xattrs):
-                items.append(((ino, d.XATTR_ITEM_KEY, h), data))
+                add((ino, d.XATTR_ITEM_KEY, h), data)
         if num.children:
             packed = {
                 index: d.pack_dir_item(
@@ -331,11 +344,12 @@ def _fs_tree_items(table: list[_Numbered], placer: _DataPlacer, imax: int) -> _F
             }
             dir_items = [(d.name_hash(name), packed[index]) for index, name, _ in num.children]
             for h, data in _group_by_hash(dir_items):
-                items.append(((ino, d.DIR_ITEM_KEY, h), data))
+                add((ino, d.DIR_ITEM_KEY, h), data)
             for index, _, _ in sorted(num.children):
-                items.append(((ino, d.DIR_INDEX_KEY, index), packed[index]))
-        items.extend(file_extents)
-    return _FsTree(items, extent_refs, extent_len, stats)
+                add((ino, d.DIR_INDEX_KEY, index), packed[index])
+        for key, data in file_extents:
+            add(key, data)
+    return _FsTree(packer.finish(), items_hash.digest(), extent_refs, extent_len, stats)
 
 
 def _data_extent_items(fs: _FsTree) -> list[tuple[d.Key, bytes]]:
@@ -645,13 +659,8 @@ def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
         owner = next(c for c in data_chunks if c.logical <= logical < c.end)
         data_used[owner.logical] += length
 
-    # identity: derived from the fs tree's bytes unless the spec fixes the fsid
-    content = hashlib.sha256()
-    for key, data in fs.items:
-        content.update(d.pack_disk_key(key))
-        content.update(data)
-    seed = content.digest()
-    fsid = opts.fsid or _derive_uuid(seed, b"fsid")
+    # identity: derived from the fs tree's items unless the spec fixes the fsid
+    fsid = opts.fsid or _derive_uuid(fs.digest, b"fsid")
     fb = fsid.bytes
     ids = _Ids(
         fsid=fb,
@@ -666,9 +675,9 @@ def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
     # until nothing changes (the extent tree lists every block, including its own).
     meta_logical = max(c.end for c in data_chunks)
     uuid_items, reloc_items = meta.uuid_tree(), meta.data_reloc_tree()
-    placeholder = {t: TreeInfo(t, 0, 0, []) for t in _META_TREES}
+    placeholder = {t: TreeInfo(t, 0, 0) for t in _META_TREES}
     levels: dict[int, list[int]] = {
-        d.FS_TREE_OBJECTID: block_levels(_sizes(fs.items)),
+        d.FS_TREE_OBJECTID: levels_for_leaves(len(fs.leaves)),
         d.EXTENT_TREE_OBJECTID: [0],
         d.ROOT_TREE_OBJECTID: block_levels(
             _sizes(meta.root_tree(placeholder, dict.fromkeys(_META_TREES, 0)))
@@ -689,7 +698,6 @@ def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
         dev_sizes = (meta_chunks[-1].physical + meta_chunks[-1].length, data_end)
         addr_of, blocks, used = _assign(levels, sys_chunk, meta_chunks, data_used)
         items: dict[int, list[tuple[d.Key, bytes]]] = {
-            d.FS_TREE_OBJECTID: fs.items,
             d.EXTENT_TREE_OBJECTID: meta.extent_tree(chunks, used, blocks),
             d.DEV_TREE_OBJECTID: meta.dev_tree(chunks),
             d.CSUM_TREE_OBJECTID: [],
@@ -707,47 +715,9 @@ def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
     else:
         raise AssertionError("metadata layout did not converge")
 
-    def tree_blocks(tree_id: int, tree_items: list[tuple[d.Key, bytes]]) -> TreeInfo:
-        addrs = addr_of[tree_id]
-        info, out = serialize(
-            tree_items, iter(addrs), tree_id, GENERATION, ids.fsid, ids.chunk_tree_uuid
-        )
-        if len(out) != len(addrs):
-            raise AssertionError(f"tree {tree_id}: planned {len(addrs)} blocks, built {len(out)}")
-        written.extend(out)
-        return info
-
-    written: list[tuple[int, bytes]] = []
-    infos = {tree_id: tree_blocks(tree_id, tree_items) for tree_id, tree_items in items.items()}
-    nblocks = {t: len(addr_of[t]) for t in _META_TREES}
-    infos[d.ROOT_TREE_OBJECTID] = tree_blocks(d.ROOT_TREE_OBJECTID, meta.root_tree(infos, nblocks))
-    chunk_info = infos[d.CHUNK_TREE_OBJECTID]
-
     # superblocks: identical but for dev_item (and checksum)
     sys_array = b"".join(d.pack_disk_key(k) + v for k, v in [meta.chunk_item(sys_chunk)])
-    total_used = sum(used.values())
-    fields = SuperFields(
-        fsid=ids.fsid,
-        generation=GENERATION,
-        root=TreeRoot(infos[d.ROOT_TREE_OBJECTID].root, infos[d.ROOT_TREE_OBJECTID].level),
-        chunk_root=TreeRoot(chunk_info.root, chunk_info.level),
-        extent_root=TreeRoot(
-            infos[d.EXTENT_TREE_OBJECTID].root, infos[d.EXTENT_TREE_OBJECTID].level
-        ),
-        fs_root=TreeRoot(infos[d.FS_TREE_OBJECTID].root, infos[d.FS_TREE_OBJECTID].level),
-        dev_root=TreeRoot(infos[d.DEV_TREE_OBJECTID].root, infos[d.DEV_TREE_OBJECTID].level),
-        csum_root=TreeRoot(infos[d.CSUM_TREE_OBJECTID].root, infos[d.CSUM_TREE_OBJECTID].level),
-        total_bytes=dev_sizes[0] + dev_sizes[1],
-        bytes_used=total_used,
-        num_devices=2,
-        sys_chunk_array=sys_array,
-        label=opts.label.encode()[:255],
-    )
     dev_items = items[d.CHUNK_TREE_OBJECTID][:2]
-    super1 = pack_super(fields, dev_items[0][1])
-    super2 = pack_super(fields, dev_items[1][1])
-
-    # logical -> physical on device 1, then write meta.img in address order
     dev1_chunks = sorted([sys_chunk, *meta_chunks], key=lambda c: c.logical)
 
     def physical(logical: int) -> int:
@@ -756,24 +726,54 @@ def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
                 return c.physical + (logical - c.logical)
         raise AssertionError(f"logical {logical} outside device 1 chunks")
 
-    written.sort()
     with open(meta_path, "wb") as f:
         f.truncate(dev_sizes[0])
-        f.seek(d.SUPER_INFO_OFFSET)
-        f.write(super1)
-        for mirror in d.SUPER_MIRRORS[1:]:
+
+        def sink(bytenr: int, block: bytes) -> None:
+            f.seek(physical(bytenr))
+            f.write(block)
+
+        def tree_blocks(tree_id: int, leaves: list[Leaf]) -> TreeInfo:
+            addrs = addr_of[tree_id]
+            info, n = serialize(
+                leaves, iter(addrs), tree_id, GENERATION, ids.fsid, ids.chunk_tree_uuid, sink
+            )
+            if n != len(addrs):
+                raise AssertionError(f"tree {tree_id}: planned {len(addrs)} blocks, built {n}")
+            return info
+
+        infos = {d.FS_TREE_OBJECTID: tree_blocks(d.FS_TREE_OBJECTID, fs.leaves)}
+        for tree_id, tree_items in items.items():
+            infos[tree_id] = tree_blocks(tree_id, pack_leaves(tree_items))
+        nblocks = {t: len(addr_of[t]) for t in _META_TREES}
+        root_items = meta.root_tree(infos, nblocks)
+        infos[d.ROOT_TREE_OBJECTID] = tree_blocks(d.ROOT_TREE_OBJECTID, pack_leaves(root_items))
+
+        def root(tree_id: int) -> TreeRoot:
+            return TreeRoot(infos[tree_id].root, infos[tree_id].level)
+
+        fields = SuperFields(
+            fsid=ids.fsid,
+            generation=GENERATION,
+            root=root(d.ROOT_TREE_OBJECTID),
+            chunk_root=root(d.CHUNK_TREE_OBJECTID),
+            extent_root=root(d.EXTENT_TREE_OBJECTID),
+            fs_root=root(d.FS_TREE_OBJECTID),
+            dev_root=root(d.DEV_TREE_OBJECTID),
+            csum_root=root(d.CSUM_TREE_OBJECTID),
+            total_bytes=dev_sizes[0] + dev_sizes[1],
+            bytes_used=sum(used.values()),
+            num_devices=2,
+            sys_chunk_array=sys_array,
+            label=opts.label.encode()[:255],
+        )
+        for mirror in d.SUPER_MIRRORS:
             if mirror + d.SUPER_INFO_SIZE <= dev_sizes[0]:
                 f.seek(mirror)
                 f.write(pack_super(fields, dev_items[0][1], bytenr=mirror))
-        pos = -1
-        for bytenr, block in written:
-            phys = physical(bytenr)
-            if phys != pos:
-                f.seek(phys)
-            f.write(block)
-            pos = phys + len(block)
         f.flush()
         os.fsync(f.fileno())
+    super2 = pack_super(fields, dev_items[1][1])
 
     stats = dict(fs.stats)
     stats["data_extents"] = len(fs.extent_refs)
