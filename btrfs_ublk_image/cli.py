@@ -1,4 +1,4 @@
-"""Command line: ``btrfs-ublk-image build | schema | inspect``."""
+"""Command line: ``btrfs-ublk-image build | schema | inspect | ls | manifest | diff``."""
 
 from __future__ import annotations
 
@@ -94,6 +94,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ls(args: argparse.Namespace) -> int:
+    from btrfs_ublk_image.listing import ls_lines
+
+    for line in ls_lines(args.bundle, args.path, recursive=args.recursive):
+        print(line)
+    return 0
+
+
+def cmd_manifest(args: argparse.Namespace) -> int:
+    from btrfs_ublk_image.listing import format_listing, load
+
+    text = format_listing(load(args.source))
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from btrfs_ublk_image.listing import diff, load
+
+    try:
+        lines = diff(load(args.a), load(args.b))
+    except ImageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    for line in lines:
+        print(line)
+    if lines:
+        print(f"{PROG}: {len(lines)} difference(s)", file=sys.stderr)
+    return 1 if lines else 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
@@ -121,6 +155,36 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("bundle", metavar="BUNDLE")
     i.add_argument("--json", action="store_true", help="the whole manifest and image id as JSON")
     i.set_defaults(func=cmd_inspect)
+
+    ls = sub.add_parser(
+        "ls",
+        help="list a directory or file of a bundle (like ls -l), read without mounting",
+    )
+    ls.add_argument("bundle", metavar="BUNDLE")
+    ls.add_argument("path", metavar="PATH", nargs="?", default="/", help="default: /")
+    ls.add_argument("-R", "--recursive", action="store_true", help="list subdirectories too")
+    ls.set_defaults(func=cmd_ls)
+
+    m = sub.add_parser(
+        "manifest",
+        help="print the listing of every path (docs/listing-format.md)",
+        description="Print the sorted listing of SOURCE: a bundle (read without mounting), a"
+        " listing file, or a directory tree such as a mounted image.",
+    )
+    m.add_argument("source", metavar="SOURCE", help="bundle, listing file or directory")
+    m.add_argument("-o", "--output", metavar="FILE", help="write the listing to FILE")
+    m.set_defaults(func=cmd_manifest)
+
+    df = sub.add_parser(
+        "diff",
+        help="compare two bundles / listings / directory trees; exit 1 if they differ",
+        description="Print every difference between A and B (each a bundle, a listing file or"
+        " a directory tree): '- PATH' only in A, '+ PATH' only in B, '~ PATH FIELD: A -> B'."
+        " Exit status: 0 identical, 1 different, 2 trouble.",
+    )
+    df.add_argument("a", metavar="A")
+    df.add_argument("b", metavar="B")
+    df.set_defaults(func=cmd_diff)
     return p
 
 
