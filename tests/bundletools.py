@@ -12,6 +12,7 @@ import hashlib
 import os
 import re
 import stat
+import struct
 import subprocess
 import tarfile
 from collections.abc import Iterator
@@ -21,6 +22,20 @@ from pathlib import Path
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.bundle import BLOCKMAP, META_IMG, read_manifest
 from btrfs_ublk_image.tree import Tree
+
+# system.posix_acl_access: version 2; user::rwx user:1000:r-x group::r-x mask::r-x other::r--
+ACL_XATTR = struct.pack("<I", 2) + b"".join(
+    struct.pack("<HHI", tag, perm, ident)
+    for tag, perm, ident in [
+        (1, 7, 0xFFFFFFFF),
+        (2, 5, 1000),
+        (4, 5, 0xFFFFFFFF),
+        (0x10, 5, 0xFFFFFFFF),
+        (0x20, 4, 0xFFFFFFFF),
+    ]
+)
+# security.capability: VFS_CAP_REVISION_2 | effective, cap_net_raw (13) permitted
+CAPABILITY_XATTR = struct.pack("<IIIII", 0x02000001, 1 << 13, 0, 0, 0)
 
 
 def run(*cmd: str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:

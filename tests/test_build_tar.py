@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import struct
 import tarfile
 from pathlib import Path
 
@@ -12,19 +11,16 @@ import pytest
 
 from btrfs_ublk_image.cli import main as cli
 
-from bundletools import dmesg_btrfs_problems, dmesg_len, list_dir, list_tar, mounted_bundle, run
-
-ACL = struct.pack("<I", 2) + b"".join(
-    struct.pack("<HHI", tag, perm, ident)
-    for tag, perm, ident in [
-        (1, 7, 0xFFFFFFFF),
-        (2, 5, 1000),
-        (4, 5, 0xFFFFFFFF),
-        (0x10, 5, 0xFFFFFFFF),
-        (0x20, 4, 0xFFFFFFFF),
-    ]
+from bundletools import (
+    ACL_XATTR,
+    CAPABILITY_XATTR,
+    dmesg_btrfs_problems,
+    dmesg_len,
+    list_dir,
+    list_tar,
+    mounted_bundle,
+    run,
 )
-CAPABILITY = struct.pack("<IIIII", 0x02000001, 1 << 13, 0, 0, 0)
 
 
 def _xattr(value: bytes) -> str:
@@ -59,10 +55,10 @@ def make_tarball(path: Path) -> None:
         ]:
             tf.addfile(member(name, **extra, size=len(data)), io.BytesIO(data))  # type: ignore[arg-type]
         cap = member("ping", size=4)
-        cap.pax_headers["SCHILY.xattr.security.capability"] = _xattr(CAPABILITY)
+        cap.pax_headers["SCHILY.xattr.security.capability"] = _xattr(CAPABILITY_XATTR)
         tf.addfile(cap, io.BytesIO(b"ping"))
         acl = member("acl", size=3)
-        acl.pax_headers["SCHILY.xattr.system.posix_acl_access"] = _xattr(ACL)
+        acl.pax_headers["SCHILY.xattr.system.posix_acl_access"] = _xattr(ACL_XATTR)
         acl.pax_headers["SCHILY.xattr.user.comment"] = "hello"
         tf.addfile(acl, io.BytesIO(b"acl"))
         tf.addfile(member("shared", tarfile.DIRTYPE, mode=0o2775, gid=50))

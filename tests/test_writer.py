@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,8 @@ from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.tree import FileType, Inode, Tree
 
 from bundletools import (
+    ACL_XATTR,
+    CAPABILITY_XATTR,
     dmesg_btrfs_problems,
     dmesg_len,
     list_dir,
@@ -30,20 +31,6 @@ from bundletools import (
 
 MiB = 1 << 20
 NS = 1_700_000_000_123_456_789
-
-# system.posix_acl_access: version 2; user::rwx user:1000:r-x group::r-x mask::r-x other::r--
-ACL = struct.pack("<I", 2) + b"".join(
-    struct.pack("<HHI", tag, perm, uid)
-    for tag, perm, uid in [
-        (1, 7, 0xFFFFFFFF),
-        (2, 5, 1000),
-        (4, 5, 0xFFFFFFFF),
-        (0x10, 5, 0xFFFFFFFF),
-        (0x20, 4, 0xFFFFFFFF),
-    ]
-)
-# security.capability: VFS_CAP_REVISION_2 | effective, cap_net_raw (13) permitted
-CAPABILITY = struct.pack("<IIIII", 0x02000001, 1 << 13, 0, 0, 0)
 
 
 def check(meta: Path) -> None:
@@ -81,8 +68,8 @@ def every_type(packs: PackWriter) -> Tree:
     t.put("/setuid", reg(b"#!/bin/sh\n", mode=0o4755), "t")
     t.put("/setgid-dir", Inode(FileType.DIR, mode=0o2775, gid=50), "t")
     t.put("/sticky", Inode(FileType.DIR, mode=0o1777), "t")
-    t.put("/cap", reg(b"ping", xattrs={b"security.capability": CAPABILITY}), "t")
-    t.put("/acl", reg(b"acl", xattrs={b"system.posix_acl_access": ACL}), "t")
+    t.put("/cap", reg(b"ping", xattrs={b"security.capability": CAPABILITY_XATTR}), "t")
+    t.put("/acl", reg(b"acl", xattrs={b"system.posix_acl_access": ACL_XATTR}), "t")
     hard = reg(b"hardlinked content that is long enough" * 100, mtime_ns=NS)
     t.put("/hard1", hard, "t")
     t.put("/dir/hard2", hard, "t")

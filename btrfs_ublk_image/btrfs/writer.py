@@ -425,6 +425,23 @@ class _Ids:
     subvol_uuid: bytes
 
 
+def _internal_dir_inode(nbytes: int, time_ns: int, otime_ns: int) -> bytes:
+    """INODE_ITEM of a directory btrfs keeps for itself (root tree dir, data-reloc root)."""
+    return d.pack_inode_item(
+        generation=GENERATION,
+        size=0,
+        nbytes=nbytes,
+        nlink=1,
+        uid=0,
+        gid=0,
+        mode=0o40755,
+        atime_ns=time_ns,
+        ctime_ns=time_ns,
+        mtime_ns=time_ns,
+        otime_ns=otime_ns,
+    )
+
+
 class _Metadata:
     """Items of every tree but the fs tree, given the chunk list and block addresses."""
 
@@ -549,19 +566,7 @@ class _Metadata:
         items.append(
             (
                 (d.ROOT_TREE_DIR_OBJECTID, d.INODE_ITEM_KEY, 0),
-                d.pack_inode_item(
-                    generation=gen,
-                    size=0,
-                    nbytes=d.NODESIZE,
-                    nlink=1,
-                    uid=0,
-                    gid=0,
-                    mode=0o40755,
-                    atime_ns=t,
-                    ctime_ns=t,
-                    mtime_ns=t,
-                    otime_ns=t,
-                ),
+                _internal_dir_inode(nbytes=d.NODESIZE, time_ns=t, otime_ns=t),
             )
         )
         items.append(
@@ -595,19 +600,7 @@ class _Metadata:
         return [
             (
                 (ino, d.INODE_ITEM_KEY, 0),
-                d.pack_inode_item(
-                    generation=GENERATION,
-                    size=0,
-                    nbytes=0,
-                    nlink=1,
-                    uid=0,
-                    gid=0,
-                    mode=0o40755,
-                    atime_ns=t,
-                    ctime_ns=t,
-                    mtime_ns=t,
-                    otime_ns=0,
-                ),
+                _internal_dir_inode(nbytes=0, time_ns=t, otime_ns=0),
             ),
             ((ino, d.INODE_REF_KEY, ino), d.pack_inode_ref(0, b"..")),
         ]
