@@ -21,7 +21,7 @@ PROG = "btrfs-ublk-image"
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from btrfs_ublk_image.sources import build_tree
+    from btrfs_ublk_image.sources import build_sources
     from btrfs_ublk_image.spec import load_spec
 
     spec_path = Path(args.spec)
@@ -35,9 +35,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     )
     progress = Progress("reading sources", force=args.progress)
 
-    def fill(packs: PackWriter) -> tuple[Tree, list[dict[str, Any]], None]:
-        tree, records = build_tree(spec, spec_path, packs, progress)
-        return tree, [r.to_json() for r in records], None
+    def fill(packs: PackWriter) -> tuple[Tree, list[dict[str, Any]], dict[str, Any] | None]:
+        built = build_sources(spec, spec_path, packs, progress)
+        return built.tree, [r.to_json() for r in built.records], built.image_config
 
     try:
         res = write_bundle(

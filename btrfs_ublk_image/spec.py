@@ -6,16 +6,22 @@ A spec is a YAML mapping::
     name: web-base
     btrfs: {inline_limit: 2048, fsid: null, label: ""}   # optional
     source_date_epoch: null                               # optional
+    remove: ["/usr/share/doc/**"]                         # optional
     layers:
-      - tar: {path: rootfs.tar.zst}
+      - tar: {path: rootfs.tar.zst, exclude: ["/var/cache/**"], uid: 0, gid: 0}
+      - oci: {path: ./debian-oci, ref: bookworm}
+      - dir: {path: ./overlay, dest: /srv}
       - files:
           - {path: /etc/motd, content: "hello\\n", mode: "0644"}
           - {path: /usr/bin/vi, symlink: /usr/bin/vim.tiny}
           - {path: /srv/data, directory: true}
 
 Every layer is a mapping with exactly ONE key naming its kind. ``Layer`` is a
-discriminated union over that key: a new source kind (``oci:``, ``dir:``) is one
-new model plus one entry in ``_LAYER_KINDS`` and in the ``Layer`` union.
+discriminated union over that key: a new source kind is one new model plus one
+entry in ``_LAYER_KINDS`` and in the ``Layer`` union.
+
+``load_spec`` also applies the ``SOURCE_DATE_EPOCH`` environment variable when the
+spec sets no ``source_date_epoch`` (docs/sources.md).
 
 ``load_spec`` turns every problem (YAML syntax, duplicate keys, validation) into
 a ``SpecError`` whose lines read ``FILE:LINE: field.path: message``; the line
@@ -26,9 +32,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -112,6 +119,44 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _check_glob(value: str) -> str:
+    from btrfs_ublk_image.sources.globs import compile_glob
+
+    compile_glob(value)  # raises ValueError with the reason
+    return value
+
+
+Glob = Annotated[
+    StrictStr,
+    Field(
+        min_length=1,
+        description="Image path pattern: '*' and '?' match within one component, '**' any"
+        " number of components, '[...]' a character class",
+    ),
+    BeforeValidator(lambda v: _check_glob(v) if isinstance(v, str) else v),
+]
+
+Owner = Annotated[StrictInt, Field(ge=0, le=0xFFFFFFFF)]
+
+
+class _TreeOptions(_Model):
+    """Options of sources that copy a file tree (``tar``, ``dir``)."""
+
+    dest: ImagePath = Field("/", description="Directory of the image the tree goes into")
+    include: list[Glob] | None = Field(
+        None,
+        description="Keep only entries whose image path (after dest/strip_components), or one"
+        " of its parent directories, matches one of these globs",
+    )
+    exclude: list[Glob] = Field(
+        default_factory=list,
+        description="Drop entries whose image path, or one of its parent directories, matches"
+        " one of these globs (applied after include)",
+    )
+    uid: Owner | None = Field(None, description="Owner override: every entry gets this uid")
+    gid: Owner | None = Field(None, description="Owner override: every entry gets this gid")
+
+
 class BtrfsOptions(_Model):
     """Options of the btrfs writer."""
 
@@ -140,7 +185,7 @@ class BtrfsOptions(_Model):
 # ---- layers -----------------------------------------------------------------------------
 
 
-class TarSource(_Model):
+class TarSource(_TreeOptions):
     """A tarball: plain, gzip, zstd, xz or bzip2 (detected from its first bytes)."""
 
     path: StrictStr = Field(min_length=1, description="The tarball, relative to the spec file")
@@ -150,7 +195,6 @@ class TarSource(_Model):
         description="Expected sha256 of the tarball's bytes (as stored, compressed); a mismatch"
         " fails the build",
     )
-    dest: ImagePath = Field("/", description="Directory of the image the archive unpacks into")
     strip_components: StrictInt = Field(
         0,
         ge=0,
@@ -161,6 +205,49 @@ class TarSource(_Model):
 
 class TarLayer(_Model):
     tar: TarSource
+
+
+class DirSource(_TreeOptions):
+    """A local directory tree: its contents (not the directory itself) go under ``dest``."""
+
+    path: StrictStr = Field(min_length=1, description="The directory, relative to the spec file")
+
+
+class DirLayer(_Model):
+    dir: DirSource
+
+
+class OciSource(_Model):
+    """An OCI image: a layout directory, an ``oci-archive`` or a ``docker-archive`` tarball."""
+
+    path: StrictStr = Field(
+        min_length=1,
+        description="OCI image layout directory, or an uncompressed oci-archive or"
+        " docker-archive (docker save) tarball, relative to the spec file",
+    )
+    ref: StrictStr | None = Field(
+        None,
+        min_length=1,
+        description="Tag: the index's org.opencontainers.image.ref.name (docker-archive: a"
+        " RepoTags entry, whole or the part after ':'); may be left out when the image holds"
+        " one image",
+    )
+    digest: StrictStr | None = Field(
+        None,
+        pattern=r"^sha256:[0-9a-f]{64}$",
+        description="Select (or, with ref, pin) by digest: of an image index or manifest;"
+        " docker-archive: of the image config (the image id)",
+    )
+    platform: StrictStr | None = Field(
+        None,
+        pattern=r"^[a-z0-9]+/[a-z0-9_]+(/[a-z0-9]+)?$",
+        description="os/architecture[/variant] picked from an image index; default: the"
+        " host's (linux/amd64 on x86_64)",
+    )
+
+
+class OciLayer(_Model):
+    oci: OciSource
 
 
 class FileEntry(_Model):
@@ -209,7 +296,12 @@ class FilesLayer(_Model):
 
 
 # The layer kinds: the single key of a layer mapping -> its model.
-_LAYER_KINDS: dict[str, type[_Model]] = {"tar": TarLayer, "files": FilesLayer}
+_LAYER_KINDS: dict[str, type[_Model]] = {
+    "tar": TarLayer,
+    "oci": OciLayer,
+    "dir": DirLayer,
+    "files": FilesLayer,
+}
 
 
 def _layer_kind(value: Any) -> str | None:
@@ -242,7 +334,10 @@ def _check_layer_shape(value: Any) -> Any:
 
 Layer = Annotated[
     Annotated[
-        Annotated[TarLayer, Tag("tar")] | Annotated[FilesLayer, Tag("files")],
+        Annotated[TarLayer, Tag("tar")]
+        | Annotated[OciLayer, Tag("oci")]
+        | Annotated[DirLayer, Tag("dir")]
+        | Annotated[FilesLayer, Tag("files")],
         Discriminator(_layer_kind),
     ],
     BeforeValidator(_check_layer_shape),
@@ -263,10 +358,15 @@ class Spec(_Model):
     source_date_epoch: StrictInt | None = Field(
         None,
         ge=0,
-        description="Seconds since the epoch: mtime of directories the builder creates"
-        " and default mtime of inline files",
+        description="Seconds since the epoch: no timestamp in the image is later (later ones"
+        " are clamped to it); also the mtime of directories the builder creates and the"
+        " default mtime of inline files. Default: the SOURCE_DATE_EPOCH environment variable",
     )
     layers: list[Layer] = Field(description="Applied in order; later layers win")
+    remove: list[Glob] = Field(
+        default_factory=list,
+        description="Entries (with everything under them) removed after all layers are applied",
+    )
 
     _sha256: str | None = PrivateAttr(default=None)
 
@@ -282,14 +382,25 @@ class Spec(_Model):
 # ---- loading ----------------------------------------------------------------------------
 
 
-def load_spec(path: str | Path) -> Spec:
-    """Read and validate a spec file; any problem is a ``SpecError`` naming file, line, field."""
+def load_spec(path: str | Path, environ: Mapping[str, str] | None = None) -> Spec:
+    """Read and validate a spec file; any problem is a ``SpecError`` naming file, line, field.
+
+    A spec without ``source_date_epoch`` takes it from ``SOURCE_DATE_EPOCH`` in ``environ``
+    (default: the process environment), as reproducible-builds.org specifies.
+    """
     path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise SpecError(f"{path}: cannot read spec: {e.strerror or e}") from None
     spec = parse_spec(raw, str(path))
+    env = (os.environ if environ is None else environ).get("SOURCE_DATE_EPOCH")
+    if spec.source_date_epoch is None and env is not None and env.strip():
+        if not env.strip().isdigit():
+            raise SpecError(
+                f"SOURCE_DATE_EPOCH={env!r}: not a non-negative integer (seconds since the epoch)"
+            )
+        spec = spec.model_copy(update={"source_date_epoch": int(env)})
     spec._sha256 = "sha256:" + hashlib.sha256(raw).hexdigest()
     return spec
 

@@ -124,7 +124,7 @@ BASE = "version: 1\nname: x\n"
         (BASE, "spec.yaml:1: layers: missing required key"),
         (
             BASE + "layers:\n  - zip: {path: a.zip}\n",
-            "spec.yaml:4: layers[0]: unknown layer kind 'zip': expected one of tar, files",
+            "spec.yaml:4: layers[0]: unknown layer kind 'zip': expected one of tar, oci, dir, files",
         ),
         (
             BASE + "layers:\n  - tar: {path: a.tar}\n    files: []\n",
@@ -244,7 +244,12 @@ def test_schema_describes_layers() -> None:
     schema = json_schema()
     assert schema["properties"]["version"]["const"] == 1
     items = schema["properties"]["layers"]["items"]["oneOf"]
-    assert {i["$ref"] for i in items} == {"#/$defs/TarLayer", "#/$defs/FilesLayer"}
+    assert {i["$ref"] for i in items} == {
+        "#/$defs/TarLayer",
+        "#/$defs/OciLayer",
+        "#/$defs/DirLayer",
+        "#/$defs/FilesLayer",
+    }
     assert schema["$defs"]["FileEntry"]["additionalProperties"] is False
     mode = schema["$defs"]["FileEntry"]["properties"]["mode"]
     assert "pattern" in json.dumps(mode)

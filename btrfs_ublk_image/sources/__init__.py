@@ -1,8 +1,9 @@
 """Sources: stream each layer of a spec, in order, into one merged ``Tree``.
 
-``build_tree`` is the entry point. Each layer kind has one module with an
+``build_sources`` is the entry point (``build_tree`` is the same without the
+image config). Each layer kind has one module with an
 ``apply(layer, ctx) -> SourceRecord`` function, registered in ``_APPLY``; a new
-kind (oci, dir) is a new module plus one registry entry.
+kind is a new module plus one registry entry.
 
 Placement rules (``LayerContext.place``), the same for every source:
   * later wins: an entry replaces whatever was at its path, except that a
@@ -10,37 +11,65 @@ Placement rules (``LayerContext.place``), the same for every source:
     children stay, as ``tar -x`` does);
   * missing parent directories are created (mode 0755, owner 0, mtime
     ``source_date_epoch`` when the spec sets it, else the entry's mtime), and
-    a non-directory in the way of a parent is replaced by a directory;
-  * paths resolve lexically inside the image (``..`` stops at ``/``);
+    a non-directory (other than a symlink) in the way of a parent is replaced
+    by a directory;
+  * ``..`` in a name is resolved lexically and stops at ``/``; a symlink among
+    the parent directories is followed INSIDE the image (an absolute target
+    starts at the image root, ``..`` stops there: the host is never looked at);
+    the last component is never followed;
   * an entry for ``/`` itself updates the root directory's metadata.
+
+After the layers: the spec's ``remove:`` globs delete entries (with what is under
+them), then, when ``source_date_epoch`` is set, every timestamp later than it is
+clamped to it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.progress import Progress
+from btrfs_ublk_image.sources import dir as dir_source
 from btrfs_ublk_image.sources import files, tar
 from btrfs_ublk_image.sources.base import LayerContext, SourceRecord
-from btrfs_ublk_image.spec import FilesLayer, Spec, TarLayer
-from btrfs_ublk_image.tree import Tree
+from btrfs_ublk_image.sources.globs import PathSet
+from btrfs_ublk_image.spec import DirLayer, FilesLayer, Spec, TarLayer
+from btrfs_ublk_image.tree import FileType, Tree
 
-__all__ = ["LayerContext", "SourceRecord", "build_tree"]
+__all__ = ["Built", "LayerContext", "SourceRecord", "build_sources", "build_tree"]
 
 # layer model -> the function that applies it
 _APPLY: dict[type, Callable[[Any, LayerContext], SourceRecord]] = {
     TarLayer: tar.apply,
+    DirLayer: dir_source.apply,
     FilesLayer: files.apply,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    tree: Tree
+    records: list[SourceRecord]
+    # the image config for the manifest: the last layer that has one (OCI) wins
+    image_config: dict[str, Any] | None
 
 
 def build_tree(
     spec: Spec, spec_path: Path, packs: PackWriter, progress: Progress | None = None
 ) -> tuple[Tree, list[SourceRecord]]:
+    """``build_sources`` without the image config."""
+    built = build_sources(spec, spec_path, packs, progress)
+    return built.tree, built.records
+
+
+def build_sources(
+    spec: Spec, spec_path: Path, packs: PackWriter, progress: Progress | None = None
+) -> Built:
     """Apply every layer of ``spec`` in order; paths in the spec are relative to ``spec_path``.
 
     Regular file content goes to ``packs`` (deduplicated there). Raises ``SourceError``
@@ -57,4 +86,48 @@ def build_tree(
             raise SourceError(f"layers[{index}]: no source for {type(layer).__name__}")
         ctx = LayerContext(tree, spec, spec_dir, packs, progress, index)
         records.append(apply(layer, ctx))
-    return tree, records
+    if spec.remove:
+        remove_globs(tree, PathSet(spec.remove))
+    if spec.source_date_epoch is not None:
+        clamp_times(tree, spec.source_date_epoch * 1_000_000_000)
+    config = None
+    for r in records:
+        if r.image_config is not None:
+            config = r.image_config
+    return Built(tree, records, config)
+
+
+def remove_globs(tree: Tree, globs: PathSet) -> int:
+    """Delete every entry whose path matches (with everything under it); returns how many."""
+    removed = 0
+    todo = [(b"", tree.root)]
+    while todo:
+        path, node = todo.pop()
+        for name in sorted(node.entries):
+            child = node.entries[name]
+            cpath = path + b"/" + name
+            if globs.match(cpath):
+                del node.entries[name]
+                removed += 1
+            elif child.type == FileType.DIR:
+                todo.append((cpath, child))
+    return removed
+
+
+def clamp_times(tree: Tree, limit_ns: int) -> None:
+    """No timestamp later than ``limit_ns`` (reproducible-builds' SOURCE_DATE_EPOCH clamping)."""
+    seen: set[int] = set()
+    todo = [tree.root]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue  # a hard link: already clamped
+        seen.add(id(node))
+        if node.mtime_ns > limit_ns:
+            node.mtime_ns = limit_ns
+        if node.atime_ns is not None and node.atime_ns > limit_ns:
+            node.atime_ns = limit_ns
+        if node.ctime_ns is not None and node.ctime_ns > limit_ns:
+            node.ctime_ns = limit_ns
+        if node.type == FileType.DIR:
+            todo.extend(node.entries.values())

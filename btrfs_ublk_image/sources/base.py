@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.progress import Progress
 from btrfs_ublk_image.spec import Spec
 from btrfs_ublk_image.tree import FileType, Inode, Tree, check_name, split_path
+
+MAX_SYMLINKS = 40  # symlinks followed while resolving one path (the kernel's limit)
+PATH_MAX = 4096  # a symlink target must be shorter (the kernel refuses longer ones)
+WHITEOUT = b".wh."
+OPAQUE = b".wh..wh..opq"
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +25,8 @@ class SourceRecord:
     kind: str  # "tar", "files", ...
     path: str  # as written in the spec ("" for a files layer)
     sha256: str  # "sha256:<hex>": of the source file's bytes; files layer: of its canonical JSON
+    # OCI: the image config for the manifest (not part of the source record itself)
+    image_config: dict[str, Any] | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, str]:
         return {"kind": self.kind, "path": self.path, "sha256": self.sha256}
@@ -27,7 +35,16 @@ class SourceRecord:
 class LayerContext:
     """Everything a source needs to apply one layer to the tree."""
 
-    __slots__ = ("dir_mtime_ns", "index", "packs", "progress", "spec", "spec_dir", "tree")
+    __slots__ = (
+        "dir_mtime_ns",
+        "index",
+        "packs",
+        "progress",
+        "spec",
+        "spec_dir",
+        "tree",
+        "upper",
+    )
 
     def __init__(
         self,
@@ -46,31 +63,95 @@ class LayerContext:
         self.index = index  # the layer's position in ``spec.layers``
         epoch = spec.source_date_epoch
         self.dir_mtime_ns = None if epoch is None else epoch * 1_000_000_000
+        # OCI layers: resolved paths placed by this layer and their ancestors (whiteouts
+        # only remove what lower layers made); None: not tracked
+        self.upper: set[bytes] | None = None
 
     def resolve(self, path: str) -> Path:
         """A source path from the spec, relative to the spec file's directory."""
         p = Path(path).expanduser()
         return p if p.is_absolute() else self.spec_dir / p
 
+    def _resolve_dir(
+        self, parts: list[bytes], where: str, create: bool, mtime_ns: int
+    ) -> tuple[Inode, list[bytes]] | None:
+        """The directory named by ``parts``, following symlinks INSIDE the image.
+
+        A symlink's target is resolved as if the image root were ``/`` (an absolute target
+        restarts at the image root, ``..`` stops there), like the kernel under chroot and
+        umoci's securejoin. Missing directories are created when ``create`` (else: None);
+        a non-directory that is not a symlink is replaced by a directory. Returns the
+        directory and its resolved path components.
+        """
+        node = self.tree.root
+        # fast path: plain directories all the way
+        for comp in parts:
+            child = node.entries.get(comp)
+            if child is None or child.type != FileType.DIR:
+                break
+            node = child
+        else:
+            return node, parts
+        root = self.tree.root
+        todo = list(reversed(parts))
+        nodes: list[Inode] = [root]
+        resolved: list[bytes] = []
+        links = 0
+        while todo:
+            comp = todo.pop()
+            if comp in (b"", b"."):
+                continue
+            node = nodes[-1]
+            if comp == b"..":
+                if resolved:
+                    resolved.pop()
+                    nodes.pop()
+                continue
+            child = node.entries.get(comp)
+            if child is not None and child.type == FileType.SYMLINK:
+                links += 1
+                if links > MAX_SYMLINKS:
+                    raise SourceError(
+                        f"{where}: too many levels of symbolic links (more than {MAX_SYMLINKS})"
+                    )
+                if child.target.startswith(b"/"):
+                    del nodes[1:]
+                    resolved.clear()
+                todo.extend(reversed(child.target.split(b"/")))
+                continue
+            if child is None or child.type != FileType.DIR:
+                if not create:
+                    return None
+                check_name(comp, where)
+                mtime = self.dir_mtime_ns if self.dir_mtime_ns is not None else mtime_ns
+                child = Inode(FileType.DIR, mode=0o755, mtime_ns=mtime)
+                node.entries[comp] = child
+            nodes.append(child)
+            resolved.append(comp)
+        return nodes[-1], resolved
+
     def place(self, path: bytes, inode: Inode, where: str) -> None:
         """Put ``inode`` at image path ``path`` (see the module docstring for the rules)."""
         parts = split_path(path)
         tree = self.tree
+        if inode.type == FileType.SYMLINK:
+            target = inode.target
+            if not target or len(target) >= PATH_MAX or b"\0" in target:
+                raise SourceError(
+                    f"{where}: invalid symlink target (empty, {PATH_MAX} bytes or longer,"
+                    f" or containing NUL): {target[:40]!r}"
+                )
         if not parts:
             if inode.type != FileType.DIR:
                 raise SourceError(f"{where}: the image root can only be a directory")
             tree.set_root_meta(inode)
             return
-        node = tree.root
-        for comp in parts[:-1]:
-            child = node.entries.get(comp)
-            if child is None or child.type != FileType.DIR:
-                check_name(comp, where)
-                mtime = self.dir_mtime_ns if self.dir_mtime_ns is not None else inode.mtime_ns
-                child = Inode(FileType.DIR, mode=0o755, mtime_ns=mtime)
-                node.entries[comp] = child
-            node = child
+        found = self._resolve_dir(parts[:-1], where, True, inode.mtime_ns)
+        assert found is not None
+        node, resolved = found
         name = parts[-1]
+        if self.upper is not None:
+            self._mark_upper(resolved, name)
         entries = node.entries
         old = entries.get(name)
         if old is None:
@@ -83,5 +164,65 @@ class LayerContext:
             return
         entries[name] = inode
 
+    def ensure_dir(self, path: str | bytes, where: str) -> Inode:
+        """The directory at ``path``, created (0755, root) if missing; symlinks followed."""
+        found = self._resolve_dir(split_path(path), where, True, 0)
+        assert found is not None
+        if self.upper is not None and found[1]:
+            self._mark_upper(found[1][:-1], found[1][-1])
+        return found[0]
+
     def lookup(self, path: bytes) -> Inode | None:
-        return self.tree.lookup(path)
+        """The entry at ``path``: symlinks in its directories are followed (inside the image),
+        the last component is not (a hard link to a symlink links the symlink)."""
+        parts = split_path(path)
+        if not parts:
+            return self.tree.root
+        found = self._resolve_dir(parts[:-1], str(path), False, 0)
+        return None if found is None else found[0].entries.get(parts[-1])
+
+    def _mark_upper(self, resolved: list[bytes], name: bytes) -> None:
+        upper = self.upper
+        assert upper is not None
+        key = b"/".join([*resolved, name])
+        while key and key not in upper:
+            upper.add(key)
+            key = key[: max(key.rfind(b"/"), 0)]
+
+    def whiteout(self, path: bytes, where: str) -> None:
+        """An OCI whiteout entry (``DIR/.wh.NAME`` or ``DIR/.wh..wh..opq``), as the OCI image
+        spec and umoci apply it: remove NAME (or DIR's children) unless this same layer put
+        it there; inside a directory this layer also wrote, remove what lower layers left."""
+        parts = split_path(path)
+        if not parts:
+            return
+        name = parts[-1]
+        found = self._resolve_dir(parts[:-1], where, False, 0)
+        if found is None:
+            return  # nothing to hide
+        node, resolved = found
+        upper = self.upper if self.upper is not None else set()
+        if name == OPAQUE:
+            todo = [(node, resolved)]
+        else:
+            victim = name[len(WHITEOUT) :]
+            if victim in (b"", b".", b"..") or victim.startswith(WHITEOUT):
+                raise SourceError(f"{where}: invalid whiteout {name!r}")
+            check_name(victim, where)
+            child = node.entries.get(victim)
+            if child is None:
+                return
+            if b"/".join([*resolved, victim]) not in upper:
+                del node.entries[victim]
+                return
+            if child.type != FileType.DIR:
+                return
+            todo = [(child, [*resolved, victim])]
+        while todo:
+            d, dpath = todo.pop()
+            for cname, child in list(d.entries.items()):
+                cpath = [*dpath, cname]
+                if b"/".join(cpath) not in upper:
+                    del d.entries[cname]
+                elif child.type == FileType.DIR:
+                    todo.append((child, cpath))

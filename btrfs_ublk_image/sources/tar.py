@@ -27,13 +27,15 @@ import tarfile
 import urllib.parse
 import zlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, cast
 
 import zstandard
 
 from btrfs_ublk_image.errors import SourceError
-from btrfs_ublk_image.sources.base import LayerContext, SourceRecord
+from btrfs_ublk_image.sources.base import WHITEOUT, LayerContext, SourceRecord
+from btrfs_ublk_image.sources.globs import normalize, selector
 from btrfs_ublk_image.spec import TarLayer
 from btrfs_ublk_image.tree import FileType, Inode, split_path
 
@@ -98,7 +100,7 @@ class _HashingReader:
 
     mode = "rb"
 
-    def __init__(self, f: BinaryIO, path: Path) -> None:
+    def __init__(self, f: _Readable, path: Path | str) -> None:
         self.f = f
         self.path = path
         self.hash = hashlib.sha256()
@@ -196,6 +198,22 @@ class _ZstdReader:
             return b""
         self.in_frame = True
         data: bytes = self.obj.decompress(chunk)
+        return data
+
+    def readable(self) -> bool:
+        return True
+
+
+class _DigestStream:
+    """Hashes what is read through it: the uncompressed layer (an OCI diff_id)."""
+
+    def __init__(self, inner: _Readable) -> None:
+        self.inner = inner
+        self.hash = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.inner.read(n)
+        self.hash.update(data)
         return data
 
     def readable(self) -> bool:
@@ -354,7 +372,7 @@ def _xattrs(pax: Mapping[str, str]) -> dict[bytes, bytes]:
     return out
 
 
-def _fail(tar_path: Path, member: str | None, msg: str) -> SourceError:
+def _fail(tar_path: Path | str, member: str | None, msg: str) -> SourceError:
     at = f": member {member!r}" if member is not None else ""
     return SourceError(f"{tar_path}{at}: {msg}")
 
@@ -366,8 +384,14 @@ def apply(layer: TarLayer, ctx: LayerContext) -> SourceRecord:
     except OSError as e:
         raise SourceError(f"{tar_path}: cannot open tarball: {e.strerror or e}") from None
     src = layer.tar
+    opts = TarOptions(
+        rename=_renamer(src.dest, src.strip_components),
+        keep=selector(src.include, src.exclude),
+        uid=src.uid,
+        gid=src.gid,
+    )
     with f:
-        digest = read_tar(f, tar_path, ctx, _renamer(src.dest, src.strip_components))
+        digest = read_tar(f, tar_path, ctx, opts).raw
     if src.sha256 is not None:
         want = src.sha256.removeprefix("sha256:")
         if digest != "sha256:" + want:
@@ -378,6 +402,25 @@ def apply(layer: TarLayer, ctx: LayerContext) -> SourceRecord:
 
 
 Renamer = Callable[[bytes], "bytes | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class TarOptions:
+    """How members become image entries."""
+
+    rename: Renamer | None = None  # member name -> image path; None result: skip the member
+    keep: Callable[[bytes], bool] | None = None  # on the normalized image path: keep it?
+    uid: int | None = None  # owner overrides
+    gid: int | None = None
+    whiteouts: bool = False  # OCI layer: .wh.NAME and .wh..wh..opq entries hide lower layers
+    diff_id: bool = False  # hash the uncompressed stream too
+
+
+@dataclass(frozen=True, slots=True)
+class TarDigests:
+    raw: str  # sha256:<hex> of the bytes as stored
+    uncompressed: str  # sha256:<hex> of the tar stream (== raw when not compressed)
+    compression: str  # "none", "gzip", ...
 
 
 def _renamer(dest: str, strip: int) -> Renamer | None:
@@ -397,12 +440,14 @@ def _renamer(dest: str, strip: int) -> Renamer | None:
     return rename
 
 
-def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext, rename: Renamer | None = None) -> str:
-    """Stream the tarball ``f`` into ``ctx.tree``; returns ``sha256:<hex>`` of its raw bytes.
+def read_tar(
+    f: _Readable, tar_path: Path | str, ctx: LayerContext, opts: TarOptions | None = None
+) -> TarDigests:
+    """Stream the tarball ``f`` into ``ctx.tree``; returns the digests of what was read.
 
-    ``rename`` maps member names (and hard link targets) to image paths; a None result skips
-    the member.
+    ``tar_path`` names the archive in errors.
     """
+    opts = opts or TarOptions()
     raw = _HashingReader(f, tar_path)
     head = raw.peek_head(BLOCK)
     kind = detect_compression(head)
@@ -418,8 +463,11 @@ def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext, rename: Renamer | N
             f"unknown compression or not a tar archive (first bytes: {head[:8].hex(' ')})",
         )
     tf: _TarFile | None = None
+    diff: _DigestStream | None = None
     try:
         stream = _decompressor(kind, raw)
+        if opts.diff_id and kind != "none":
+            stream = diff = _DigestStream(stream)
         tf = _TarFile.open(
             fileobj=cast(BinaryIO, stream),
             mode="r|",
@@ -427,7 +475,7 @@ def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext, rename: Renamer | N
             errors="surrogateescape",
         )
         assert isinstance(tf, _TarFile)
-        _read_members(tf, tar_path, ctx, rename)
+        _read_members(tf, tar_path, ctx, opts)
         # validate the compressed stream's end and hash every remaining byte
         while stream.read(READ_SIZE):
             pass
@@ -452,13 +500,17 @@ def read_tar(f: BinaryIO, tar_path: Path, ctx: LayerContext, rename: Renamer | N
         raise _fail(tar_path, None, f"{what}{at}: {e}") from None
     except (ValueError, OverflowError) as e:
         raise _fail(tar_path, tf.last_name if tf is not None else None, str(e)) from None
-    return "sha256:" + raw.hash.hexdigest()
+    raw_digest = "sha256:" + raw.hash.hexdigest()
+    uncompressed = raw_digest if diff is None else "sha256:" + diff.hash.hexdigest()
+    return TarDigests(raw_digest, uncompressed, kind)
 
 
 def _read_members(
-    tf: _TarFile, tar_path: Path, ctx: LayerContext, rename: Renamer | None
+    tf: _TarFile, tar_path: Path | str, ctx: LayerContext, opts: TarOptions
 ) -> str | None:
     """Returns the last member's name (for errors after it)."""
+    rename, keep, whiteouts = opts.rename, opts.keep, opts.whiteouts
+    own_uid, own_gid = opts.uid, opts.gid
     place = ctx.place
     packs = ctx.packs
     progress = ctx.progress
@@ -484,6 +536,15 @@ def _read_members(
                     progress.add_file()
                 continue
             bname = renamed
+        if keep is not None and not keep(normalize(bname)):
+            if progress is not None:
+                progress.add_file()
+            continue
+        if whiteouts and bname[bname.rfind(b"/") + 1 :].startswith(WHITEOUT):
+            ctx.whiteout(bname, f"{tar_path}: member {name!r}")
+            if progress is not None:
+                progress.add_file()
+            continue
         t = m.type
         pax = m.pax_headers
         if t in tarfile.REGULAR_TYPES or t not in tarfile.SUPPORTED_TYPES:
@@ -497,6 +558,12 @@ def _read_members(
             target: bytes | None = m.linkname.encode("utf-8", "surrogateescape")
             if rename is not None and target is not None:
                 target = rename(target)
+            if target is not None and keep is not None and not keep(normalize(target)):
+                raise _fail(
+                    tar_path,
+                    name,
+                    f"hard link to {m.linkname!r}, which include/exclude leave out",
+                )
             linked = ctx.lookup(target) if target is not None else None
             if linked is None:
                 raise _fail(
@@ -516,8 +583,10 @@ def _read_members(
             inode = Inode(FileType.FIFO)
         else:  # pragma: no cover - SUPPORTED_TYPES is covered above
             raise _fail(tar_path, name, f"unsupported member type {t!r}")
-        inode.mode = m.mode & 0o7777
-        uid, gid = m.uid, m.gid
+        # a symlink's mode is always 0777 on Linux (symlink(2) ignores the umask and the mode)
+        inode.mode = 0o777 if t == tarfile.SYMTYPE else m.mode & 0o7777
+        uid = m.uid if own_uid is None else own_uid
+        gid = m.gid if own_gid is None else own_gid
         if not (0 <= uid <= 0xFFFFFFFF and 0 <= gid <= 0xFFFFFFFF):
             raise _fail(tar_path, name, f"owner {uid}:{gid} out of range")
         inode.uid, inode.gid = uid, gid
