@@ -11,7 +11,9 @@ and commit them with the change that caused them.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,8 +34,22 @@ UPDATE = os.environ.get("BUI_UPDATE_GOLDEN") == "1"
 
 
 def build_golden(name: str, out: Path) -> tuple[str, str]:
-    """Build specs/golden/NAME; returns (listing text, image id)."""
-    assert cli(["build", str(GOLDEN / name / "spec.yaml"), "-o", str(out)]) == 0
+    """Build specs/golden/NAME; returns (listing text, image id).
+
+    A golden dir with a generate.py (inputs git cannot carry: modes, mtimes, xattrs,
+    sockets) is copied next to ``out`` and its ``generate(copy)`` runs first."""
+    spec = GOLDEN / name / "spec.yaml"
+    gen = GOLDEN / name / "generate.py"
+    if gen.exists():
+        work = out.parent / f"{out.name}-inputs"
+        shutil.copytree(GOLDEN / name, work)
+        module = importlib.util.spec_from_file_location(f"golden_{name}_generate", gen)
+        assert module is not None and module.loader is not None
+        mod = importlib.util.module_from_spec(module)
+        module.loader.exec_module(mod)
+        mod.generate(work)
+        spec = work / "spec.yaml"
+    assert cli(["build", str(spec), "-o", str(out)]) == 0
     _, image_id = read_manifest(str(out))
     return listing.format_listing(listing.from_bundle(str(out))), image_id
 
