@@ -35,10 +35,10 @@ from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.progress import Progress
 from btrfs_ublk_image.sources import dir as dir_source
-from btrfs_ublk_image.sources import files, tar
+from btrfs_ublk_image.sources import files, oci, tar
 from btrfs_ublk_image.sources.base import LayerContext, SourceRecord
 from btrfs_ublk_image.sources.globs import PathSet
-from btrfs_ublk_image.spec import DirLayer, FilesLayer, Spec, TarLayer
+from btrfs_ublk_image.spec import DirLayer, FilesLayer, OciLayer, Spec, TarLayer
 from btrfs_ublk_image.tree import FileType, Tree
 
 __all__ = ["Built", "LayerContext", "SourceRecord", "build_sources", "build_tree"]
@@ -46,6 +46,7 @@ __all__ = ["Built", "LayerContext", "SourceRecord", "build_sources", "build_tree
 # layer model -> the function that applies it
 _APPLY: dict[type, Callable[[Any, LayerContext], SourceRecord]] = {
     TarLayer: tar.apply,
+    OciLayer: oci.apply,
     DirLayer: dir_source.apply,
     FilesLayer: files.apply,
 }
