@@ -58,6 +58,24 @@ mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 out /newroot/vmout ||
 [ -f /newroot/vmout/run.sh ] || fail "/vmout/run.sh missing"
 ip link set lo up 2>/dev/null
 
+# What udev/systemd-tmpfiles do on a real system: static device nodes for on-demand module
+# loading (opening /dev/loop-control loads loop), and a modprobe the kernel can run. The
+# kernel runs its modprobe helper with PID 1's root, which is this initramfs (the run script
+# is only chrooted), so the helper chroots into the guest root to use its modprobe.
+KV=$(uname -r)
+if [ -f "/newroot/lib/modules/$KV/modules.devname" ]; then
+	while read -r mod name dev; do
+		case $mod in '#'* | '') continue ;; esac
+		[ -e "/newroot/dev/$name" ] && continue
+		mm=${dev#?}
+		mkdir -p "$(dirname "/newroot/dev/$name")"
+		mknod -m 600 "/newroot/dev/$name" "${dev%%[0-9]*}" "${mm%%:*}" "${mm#*:}"
+	done <"/newroot/lib/modules/$KV/modules.devname"
+fi
+printf '#!/bin/sh\nexec /bin/chroot /newroot /sbin/modprobe "$@"\n' >/bin/modprobe-guest
+chmod 755 /bin/modprobe-guest
+echo /bin/modprobe-guest >/newroot/proc/sys/kernel/modprobe
+
 echo "VM: init done at uptime $(cut -d' ' -f1 /newroot/proc/uptime)s"
 chroot /newroot /bin/bash /vmout/run.sh
 rc=$?

@@ -48,6 +48,16 @@ def test_module_available(module: str) -> None:
     assert Path(f"/sys/module/{module}").exists(), f"/sys/module/{module} missing"
 
 
+def test_loop_control_autoloads_loop() -> None:
+    """/dev/loop-control exists before loop is loaded (a static node, as on a real system) and
+    opening it loads the module: ublkd and losetup rely on that."""
+    ctl = Path("/dev/loop-control")
+    assert ctl.is_char_device(), "no static /dev/loop-control node"
+    fd = os.open(ctl, os.O_RDWR)
+    os.close(fd)
+    assert Path("/sys/module/loop").exists()
+
+
 def test_btrfs_on_loop(tmp_path: Path) -> None:
     sh("modprobe", "btrfs")
     img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
