@@ -392,3 +392,47 @@ def test_kill_9_server_then_recover_and_umount(no_leftovers: Path) -> None:
     finally:
         ublkd("umount", mnt)
     assert status() == []
+
+
+# --- ublk frontend: runs only inside the VM harness (tests/vm/, a 6.12 guest kernel) ---
+@pytest.mark.vm
+def test_ublk_mount_kill_during_reads_recover(no_leftovers: Path) -> None:
+    """ublk with USER_RECOVERY: kill -9 the server, a read started afterwards waits
+    (the kernel queues it) instead of failing; `ublkd recover` starts a new server that
+    reattaches to the same /dev/ublkbN and the read completes, without unmounting."""
+    tmp = no_leftovers
+    subprocess.run(["modprobe", "ublk_drv"], check=False)
+    bundle, tarball, files = build_bundle(tmp, "vmublk", 8)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    r = ublkd("mount", bundle, mnt, "--frontend", "auto", "--rw", tmp / "rw.img", "--rw-size", "1G")
+    assert "frontend ublk" in r.stderr, r.stderr
+    try:
+        st = status_of(mnt)
+        assert st["frontend"] == "ublk"
+        assert any(str(d).startswith("dev2=/dev/ublkb") for d in st["devices"])  # type: ignore[attr-defined]
+        listing = list_dir(mnt)
+        assert listing == list_tar(tarball)
+        (mnt / "written").write_text("before kill\n")
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        pid = st["server_pid"]
+        assert isinstance(pid, int)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while status_of(mnt)["server_alive"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reader = subprocess.Popen(
+            ["sha256sum", str(mnt / "data" / "b.bin")], stdout=subprocess.PIPE, text=True
+        )
+        time.sleep(2)
+        assert reader.poll() is None, "the read should wait for a new server, not fail"
+        ublkd("recover", mnt, timeout=120)
+        out, _ = reader.communicate(timeout=120)
+        assert out.split()[0] == hashlib.sha256(files["data/b.bin"]).hexdigest()
+        assert (mnt / "written").read_text() == "before kill\n"
+        assert status_of(mnt)["server_alive"] is True
+    finally:
+        ublkd("umount", mnt, timeout=120)
+    assert status() == []
+    assert not list(Path("/dev").glob("ublkb*"))

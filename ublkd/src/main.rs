@@ -48,7 +48,7 @@ enum Cmd {
 }
 
 fn main() {
-    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info,fuser=error"))
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info,fuser=error,libublk=warn"))
         .format_target(false)
         .init();
     let cli = Cli::parse();

@@ -219,6 +219,7 @@ pub struct FuseFrontend {
 }
 
 pub fn start(dev: Arc<Device2>, threads: usize) -> Result<FuseFrontend> {
+    crate::plumbing::ensure_module("/dev/fuse", "fuse");
     let fuse = std::fs::OpenOptions::new()
         .read(true)
         .write(true)

@@ -56,6 +56,7 @@ fn vol_ioctl(fd: &File, req: libc::c_ulong, dev: &Path) -> std::io::Result<()> {
 }
 
 fn control() -> Result<File> {
+    super::ensure_module("/dev/btrfs-control", "btrfs");
     std::fs::OpenOptions::new()
         .read(true)
         .write(true)

@@ -73,6 +73,7 @@ fn ioctl(fd: &impl AsRawFd, req: libc::c_ulong, arg: libc::c_ulong) -> std::io::
 /// Attach `backing` (already open with the right access mode) to a free loop device.
 /// `name` is recorded as lo_file_name (informational).
 pub fn attach(backing: &File, name: &Path, opts: &AttachOptions) -> Result<LoopDev> {
+    super::ensure_module("/dev/loop-control", "loop");
     let ctl = OpenOptions::new()
         .read(true)
         .write(true)
