@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Write this golden spec's input tarballs, byte for byte the same on every run.
 
-    python3 specs/golden/synthetic/make-inputs.py     # rewrites rootfs.tar.gz and overlay.tar
+    python3 specs/golden/synthetic/make-inputs.py   # rewrites rootfs.tar.gz, overlay.tar, oci/
 
-The tarballs are committed and pinned by sha256 in spec.yaml, so the golden
+The tarballs and the OCI layout are committed (the tarballs pinned by sha256 in spec.yaml,
+the OCI layout by the digests inside it), so the golden
 test never depends on this script (or on the zlib that compresses them); run it
 only to change the inputs, then update spec.yaml's sha256 pins and the expected
 listing and image id (tests/test_golden.py says how).
@@ -14,6 +15,8 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import json
+import shutil
 import struct
 import tarfile
 from pathlib import Path
@@ -173,7 +176,106 @@ def overlay() -> bytes:
     return buf.getvalue()
 
 
+def layer_tar(entries: list[tuple[str, bytes, bytes, dict[str, object]]]) -> bytes:
+    """(name, type, content, attributes) -> an uncompressed tar stream (an OCI layer's diff)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, kind, data, kw in entries:
+            ti = member(name, kind, size=len(data) if kind == tarfile.REGTYPE else 0, **kw)
+            tf.addfile(ti, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+    return buf.getvalue()
+
+
+def oci_layout(root: Path) -> None:
+    """A two-layer OCI image layout (ref "v1"): files, then whiteouts and an opaque dir."""
+    reg, dir_, sym, lnk = tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE
+    t = {"mtime": T0 - 10}
+    layer1 = layer_tar(
+        [
+            ("app", dir_, b"", t),
+            ("app/bin", dir_, b"", t),
+            ("app/bin/tool", reg, b"#!/bin/sh\necho tool v1\n", {**t, "mode": 0o755}),
+            ("app/bin/tool-hardlink", lnk, b"", {**t, "linkname": "app/bin/tool"}),
+            ("app/link", sym, b"", {**t, "linkname": "bin/tool", "mode": 0o777}),
+            ("app/data", dir_, b"", {**t, "mode": 0o750, "uid": 100, "gid": 101}),
+            ("app/data/keep.txt", reg, b"version 1\n", {**t, "uid": 100, "gid": 101}),
+            ("app/data/gone.txt", reg, b"whited out by layer 2\n", t),
+            ("app/cache", dir_, b"", t),
+            ("app/cache/old-1", reg, b"old 1\n", t),
+            ("app/cache/old-2", reg, b"old 2\n", t),
+            ("app/big.bin", reg, stream(300_000, b"oci"), t),
+        ]
+    )
+    t2 = {"mtime": T0 - 5}
+    layer2 = layer_tar(
+        [
+            ("app/data/.wh.gone.txt", reg, b"", t2),
+            ("app/data/keep.txt", reg, b"version 2\n", {**t2, "uid": 100, "gid": 101}),
+            ("app/cache", dir_, b"", t2),
+            ("app/cache/.wh..wh..opq", reg, b"", t2),
+            ("app/cache/new", reg, b"new\n", t2),
+            ("etc/.wh.mtab", reg, b"", t2),  # a path from an earlier spec layer
+        ]
+    )
+    blobs = root / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+
+    def put(data: bytes, media_type: str) -> dict[str, object]:
+        digest = hashlib.sha256(data).hexdigest()
+        (blobs / digest).write_bytes(data)
+        return {"mediaType": media_type, "digest": f"sha256:{digest}", "size": len(data)}
+
+    def gz(data: bytes) -> bytes:
+        out = io.BytesIO()
+        with gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=9, filename="") as f:
+            f.write(data)
+        return out.getvalue()
+
+    def js(doc: object) -> bytes:
+        return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+    config = {
+        "architecture": "amd64",
+        "os": "linux",
+        "config": {
+            "Env": ["PATH=/app/bin:/usr/bin:/bin", "APP_MODE=golden"],
+            "Entrypoint": ["/app/bin/tool"],
+            "Cmd": ["--help"],
+            "User": "100:101",
+            "WorkingDir": "/app",
+            "Labels": {"org.example.golden": "synthetic"},
+        },
+        "rootfs": {
+            "type": "layers",
+            "diff_ids": [
+                "sha256:" + hashlib.sha256(layer1).hexdigest(),
+                "sha256:" + hashlib.sha256(layer2).hexdigest(),
+            ],
+        },
+        "history": [{"created_by": "make-inputs.py layer 1"}, {"created_by": "make-inputs.py layer 2"}],
+    }
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": put(js(config), "application/vnd.oci.image.config.v1+json"),
+        "layers": [
+            put(gz(layer1), "application/vnd.oci.image.layer.v1.tar+gzip"),
+            put(layer2, "application/vnd.oci.image.layer.v1.tar"),
+        ],
+    }
+    desc = put(js(manifest), "application/vnd.oci.image.manifest.v1+json")
+    desc["annotations"] = {"org.opencontainers.image.ref.name": "v1"}
+    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [desc]}
+    (root / "index.json").write_bytes(js(index))
+    (root / "oci-layout").write_bytes(js({"imageLayoutVersion": "1.0.0"}))
+
+
 def main() -> None:
+    oci = HERE / "oci"
+    if oci.exists():
+        shutil.rmtree(oci)
+    oci_layout(oci)
+    print(f"oci/: index.json sha256:{hashlib.sha256((oci / 'index.json').read_bytes()).hexdigest()}")
     gz = io.BytesIO()
     with gzip.GzipFile(fileobj=gz, mode="wb", mtime=0, compresslevel=9, filename="") as f:
         f.write(rootfs())
