@@ -311,7 +311,9 @@ pub fn mount(args: MountArgs) -> Result<()> {
                 File::open(&ready.device).with_context(|| format!("open the server's device file {}", ready.device))?;
             let l = loopdev::attach(
                 &f,
-                Path::new("ublkd-dev2"),
+                // lo_file_name = the state dir: tells whose device-2 loop this is
+                // (the kernel reports every FUSE dev2 file as "/dev2")
+                &dir,
                 &loopdev::AttachOptions {
                     read_only: true,
                     direct_io: true,
