@@ -214,3 +214,27 @@ def test_truncated_pack_and_corrupt_blockmap(tmp_path: Path) -> None:
     os.truncate(pack, pack.stat().st_size - 1)
     with pytest.raises(ImageError, match="truncated"):
         BundleReader(str(bundle))
+
+
+@pytest.mark.unit
+def test_misplaced_leaf_is_named(tmp_path: Path) -> None:
+    """Two fs-tree leaves swapped: each CRC is fine, the header's bytenr gives them away."""
+    bundle, _ = build(tmp_path, many=3000)
+    with Filesystem(str(bundle)) as fs:
+        assert fs.fs_level >= 1
+        node = fs.read_block(fs.fs_root, fs.fs_level, 5)
+        children = [
+            struct.unpack_from("<Q", node, 101 + i * 33 + 17)[0]
+            for i in range(struct.unpack_from("<I", node, 96)[0])
+        ]
+        a, b = children[0], children[1]
+        pa = fs.map_logical(a, fs.nodesize)[2]
+        pb = fs.map_logical(b, fs.nodesize)[2]
+        n = fs.nodesize
+    meta = bytearray((bundle / "meta.img").read_bytes())
+    meta[pa : pa + n], meta[pb : pb + n] = meta[pb : pb + n], meta[pa : pa + n]
+    (bundle / "meta.img").write_bytes(bytes(meta))
+    with pytest.raises(
+        ImageError, match=rf"fs tree block {a} \(physical {pa}\): header says bytenr {b}"
+    ):
+        listing.from_bundle(str(bundle))
