@@ -59,6 +59,17 @@ impl DevFs {
 }
 
 impl Filesystem for DevFs {
+    /// FUSE_ASYNC_DIO lets the loop device's direct I/O reach us as many requests in
+    /// flight (without it each loop-issued read waits for the previous one).
+    fn init(&mut self, _req: &Request, config: &mut fuser::KernelConfig) -> std::io::Result<()> {
+        if let Err(missing) = config.add_capabilities(fuser::InitFlags::FUSE_ASYNC_DIO) {
+            log::warn!("FUSE kernel lacks {missing:?}: device-2 reads are serialized");
+        }
+        let _ = config.set_max_background(64);
+        let _ = config.set_congestion_threshold(48);
+        Ok(())
+    }
+
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         if parent.0 == ROOT && name == FILE_NAME {
             reply.entry(&TTL, &self.attr(FILE), Generation(0));
