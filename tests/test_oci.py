@@ -363,3 +363,33 @@ def test_failed_oci_build_leaves_nothing(
     err = capsys.readouterr().err
     assert err.startswith("btrfs-ublk-image: error: ") and "diff_id mismatch" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_layer_without_end_of_archive_blocks(tmp_path: Path, build: Build) -> None:
+    """umoci 0.4 `insert` writes layers that stop right after the last member's data."""
+    raw = tar_bytes([entry("etc", DIR), entry("etc/f", data=b"abc")])
+    cut = raw[: raw.index(b"abc") + 3]  # no padding, no zero blocks
+    lay = Layout(tmp_path / "img")
+    lay.tag(lay.image([BASE]), "v1")
+    (desc,) = lay.index
+    mpath = lay.root / "blobs" / "sha256" / desc["digest"][7:]
+    manifest = json.loads(mpath.read_bytes())
+    cpath = lay.root / "blobs" / "sha256" / manifest["config"]["digest"][7:]
+    config = json.loads(cpath.read_bytes())
+    manifest["layers"].append(
+        {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": lay.blob(cut),
+         "size": len(cut)}
+    )  # fmt: skip
+    config["rootfs"]["diff_ids"].append(sha(cut))
+    cdata = json.dumps(config).encode()
+    manifest["config"].update(digest=lay.blob(cdata), size=len(cdata))
+    mdata = json.dumps(manifest).encode()
+    lay.index = [{**desc, "digest": lay.blob(mdata), "size": len(mdata)}]
+    lay.write_index()
+    tree, _ = build(spec())
+    f = tree.lookup("/etc/f")
+    assert f is not None and f.content == b"abc"
+    # the same bytes as a plain tar source stay an error, and a short last member too
+    (tmp_path / "cut.tar").write_bytes(cut)
+    with pytest.raises(SourceError, match="truncated archive"):
+        build("version: 1\nname: t\nlayers:\n  - tar: {path: cut.tar}\n")

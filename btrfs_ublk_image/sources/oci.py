@@ -550,7 +550,9 @@ def _apply_layer(
         if size is not None and size != actual:
             raise SourceError(f"{where}: size mismatch: the manifest says {size}, blob is {actual}")
         ctx.upper = set()
-        got = read_tar(reader, where, ctx, TarOptions(whiteouts=True, diff_id=True))
+        got = read_tar(
+            reader, where, ctx, TarOptions(whiteouts=True, diff_id=True, lenient_end=True)
+        )
     finally:
         close: Callable[[], None] | None = getattr(reader, "close", None)
         if close is not None:

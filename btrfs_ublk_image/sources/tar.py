@@ -414,6 +414,10 @@ class TarOptions:
     gid: int | None = None
     whiteouts: bool = False  # OCI layer: .wh.NAME and .wh..wh..opq entries hide lower layers
     diff_id: bool = False  # hash the uncompressed stream too
+    # accept a stream that ends after the last member's data, without padding or the
+    # end-of-archive blocks (umoci 0.4's `insert` writes such layers; Go's reader takes
+    # them). Only for OCI layers, whose diff_id proves the stream is what its author wrote.
+    lenient_end: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -521,6 +525,8 @@ def _read_members(
         try:
             m = tf.next()
         except tarfile.ReadError as e:
+            if opts.lenient_end and last is not None and str(e) == "unexpected end of data":
+                return last  # the stream ends right after the last member's (complete) data
             after = f" after member {last!r}" if last is not None else ""
             raise _fail(tar_path, None, f"corrupt or truncated archive{after}: {e}") from None
         members.clear()  # tarfile keeps every member otherwise
@@ -619,6 +625,8 @@ def _read_members(
         if progress is not None:
             progress.add_file()
     err = tf.header_error
+    if opts.lenient_end and (err is None or isinstance(err, _EmptyHeaderError)):
+        return last
     if not isinstance(err, _EOFHeaderError):
         after = f" after member {last!r}" if last is not None else ""
         if err is None or isinstance(err, _EmptyHeaderError):
