@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import re
 import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -40,7 +41,12 @@ def _needs_escape(b: int) -> bool:
 _ESCAPE = [f"\\{b:03o}" if _needs_escape(b) else chr(b) for b in range(256)]
 
 
+_PLAIN = re.compile(rb"[\x21-\x22\x24-\x3c\x3e-\x5b\x5d-\x7e]*")
+
+
 def escape(raw: bytes) -> str:
+    if _PLAIN.fullmatch(raw):  # the common case: nothing to escape
+        return raw.decode("ascii")
     return "".join(_ESCAPE[b] for b in raw)
 
 

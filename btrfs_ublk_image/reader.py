@@ -245,10 +245,17 @@ class DataDevice:
             raise ImageError(
                 f"device 2: read of {length} bytes at {offset} past its end ({self.bm.device_size})"
             )
-        out = bytearray(length)
         ranges = self.bm.ranges
         i = max(bisect.bisect_right(self._starts, offset) - 1, 0)
         end = offset + length
+        if (
+            i < len(ranges)
+            and ranges[i].dev_offset <= offset
+            and end <= ranges[i].dev_offset + ranges[i].length
+        ):
+            r = ranges[i]  # the common case: one range holds it all
+            return self._pack_bytes(r.pack, r.pack_offset + (offset - r.dev_offset), length)
+        out = bytearray(length)
         while i < len(ranges) and ranges[i].dev_offset < end:
             r = ranges[i]
             lo, hi = max(offset, r.dev_offset), min(end, r.dev_offset + r.length)
