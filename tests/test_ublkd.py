@@ -448,6 +448,13 @@ def test_ublk_mount_kill_during_reads_recover(no_leftovers: Path) -> None:
         assert out.split()[0] == hashlib.sha256(files["data/b.bin"]).hexdigest()
         assert (mnt / "written").read_text() == "before kill\n"
         assert status_of(mnt)["server_alive"] is True
+        # killed again and not recovered: umount must still clean up (the device is
+        # deleted first so nothing waits for a server that will not come back)
+        pid = status_of(mnt)["server_pid"]
+        assert isinstance(pid, int)
+        os.kill(pid, signal.SIGKILL)
+        while status_of(mnt)["server_alive"] and time.monotonic() < deadline + 30:
+            time.sleep(0.05)
     finally:
         ublkd("umount", mnt, timeout=120)
     assert status() == []

@@ -296,7 +296,7 @@ pub fn mount(args: MountArgs) -> Result<()> {
             stop_server(&srv)?;
             if let Some(id) = srv.ublk_id {
                 if ublk_dev_exists(id) {
-                    frontend::ublk::delete(id)?;
+                    frontend::ublk::delete(id, false)?;
                 }
             }
             Ok(())
@@ -501,7 +501,7 @@ fn teardown(st: &MountState, lazy: bool) -> Result<()> {
     if let Some(srv) = &st.server {
         if let (Some(id), false) = (srv.ublk_id, server_alive) {
             if ublk_dev_exists(id) {
-                frontend::ublk::delete(id)?;
+                frontend::ublk::delete(id, true)?;
             }
         }
     }
@@ -537,7 +537,7 @@ fn teardown(st: &MountState, lazy: bool) -> Result<()> {
         stop_server(srv)?;
         if let Some(id) = srv.ublk_id {
             if ublk_dev_exists(id) {
-                let _ = frontend::ublk::delete(id);
+                let _ = frontend::ublk::delete(id, false);
             }
         }
     }

@@ -93,10 +93,14 @@ pub fn begin_recovery(id: i32) -> Result<()> {
     Ok(())
 }
 
-/// Delete a ublk device (umount after the server died). Pending I/O fails.
-pub fn delete(id: i32) -> Result<()> {
+/// Delete a ublk device. Pending and later I/O fails. `in_use`: the device may still
+/// be open (a mounted filesystem after its server died): use DEL_DEV_ASYNC, since the
+/// plain DEL_DEV waits until every opener has closed it, which would deadlock an
+/// umount that runs after it.
+pub fn delete(id: i32, in_use: bool) -> Result<()> {
     let ctrl = UblkCtrl::new_simple(id).map_err(|e| anyhow!("ublk device {id}: {e}"))?;
-    ctrl.del_dev().map_err(|e| anyhow!("ublk device {id}: delete: {e}"))?;
+    let res = if in_use { ctrl.del_dev_async() } else { ctrl.del_dev() };
+    res.map_err(|e| anyhow!("ublk device {id}: delete: {e}"))?;
     Ok(())
 }
 
