@@ -333,6 +333,10 @@ def test_two_bundles_at_once(no_leftovers: Path) -> None:
         assert list_dir(m1) == list_tar(t1)  # still serving after the other umount
     finally:
         ublkd("umount", m1)
+    # the second bundle's sprout is refused as a writable layer for the first
+    r = ublkd("mount", b1, m1, "--frontend", "fuse", "--rw", tmp / "rw2.img", check=False)
+    assert r.returncode != 0 and "does not mount as a sprout of this image" in r.stderr, r.stderr
+    assert status() == []
 
 
 def test_corrupt_pack_byte_fails_reads_of_that_chunk_only(no_leftovers: Path) -> None:

@@ -442,8 +442,14 @@ pub fn mount(args: MountArgs) -> Result<()> {
             }
             if existing.is_some() {
                 btrfs::scan(&rw_dev)?;
-                mnt::mount_btrfs(&rw_dev, &mountpoint, &[&meta_dev, &dev2, &rw_dev], false, "")
-                    .with_context(|| format!("--rw {}: mount the existing sprout", rw.display()))?;
+                mnt::mount_btrfs(&rw_dev, &mountpoint, &[&meta_dev, &dev2, &rw_dev], false, "").with_context(|| {
+                    format!(
+                        "--rw {}: it holds a btrfs (fsid {}) that does not mount as a sprout of this image \
+                             (a sprout of another image? see dmesg)",
+                        rw.display(),
+                        btrfs::uuid_string(&existing.unwrap_or_default())
+                    )
+                })?;
                 rb.push("umount", move || Ok(mnt::umount(&mp, false)?));
                 check_seed_is_ours(&mountpoint, &bundle).with_context(|| format!("--rw {}", rw.display()))?;
                 sprout_note = " (existing sprout)".into();
