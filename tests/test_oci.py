@@ -393,3 +393,28 @@ def test_layer_without_end_of_archive_blocks(tmp_path: Path, build: Build) -> No
     (tmp_path / "cut.tar").write_bytes(cut)
     with pytest.raises(SourceError, match="truncated archive"):
         build("version: 1\nname: t\nlayers:\n  - tar: {path: cut.tar}\n")
+
+
+def test_intended_differences_from_umoci(tmp_path: Path, build: Build) -> None:
+    """docs/sources.md, intended differences 3-6 (1 and 2: test_oci_umoci.py and above)."""
+    xattr = entry("x", data=b"x")
+    xattr[0].pax_headers = {
+        "SCHILY.xattr.security.selinux": "system_u:object_r:etc_t:s0",
+        "SCHILY.xattr.trusted.overlay.opaque": "y",
+    }
+    odd = entry("odd", data=b"")
+    odd[0].type = b"Z"  # an unknown entry type
+    image(
+        tmp_path,
+        BASE + [xattr, odd, entry("afile", data=b"f"), entry("dirlink", SYM, linkname="usr")],
+        [entry("afile/child", data=b"c"), entry("dirlink", DIR)],
+    )
+    tree, _ = build(spec())
+    x = tree.lookup("/x")
+    assert x is not None and set(x.xattrs) == {b"security.selinux", b"trusted.overlay.opaque"}
+    o = tree.lookup("/odd")
+    assert o is not None and o.type == FileType.REG  # 4: a regular file (umoci fails)
+    a = tree.lookup("/afile")
+    assert a is not None and a.type == FileType.DIR and "/afile/child" in paths(tree)  # 5
+    d = tree.lookup("/dirlink")
+    assert d is not None and d.type == FileType.DIR  # 6: the directory replaces the symlink
