@@ -275,14 +275,20 @@ def test_expect_id_and_bad_bundles_are_refused(no_leftovers: Path) -> None:
     assert status() == [] and not our_mounts(tmp)
 
 
-def test_sprout_write_umount_mount_again(no_leftovers: Path) -> None:
+@pytest.mark.parametrize("frontend", ["fuse", pytest.param("ublk", marks=pytest.mark.vm)])
+def test_sprout_write_umount_mount_again(no_leftovers: Path, frontend: str) -> None:
+    """Sprout, write, umount, mount again with the same --rw: the data is there and the seed
+    is untouched. The ublk case runs inside the VM harness (a kernel with ublk_drv)."""
     tmp = no_leftovers
+    if frontend == "ublk":
+        subprocess.run(["modprobe", "ublk_drv"], check=False)
     bundle, tarball, files = build_bundle(tmp, "sprout", 3)
     mnt = tmp / "mnt"
     mnt.mkdir()
     rw = tmp / "rw.img"
-    r = ublkd("mount", bundle, mnt, "--frontend", "fuse", "--rw", rw, "--rw-size", "2G")
-    assert "new sprout" in r.stdout
+    r = ublkd("mount", bundle, mnt, "--frontend", frontend, "--rw", rw, "--rw-size", "2G")
+    assert "new sprout" in r.stdout and f"frontend {frontend}" in r.stdout + r.stderr
+    assert status_of(mnt)["frontend"] == frontend
     assert rw.stat().st_size == 2 << 30 and rw.stat().st_blocks * 512 < 512 << 20  # sparse
     new = os.urandom(3 * CHUNK)
     try:
@@ -293,7 +299,7 @@ def test_sprout_write_umount_mount_again(no_leftovers: Path) -> None:
     finally:
         ublkd("umount", mnt)
     assert not our_mounts(tmp)
-    r = ublkd("mount", bundle, mnt, "--frontend", "fuse", "--rw", rw)
+    r = ublkd("mount", bundle, mnt, "--frontend", frontend, "--rw", rw)
     assert "existing sprout" in r.stdout
     try:
         assert (mnt / "new.bin").read_bytes() == new
@@ -304,7 +310,7 @@ def test_sprout_write_umount_mount_again(no_leftovers: Path) -> None:
     finally:
         ublkd("umount", mnt)
     # the seed itself is untouched
-    ublkd("mount", bundle, mnt, "--frontend", "fuse")
+    ublkd("mount", bundle, mnt, "--frontend", frontend)
     try:
         assert list_dir(mnt) == list_tar(tarball)
     finally:

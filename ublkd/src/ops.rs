@@ -442,7 +442,10 @@ pub fn mount(args: MountArgs) -> Result<()> {
             }
             if existing.is_some() {
                 btrfs::scan(&rw_dev)?;
-                mnt::mount_btrfs(&rw_dev, &mountpoint, &[&meta_dev, &dev2, &rw_dev], false, "").with_context(|| {
+                // The seeds are registered by the scans above; naming them in device= would
+                // make kernels before 6.17 open them for writing in a rw mount, and they are
+                // read-only devices: EACCES (seen on 6.12).
+                mnt::mount_btrfs(&rw_dev, &mountpoint, &[&rw_dev], false, "").with_context(|| {
                     format!(
                         "--rw {}: it holds a btrfs (fsid {}) that does not mount as a sprout of this image \
                              (a sprout of another image? see dmesg)",
