@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import os
 import stat
+import subprocess
+import sys
 import tarfile
 from collections.abc import Callable
 from pathlib import Path
@@ -172,14 +174,32 @@ def test_dir_source_errors(tmp_path: Path, build: Build, what: str, match: str) 
 
 @unit
 def test_dir_source_unreadable_file(tmp_path: Path, build: Build) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root reads everything")
     src = tmp_path / "src"
     src.mkdir()
     (src / "secret").write_text("x")
     os.chmod(src / "secret", 0)
-    with pytest.raises(SourceError, match="secret: cannot open: Permission denied"):
-        build(spec_dir("src"))
+    if os.geteuid() != 0:
+        with pytest.raises(SourceError, match="secret: cannot open: Permission denied"):
+            build(spec_dir("src"))
+        return
+    # root reads everything: build in a child without the capabilities that bypass modes
+    (tmp_path / "spec.yaml").write_text(spec_dir("src"))
+    r = subprocess.run(
+        ["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable]
+        + [
+            "-m",
+            "btrfs_ublk_image",
+            "build",
+            str(tmp_path / "spec.yaml"),
+            "-o",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "secret: cannot open: Permission denied" in r.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.root
