@@ -131,8 +131,6 @@ def test_debian_acceptance(spec: str, tmp_path: Path, monkeypatch: pytest.Monkey
     ublkd = _ublkd_binary()
     if os.geteuid() != 0 or ublkd is None or shutil.which("debootstrap") is None:
         pytest.skip("needs root, a built ublkd and debootstrap")
-    if spec == "spec-oci.yaml" and importlib.util.find_spec("btrfs_ublk_image.sources.oci") is None:
-        pytest.skip("the oci: source has not landed yet (spec-oci.yaml is ready for it)")
     prep = subprocess.run(
         ["bash", str(DEBIAN / "prepare.sh"), str(DEBIAN_CACHE)],
         capture_output=True,
