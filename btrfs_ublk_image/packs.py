@@ -3,9 +3,11 @@
 Sources stream each regular file into a ``PackWriter`` exactly once. Content at
 most ``keep_inline`` bytes long stays in memory (the btrfs writer may make it an
 inline extent); anything larger is appended to the open pack while two hashes
-run over it: the content's sha256 (deduplication: a second copy is rolled back
-and the first ``Blob`` returned) and the pack's chunk digests (sha256 of every
-``chunk_size`` bytes of the pack, which ublkd checks before serving a byte).
+run over it: the content's CRC-32C (deduplication: a copy whose CRC and size
+match earlier content is compared byte by byte, then rolled back and the first
+``Blob`` returned) and the pack's chunk digests (sha256 of every ``chunk_size``
+bytes of the pack, which ublkd checks before serving a byte). So the content
+is hashed with sha256 once.
 
 A pack's id is sha256 over its chunk digests, so verifying every chunk verifies
 the pack; the file is stored as ``packs/<id hex>``.
@@ -17,6 +19,8 @@ import hashlib
 import os
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol
+
+import crc32c
 
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.tree import Blob, Content
@@ -60,7 +64,9 @@ class PackWriter:
         self._path = os.path.join(directory, "pack.tmp")
         self._file = open(self._path, "w+b")  # noqa: SIM115 (closed by finish or abort)
         self._size = 0
-        self._by_digest: dict[bytes, Blob] = {}
+        # deduplication: (crc32c, size) -> blobs; a match is confirmed byte by byte, so the
+        # content is hashed only once with sha256 (for the chunk digests)
+        self._by_key: dict[tuple[int, int], list[Blob]] = {}
         self._chunk_digests: list[bytes] = []
         self._chunk = hashlib.sha256()  # digest of the chunk being filled
         self._chunk_fill = 0
@@ -94,10 +100,10 @@ class PackWriter:
     ) -> Content:
         start = self._size
         saved = (self._chunk.copy(), self._chunk_fill, len(self._chunk_digests))
-        content_hash = hashlib.sha256()
+        crc = 0
         written = 0
         for piece in pieces:
-            content_hash.update(piece)
+            crc = crc32c.crc32c(piece, crc)
             self._write(piece)
             written += len(piece)
             if self.progress is not None:
@@ -105,21 +111,34 @@ class PackWriter:
         if written != size:
             raise SourceError(f"{where}: truncated: expected {size} bytes, got {written}")
         self.bytes_in += size
-        digest = content_hash.digest()
-        old = self._by_digest.get(digest) if dedupe else None
-        if old is not None:
-            # identical content already packed: roll the pack back to where it was
-            self._file.truncate(start)
-            self._file.seek(start)
-            self._size = start
-            self._chunk, self._chunk_fill = saved[0], saved[1]
-            del self._chunk_digests[saved[2] :]
-            self.bytes_deduped += size
-            return old
-        blob = Blob(digest=digest, size=size, pack=0, offset=start)
+        key = (crc, size)
         if dedupe:
-            self._by_digest[digest] = blob
+            for old in self._by_key.get(key, ()):
+                if self._same_bytes(old.offset, start, size):
+                    # identical content already packed: roll the pack back to where it was
+                    self._file.truncate(start)
+                    self._file.seek(start)
+                    self._size = start
+                    self._chunk, self._chunk_fill = saved[0], saved[1]
+                    del self._chunk_digests[saved[2] :]
+                    self.bytes_deduped += size
+                    return old
+        blob = Blob(crc32c=crc, size=size, pack=0, offset=start)
+        if dedupe:
+            self._by_key.setdefault(key, []).append(blob)
         return blob
+
+    def _same_bytes(self, a: int, b: int, size: int) -> bool:
+        """Compare two ranges of the pack (just written: in the page cache)."""
+        self._file.flush()
+        fd = self._file.fileno()
+        done = 0
+        while done < size:
+            n = min(COPY_BUFFER, size - done)
+            if os.pread(fd, n, a + done) != os.pread(fd, n, b + done):
+                return False
+            done += n
+        return True
 
     def _write(self, data: bytes) -> None:
         self._file.write(data)

@@ -32,7 +32,7 @@ class FileType(enum.IntEnum):
 class Blob:
     """Content stored in a pack: ``size`` bytes at ``offset`` of pack number ``pack``."""
 
-    digest: bytes  # sha256 of the content
+    crc32c: int  # CRC-32C of the content (a deduplication key; matches are compared bytewise)
     size: int
     pack: int
     offset: int

@@ -141,7 +141,12 @@ def apply(layer: DirLayer, ctx: LayerContext) -> SourceRecord:
             if ftype == FileType.REG:
                 inode.content = _read_file(host, st, packs, where)
                 c = inode.content
-                detail = c.digest if isinstance(c, Blob) else hashlib.sha256(c).digest()
+                # packed content is identified by its CRC-32C and size (hashed once, while packed)
+                detail = (
+                    b"%08x:%d" % (c.crc32c, c.size)
+                    if isinstance(c, Blob)
+                    else hashlib.sha256(c).digest()
+                )
             elif ftype == FileType.SYMLINK:
                 try:
                     inode.target = os.readlink(host)
