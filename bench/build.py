@@ -32,13 +32,25 @@ from typing import Any
 
 from bench import inputs as inp
 from bench.measure import Result, drop_caches, pipeline, remove, run_measured, tree_size
-from bench.report import build_section, build_table, machine_info, update_doc
+from bench.report import (
+    build_section,
+    build_table,
+    laziness_section,
+    laziness_table,
+    machine_info,
+    mount_section,
+    mount_table,
+    randread_section,
+    randread_table,
+    update_doc,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKDIR = Path("/var/tmp/btrfs-ublk-image-bench")
 FULL = inp.InputParams(files=100_000, large_bytes=2 << 30, large_count=4)
 QUICK = inp.InputParams(files=10_000, large_bytes=256 << 20, large_count=4)
 GiB = 1 << 30
+SECTIONS = ("build", "mount", "randread", "laziness", "vm")
 
 
 @dataclass
@@ -135,9 +147,11 @@ def _git_state() -> str | None:
     return head + ("+uncommitted changes in btrfs_ublk_image/" if dirty else "")
 
 
-def _check_disk(workdir: Path, params: inp.InputParams, cached: bool) -> None:
+def _check_disk(workdir: Path, params: inp.InputParams, cached: bool, runtime: bool) -> None:
     content = params.large_bytes + params.files * 5 * 1024
     need = int(2.3 * content) + GiB  # extracted tree + one output + slack
+    if runtime:  # bundle, tree, squashfs, erofs and a materialized device 2 at once
+        need = int(5.5 * content) + 2 * GiB
     if not cached:
         need += int(1.1 * content) + params.files * 2048  # the tarball itself
     free = shutil.disk_usage(workdir).free
@@ -296,19 +310,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="FILE",
         help="run nothing: print (and with --update-docs write) the report of a saved --json FILE",
     )
+    ap.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
+    )
+    ap.add_argument(
+        "--fio-runtime",
+        type=float,
+        metavar="S",
+        help="seconds per fio job (default 10, --quick 3; at most 3 in the VM)",
+    )
     args = ap.parse_args(argv)  # fmt: skip
 
     if args.from_json:
-        doc = json.loads(Path(args.from_json).read_text())
-        b = doc["build"]
-        results = [Result.from_json(k, v) for k, v in b["results"].items()]
-        return _emit(doc, results, args, Path(args.workdir))
+        saved: dict[str, Any] = json.loads(Path(args.from_json).read_text())
+        built = saved.get("build", {}).get("results", {})
+        return _emit(
+            saved, [Result.from_json(k, v) for k, v in built.items()], args, Path(args.workdir)
+        )
+    sections = {s.strip() for s in args.sections.split(",") if s.strip()}
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        ap.error(f"unknown section(s): {', '.join(sorted(unknown))}")
 
     params = QUICK if args.quick else FULL
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     cached = (workdir / "inputs" / params.key / "input.json").exists()
-    _check_disk(workdir, params, cached)
+    _check_disk(workdir, params, cached, bool(sections & {"mount", "randread"}))
     data = inp.ensure_inputs(workdir, params, log=_log)
     s = data.stats
     _log(
@@ -316,6 +346,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" {s.content_bytes / 2**20:.0f} MiB content)"
     )
     can_drop = drop_caches()
+    machine = machine_info()
+    commit = _git_state()  # before the run: other work may land in the checkout meanwhile
+    command = "bench/run" + (" --quick" if args.quick else "")
+    doc: dict[str, Any] = {"command": command, "machine": machine}
+    results: list[Result] = []
+    if "build" in sections:
+        doc["build"], results = _run_build_section(args, params, data, workdir, can_drop, commit)
+    runtime_s = args.fio_runtime or (3.0 if args.quick else 10.0)
+    if sections - {"build"}:
+        from bench.runtime import run_runtime
+
+        doc["runtime_commit"] = commit
+        doc.update(run_runtime(sections, workdir, data, max(1, args.repeat), runtime_s))
+    return _emit(doc, results, args, workdir)
+
+
+def _run_build_section(
+    args: argparse.Namespace,
+    params: inp.InputParams,
+    data: inp.Inputs,
+    workdir: Path,
+    can_drop: bool,
+    commit: str | None,
+) -> tuple[dict[str, Any], list[Result]]:
+    s = data.stats
     cache_policy = (
         "Page cache dropped before ours, before `tar -x` and before `mksquashfs -tar` (cold"
         " input tarball); the steps that follow `tar -x` read the extracted tree warm, as a"
@@ -323,8 +378,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if can_drop
         else "Page cache NOT dropped (not root): the input is warm for every command."
     )
-    machine = machine_info()
-    commit = _git_state()  # before the run: other work may land in the checkout meanwhile
     results, skipped = run_build(data, workdir, max(1, args.repeat), not args.no_peers)
     ours = next((r for r in results if r.name == "ours"), None)
     ratios = {}
@@ -332,28 +385,77 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in results:
             if r.ok and r is not ours:
                 ratios[r.name] = r.wall_median / ours.wall_median
-    doc = {
-        "machine": machine,
-        "build": {
-            "command": "bench/run" + (" --quick" if args.quick else ""),
-            "builder_commit": commit,
-            "repeats": max(1, args.repeat),
-            "cache_policy": cache_policy,
-            "input": {"params": asdict(params), "tar": str(data.tar), "stats": s.to_json()},
-            "results": {r.name: r.to_json(s.content_bytes, s.entries) for r in results},
-            "speedup_of_ours": ratios,
-            "skipped": skipped,
-        },
+    build: dict[str, Any] = {
+        "command": "bench/run" + (" --quick" if args.quick else ""),
+        "builder_commit": commit,
+        "repeats": max(1, args.repeat),
+        "cache_policy": cache_policy,
+        "input": {"params": asdict(params), "tar": str(data.tar), "stats": s.to_json()},
+        "results": {r.name: r.to_json(s.content_bytes, s.entries) for r in results},
+        "speedup_of_ours": ratios,
+        "skipped": skipped,
     }
     if args.profile and ours is not None and ours.ok:
-        doc["build"]["profile"] = profile_ours(data, workdir)
-    return _emit(doc, results, args, workdir)
+        build["profile"] = profile_ours(data, workdir)
+    return build, results
 
 
 def _emit(
     doc: dict[str, Any], results: list[Result], args: argparse.Namespace, workdir: Path
 ) -> int:
-    """Print the report; write the JSON and the docs section if asked."""
+    """Print the report; write the JSON and the docs sections if asked."""
+    failed = _emit_build(doc, results, args) if "build" in doc else []
+    failed += _emit_runtime(doc, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        _log(f"JSON written to {args.json}")
+    if failed:
+        _log(f"failed: {', '.join(failed)} (see {workdir / 'bench.log'})")
+        return 1
+    return 0
+
+
+def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    failed: list[str] = []
+    path = ROOT / "docs" / "benchmarks.md"
+    if "mount" in doc:
+        print("\nMount (until the first file is readable):\n")
+        print(mount_table(doc["mount"]["images"]))
+        for img in doc["mount"]["images"].values():
+            failed += [f"mount {k}" for k, r in img["results"].items() if r.get("error")]
+        if args.update_docs:
+            update_doc(path, "mount", mount_section(doc))
+    if "laziness" in doc:
+        print("\nLaziness (ublkd counters, Debian image):\n")
+        print(laziness_table(doc["laziness"]))
+        if args.update_docs:
+            update_doc(path, "laziness", laziness_section(doc))
+    if "randread" in doc:
+        print("\nRandom reads (fio, 4 KiB, O_DIRECT), host:\n")
+        print(
+            randread_table(
+                doc["randread"], [("ours_fuse", "btrfs_loop"), ("ours_fuse", "squashfuse")]
+            )
+        )
+        failed += [f"randread {k}" for k in doc["randread"].get("errors", {})]
+    if "randread_vm" in doc:
+        print("\nRandom reads in the VM (ratios only):\n")
+        print(
+            randread_table(
+                doc["randread_vm"], [("ours_ublk", "btrfs_loop"), ("ours_fuse", "btrfs_loop")]
+            )
+        )
+        failed += [f"randread_vm {k}" for k in doc["randread_vm"].get("errors", {})]
+    if "randread" in doc and args.update_docs:
+        update_doc(path, "randread", randread_section(doc))
+    for name, why in doc.get("runtime_skipped", {}).items():
+        print(f"skipped {name}: {why}")
+    if args.update_docs and any(k in doc for k in ("mount", "laziness", "randread")):
+        _log(f"{path}: runtime sections updated")
+    return failed
+
+
+def _emit_build(doc: dict[str, Any], results: list[Result], args: argparse.Namespace) -> list[str]:
     b = doc["build"]
     st = b["input"]["stats"]
     table = build_table(results, st["content_bytes"], st["entries"], "ours")
@@ -379,18 +481,11 @@ def _emit(
             print(f"ours vs baseline (tar -x + mkfs.btrfs --rootdir): {verdict} ({what})")
     if "profile" in b:
         _print_profile(b["profile"])
-    if args.json:
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
-        _log(f"JSON written to {args.json}")
     if args.update_docs:
         path = ROOT / "docs" / "benchmarks.md"
         update_doc(path, "build", build_section(doc, table))
         _log(f"{path}: Build section updated")
-    failed = [r.name for r in results if r.error]
-    if failed:
-        _log(f"failed: {', '.join(failed)} (see {workdir / 'bench.log'})")
-        return 1
-    return 0
+    return [r.name for r in results if r.error]
 
 
 if __name__ == "__main__":

@@ -181,3 +181,158 @@ def update_doc(path: Path, section: str, body: str) -> None:
     else:
         text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
     path.write_text(text)
+
+
+# ------------------------------------------------------------------- runtime sections
+
+MOUNT_NOTE = (
+    'Wall time from the start of the command until the "first file" has been read whole'
+    " (page cache dropped before every run; mounts are torn down untimed): `ublkd mount`"
+    " (verifies the bundle, hashes meta.img, starts the server, loop devices, mount) then"
+    " the read; `squashfuse IMG MNT` then the read; `mount(2)` of the erofs file"
+    " (file-backed, no loop device) then the read; `tar -x` of the whole image tarball"
+    ' (the tree is only usable when it ends). "+ writeback" adds the untimed `sync` after'
+    ' the command (what `tar -x` left dirty). "its time / ours" is that row\'s median'
+    " divided by ours' (above 1.00x ours is faster)."
+)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1000:,.1f}" if s < 10 else f"{s * 1000:,.0f}"
+
+
+def mount_table(images: dict[str, Any]) -> str:
+    rows = [
+        "| image | how | min (ms) | median (ms) | median + writeback (ms) | its time / ours |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for img in images.values():
+        res = img["results"]
+        ours = res.get("ours", {})
+        ref = ours.get("wall_median_s")
+        for r in res.values():
+            label = f"{img['label']}"
+            if r.get("wall_median_s") is None:
+                rows.append(f"| {label} | {r['label']} | {r.get('error') or 'not run'} | | | |")
+                continue
+            med = r["wall_median_s"]
+            ratio = "" if not ref else f"{med / ref:.2f}x"
+            rows.append(
+                f"| {label} | {r['label']} | {_ms(r['wall_min_s'])} | {_ms(med)}"
+                f" | {_ms(r['wall_plus_sync_median_s'])} | {ratio} |"
+            )
+    return "\n".join(rows) + "\n"
+
+
+RANDREAD_TARGETS = {
+    "ours_fuse": "**ours** (fuse frontend)",
+    "btrfs_loop": "btrfs, device 2 on a local loop",
+    "erofs_loop": "erofs on a loop device",
+    "squashfuse": "squashfuse",
+    "ours_ublk": "**ours** (ublk frontend)",
+}
+
+
+def _iops(d: dict[str, Any] | None) -> float | None:
+    if not d or d.get("iops") is None:
+        return None
+    return float(d["iops"])
+
+
+def randread_table(rr: dict[str, Any], ratios: Sequence[tuple[str, str]]) -> str:
+    """IOPS per fio job (rows) and target (columns), then ``num/den`` ratio columns."""
+    targets = [t for t in RANDREAD_TARGETS if t in rr["targets"]]
+    jobs: list[str] = []
+    for t in targets:
+        for j in rr["targets"][t]:
+            if j not in jobs:
+                jobs.append(j)
+    head = ["fio job"] + [f"{RANDREAD_TARGETS[t]} IOPS" for t in targets]
+    head += [f"{a} / {b}" for a, b in ratios if a in targets and b in targets]
+    rows = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
+    for j in jobs:
+        cells = [j]
+        for t in targets:
+            v = _iops(rr["targets"][t].get(j))
+            cells.append("failed" if v is None else f"{v:,.0f}")
+        for a, b in ratios:
+            if a in targets and b in targets:
+                va, vb = _iops(rr["targets"][a].get(j)), _iops(rr["targets"][b].get(j))
+                cells.append(f"{va / vb:.2f}x" if va is not None and vb else "")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def laziness_table(lz: dict[str, Any]) -> str:
+    rows = [
+        "| step | device reads | bytes served to the kernel | chunks verified"
+        " | bytes read from packs | packs read / served |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for s in lz["steps"]:
+        served = s["bytes_served"]
+        amp = f"{s['pack_bytes_read'] / served:.2f}x" if served else ""
+        rows.append(
+            f"| {s['what']} | {s['reads']:,} | {human(served)} | {s['chunks_verified']:,}"
+            f" | {human(s['pack_bytes_read'])} | {amp} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def mount_section(doc: dict[str, Any]) -> str:
+    m = doc["mount"]
+    lines = [f"Run `{doc.get('command', 'bench/run')}` on {machine_line(doc['machine'])}."]
+    lines += [f"{m['repeats']} repeats each, interleaved.", ""]
+    for img in m["images"].values():
+        lines.append(
+            f"* {img['label']}: {img['entries']:,} entries, {human(img['content_bytes'])};"
+            f" first file read: `/{img['probe']}`."
+        )
+    lines += ["", mount_table(m["images"]).rstrip("\n"), "", MOUNT_NOTE]
+    return "\n".join(lines) + "\n"
+
+
+def randread_section(doc: dict[str, Any]) -> str:
+    rr = doc["randread"]
+    lines = [
+        f"Run `{doc.get('command', 'bench/run')}` on {machine_line(doc['machine'])}.",
+        "",
+        f"fio 4 KiB random reads, `direct=1`, {rr['runtime_s']:g} s per job after a 1 s ramp,"
+        f" on `/{rr['file']}` ({human(rr['file_bytes'])}) of the synthetic image. Before fio,"
+        " each target's file is read once whole with O_DIRECT, so every layer below the"
+        " page cache is warm: ours has verified and cached every chunk (`--cache-mb"
+        f" {rr['ours_cache_mb']}`), the loop devices' backing files are in the page cache.",
+        "",
+        randread_table(rr, [("ours_fuse", "btrfs_loop"), ("ours_fuse", "squashfuse")]).rstrip("\n"),
+    ]
+    for t, e in rr.get("errors", {}).items():
+        lines.append(f"\n{t}: {e}")
+    vm = doc.get("randread_vm")
+    if vm:
+        lines += [
+            "",
+            f"Inside the VM harness (guest kernel {vm['kernel']}, QEMU TCG: absolute figures"
+            " are meaningless, only the ratios within this one VM run count):"
+            f" `/{vm['file']}` ({human(vm['file_bytes'])}) of a small synthetic image,"
+            f" {vm['runtime_s']:g} s per job; ours through the ublk and the fuse frontend"
+            " vs the same btrfs image with device 2 materialized into the guest's RAM on a"
+            " loop device.",
+            "",
+            randread_table(vm, [("ours_ublk", "btrfs_loop"), ("ours_fuse", "btrfs_loop")]).rstrip(
+                "\n"
+            ),
+        ]
+        for t, e in vm.get("errors", {}).items():
+            lines.append(f"\nVM {t}: {e}")
+    return "\n".join(lines) + "\n"
+
+
+def laziness_section(doc: dict[str, Any]) -> str:
+    lz = doc["laziness"]
+    return (
+        f"Run `{doc.get('command', 'bench/run')}` on {machine_line(doc['machine'])}.\n\n"
+        f"The Debian image (packs: {human(lz['pack_bytes_total'])}); ublkd's counters"
+        " (`ublkd status --json`) after each step, fuse frontend, page cache dropped before"
+        " each mount. Every pack read is a whole 1 MiB chunk (verified before use).\n\n"
+        + laziness_table(lz)
+    )

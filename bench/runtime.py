@@ -1,0 +1,503 @@
+"""Runtime benchmarks: mount, random reads (host and VM), laziness. See docs/benchmarks.md.
+
+Images (prepared untimed, deleted at the end):
+
+* ``debian``: the Debian minbase rootfs tarball that specs/golden/debian/prepare.sh makes
+  and caches (debootstrap; the same cache as tests/test_golden.py), as a one-``tar:``-layer
+  spec;
+* ``synthetic``: the build benchmark's input tarball (bench/inputs.py).
+
+For each: our bundle (``btrfs-ublk-image build``), the extracted tree (``tar -x``) and,
+from that tree, an uncompressed squashfs (``mksquashfs -noI -noD -noF -noX``) and an
+erofs image (``mkfs.erofs``, uncompressed), as in the Build section.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import inputs as inp
+from bench.fio import MATRIX, FioJob, fio_args, parse_fio_json, run_fio
+from bench.measure import Result, Sample, drop_caches, remove, tree_size
+from bench.mounts import (
+    Ublkd,
+    btrfs_loop_mounted,
+    erofs_loop_mounted,
+    fuse_umount,
+    mount_file_backed,
+    read_direct,
+    read_file,
+    squashfuse_mount,
+    squashfuse_mounted,
+    umount,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN_DEBIAN = ROOT / "specs" / "golden" / "debian"
+DEBIAN_CACHE = (
+    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian"
+)
+COUNTERS = ("reads", "bytes_served", "chunks_verified", "pack_bytes_read", "cache_hits")
+VM_INPUT = inp.InputParams(files=200, large_bytes=64 << 20, large_count=1, seed=5)
+MiB = 1 << 20
+
+
+def _log(msg: str) -> None:
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def _sh(cmd: Sequence[str | Path], log: Path, timeout: float = 3600) -> None:
+    with open(log, "ab") as out:
+        out.write(f"$ {' '.join(map(str, cmd))}\n".encode())
+        out.flush()
+        subprocess.run(
+            [str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT, check=True,
+            timeout=timeout,
+        )  # fmt: skip
+
+
+@dataclass
+class Image:
+    name: str
+    label: str
+    tar: Path
+    spec: Path
+    work: Path
+    entries: int = 0
+    content_bytes: int = 0
+    probe: str = ""  # the "first file" read after mounting (relative path)
+
+    @property
+    def bundle(self) -> Path:
+        return self.work / "bundle"
+
+    @property
+    def tree(self) -> Path:
+        return self.work / "tree"
+
+    @property
+    def squashfs(self) -> Path:
+        return self.work / "tree.squashfs"
+
+    @property
+    def erofs(self) -> Path:
+        return self.work / "tree.erofs"
+
+    @property
+    def data_img(self) -> Path:
+        return self.work / "dev2.img"
+
+
+def debian_inputs(log: Path) -> tuple[Path | None, str]:
+    """The cached debootstrap minbase tarball (made by prepare.sh on first use), or why not."""
+    tar = DEBIAN_CACHE / "rootfs.tar"
+    if not tar.exists():
+        try:
+            _sh(["bash", GOLDEN_DEBIAN / "prepare.sh", DEBIAN_CACHE], log)
+        except (subprocess.CalledProcessError, OSError) as e:
+            return None, f"specs/golden/debian/prepare.sh failed ({e}; see {log})"
+    return tar, ""
+
+
+def prepare_image(
+    name: str, label: str, tar: Path, work: Path, log: Path, probe: str | None = None
+) -> Image:
+    """Bundle, extracted tree, squashfs and erofs of one input tarball (untimed)."""
+    remove(work)
+    work.mkdir(parents=True)
+    spec = work / "spec.yaml"
+    spec.write_text(f"version: 1\nname: bench-{name}\nlayers:\n  - tar: {{path: {tar}}}\n")
+    img = Image(name, label, tar, spec, work)
+    _log(f"{name}: building the bundle, extracting, mksquashfs, mkfs.erofs (untimed)")
+    _sh([sys.executable, "-m", "btrfs_ublk_image", "build", spec, "-o", img.bundle], log)
+    img.tree.mkdir()
+    _sh(["tar", "-xf", tar, "-C", img.tree], log)
+    _sh(["mksquashfs", img.tree, img.squashfs, "-noappend", "-no-progress", "-quiet",
+         "-noI", "-noD", "-noF", "-noX"], log)  # fmt: skip
+    _sh(["mkfs.erofs", "--quiet", img.erofs, img.tree], log)
+    entries = 0
+    for _dirpath, dirs, files in os.walk(img.tree):
+        entries += len(dirs) + len(files)
+    img.entries = entries
+    img.content_bytes = tree_size(img.tree)[0]
+    img.probe = probe or first_probe(img.tree)
+    return img
+
+
+def first_probe(tree: Path) -> str:
+    """A deterministic first file to read: the first regular file (sorted walk) of 8-16 KiB
+    (larger than any inline limit, so it is read from device 2)."""
+    for dirpath, dirs, files in os.walk(tree):
+        dirs.sort()
+        for f in sorted(files):
+            p = Path(dirpath) / f
+            if not p.is_symlink() and 8192 <= p.stat().st_size <= 16384:
+                return str(p.relative_to(tree))
+    raise RuntimeError(f"no 8-16 KiB file under {tree}")
+
+
+def closest_file(tree: Path, size: int) -> str:
+    """The regular file whose size is closest to ``size`` (ties: the first in sorted order)."""
+    best: tuple[int, str] | None = None
+    for dirpath, dirs, files in os.walk(tree):
+        dirs.sort()
+        for f in sorted(files):
+            p = Path(dirpath) / f
+            if p.is_symlink() or not p.is_file():
+                continue
+            d = abs(p.stat().st_size - size)
+            if best is None or d < best[0]:
+                best = (d, str(p.relative_to(tree)))
+    if best is None:
+        raise RuntimeError(f"no regular file under {tree}")
+    return best[1]
+
+
+# ------------------------------------------------------------------------------- mount
+
+
+@dataclass
+class MountTool:
+    name: str
+    label: str
+    needs: str | None
+    timed: Callable[[Image, Path], None]  # mount (or extract) + read the probe file
+    teardown: Callable[[Image, Path], None]  # untimed
+
+
+def _mount_tools(ublkd: Ublkd) -> list[MountTool]:
+    def ours(img: Image, mnt: Path) -> None:
+        subprocess.run(ublkd.mount_cmd(img.bundle, mnt), env=ublkd.env, check=True,
+                       capture_output=True)  # fmt: skip
+        read_file(mnt / img.probe)
+
+    def squash(img: Image, mnt: Path) -> None:
+        squashfuse_mount(img.squashfs, mnt)
+        read_file(mnt / img.probe)
+
+    def erofs(img: Image, mnt: Path) -> None:
+        mount_file_backed(img.erofs, mnt, "erofs")
+        read_file(mnt / img.probe)
+
+    def tar_x(img: Image, dest: Path) -> None:
+        subprocess.run(["tar", "-xf", str(img.tar), "-C", str(dest)], check=True)
+
+    return [
+        MountTool("ours", "**ours: ublkd mount** (fuse frontend)", None, ours,
+                  lambda img, mnt: ublkd.umount(mnt)),
+        MountTool("squashfuse", "squashfuse", "squashfuse", squash,
+                  lambda img, mnt: fuse_umount(mnt)),
+        MountTool("erofs", "erofs, kernel, file-backed", "mkfs.erofs", erofs,
+                  lambda img, mnt: umount(mnt)),
+        MountTool("tar_x", "tar -x (whole image)", "tar", tar_x, lambda img, d: remove(d)),
+    ]  # fmt: skip
+
+
+def measure_mounts(img: Image, ublkd: Ublkd, repeats: int) -> list[Result]:
+    """Each repeat: for each tool, drop caches, then time mount + reading the probe file whole
+    (``tar -x``: the whole extraction); teardown untimed. Interleaved, so drift hits all."""
+    tools = _mount_tools(ublkd)
+    results = {t.name: Result(t.name, t.label, []) for t in tools}
+    for i in range(repeats):
+        for t in tools:
+            res = results[t.name]
+            if res.error:
+                continue
+            target = img.work / f"m-{t.name}"
+            target.mkdir(exist_ok=True)
+            drop_caches()
+            t0 = time.perf_counter()
+            try:
+                t.timed(img, target)
+                wall = time.perf_counter() - t0
+            except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
+                res.error = f"{type(e).__name__}: {e}"[:300]
+                _teardown_quietly(t, img, target)
+                continue
+            t1 = time.perf_counter()
+            os.sync()
+            sync_s = time.perf_counter() - t1
+            t.teardown(img, target)
+            res.samples.append(Sample(wall, 0, 0, sync_s))
+            _log(f"  {img.name} mount {i + 1}/{repeats} {t.name}: {wall * 1000:.0f} ms")
+    return [results[t.name] for t in tools]
+
+
+def _teardown_quietly(t: MountTool, img: Image, target: Path) -> None:
+    with contextlib.suppress(Exception):
+        t.teardown(img, target)
+
+
+# --------------------------------------------------------------------------- laziness
+
+
+def _delta(after: dict[str, Any], before: dict[str, Any] | None) -> dict[str, int]:
+    return {k: int(after.get(k, 0)) - int((before or {}).get(k, 0)) for k in COUNTERS}
+
+
+def measure_laziness(img: Image, ublkd: Ublkd, one_mib: str) -> dict[str, Any]:
+    """ublkd's counters (pack bytes read, chunks verified, ...) for: the mount itself, reading
+    one ~1 MiB file, ``chroot MNT /bin/true`` (a fresh mount, caches dropped) and, for scale,
+    reading every file of the image."""
+    mnt = img.work / "m-lazy"
+    steps: list[dict[str, Any]] = []
+    size = (img.tree / one_mib).stat().st_size
+    drop_caches()
+    with ublkd.mounted(img.bundle, mnt):
+        at_mount = ublkd.settled_status(mnt)
+        steps.append({"step": "mount", "what": "ublkd mount", **_delta(at_mount, None)})
+        read_file(mnt / one_mib)
+        after = ublkd.settled_status(mnt)
+        steps.append({"step": "read_1mib", "what": f"read /{one_mib} ({size:,} B) after mount",
+                      "file_bytes": size, **_delta(after, at_mount)})  # fmt: skip
+    drop_caches()
+    with ublkd.mounted(img.bundle, mnt):
+        at_mount = ublkd.settled_status(mnt)
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C"}
+        subprocess.run(["chroot", str(mnt), "/bin/true"], check=True, env=env)
+        after = ublkd.settled_status(mnt)
+        steps.append({"step": "chroot_true", "what": "chroot MNT /bin/true after mount",
+                      **_delta(after, at_mount)})  # fmt: skip
+    drop_caches()
+    with ublkd.mounted(img.bundle, mnt):
+        at_mount = ublkd.settled_status(mnt)
+        total = 0
+        for dirpath, _dirs, files in os.walk(mnt):
+            for f in files:
+                p = Path(dirpath) / f
+                if p.is_file() and not p.is_symlink():
+                    total += read_file(p)
+        after = ublkd.settled_status(mnt)
+        steps.append({"step": "read_all", "what": "read every file after mount",
+                      "file_bytes": total, **_delta(after, at_mount)})  # fmt: skip
+    packs = sum(p.stat().st_size for p in (img.bundle / "packs").iterdir())
+    return {"image": img.name, "pack_bytes_total": packs, "one_mib_file": one_mib,
+            "steps": steps}  # fmt: skip
+
+
+# ------------------------------------------------------------------------ random reads
+
+
+def _fio_all(
+    target: str, path: Path, jobs: Sequence[FioJob], runtime_s: float, log: Path
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for j in jobs:
+        try:
+            r = run_fio(j, path, runtime_s, log)
+            out[j.name] = r.to_json()
+            _log(f"  fio {target} {j.name}: {r.iops:,.0f} IOPS")
+        except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
+            out[j.name] = {"error": str(e)[:300]}
+            _log(f"  fio {target} {j.name}: FAILED {e}")
+    return out
+
+
+def measure_randread(
+    img: Image, ublkd: Ublkd, big: str, jobs: Sequence[FioJob], runtime_s: float, log: Path
+) -> dict[str, Any]:
+    """fio on ``big`` inside each: ours (fuse frontend, every chunk verified and cached
+    first), the same btrfs image with device 2 materialized on a loop device, erofs on a loop
+    device, squashfuse. Each target's file is read once with O_DIRECT before fio (warm)."""
+    from tests.bundletools import materialize_data_device
+
+    size = (img.tree / big).stat().st_size
+    cache_mb = max(256, math.ceil(size / MiB) + 128)
+    mnt = img.work / "m-fio"
+    targets: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+
+    def one(name: str, cm: contextlib.AbstractContextManager[Path]) -> None:
+        try:
+            with cm as m:
+                read_direct(m / big)
+                targets[name] = _fio_all(name, m / big, jobs, runtime_s, log)
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"[:300]
+            _log(f"  randread {name}: FAILED {e}")
+
+    one("ours_fuse", ublkd.mounted(img.bundle, mnt, "fuse", cache_mb))
+    _log(f"{img.name}: materializing device 2 for the loop baseline (untimed)")
+    materialize_data_device(img.bundle, img.data_img)
+    one("btrfs_loop", btrfs_loop_mounted(img.bundle / "meta.img", img.data_img, mnt))
+    remove(img.data_img)
+    one("erofs_loop", erofs_loop_mounted(img.erofs, mnt))
+    one("squashfuse", squashfuse_mounted(img.squashfs, mnt))
+    return {"image": img.name, "file": big, "file_bytes": size, "ours_cache_mb": cache_mb,
+            "runtime_s": runtime_s, "targets": targets, "errors": errors}  # fmt: skip
+
+
+# ---------------------------------------------------------------------- VM (ublk frontend)
+
+VM_SCRIPT = """\
+set -u
+B={bundle}; D={data}; F={file}
+O=/vmout/fio; mkdir -p $O /tmp/m
+modprobe ublk_drv || true
+runfio() {{  # TAG: fio every job on /tmp/m/$F, one JSON each
+  mkdir -p $O/$1
+  dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
+{fio_lines}
+}}
+for fe in ublk fuse; do
+  if ublkd mount --frontend $fe --cache-mb 256 $B /tmp/m; then
+    runfio ours_$fe
+    ublkd umount /tmp/m
+  else echo "VM: ublkd mount --frontend $fe failed"; fi
+done
+cp $D /tmp/dev2.img
+L1=$(losetup -f --show -r $B/meta.img); L2=$(losetup -f --show -r /tmp/dev2.img)
+btrfs device scan $L1 $L2 >/dev/null
+if mount -t btrfs -o ro,device=$L1,device=$L2 $L1 /tmp/m; then
+  runfio btrfs_loop
+  umount /tmp/m
+fi
+btrfs device scan --forget $L1 $L2 || true
+losetup -d $L1 $L2
+echo "VM: bench done"
+"""
+
+
+def vm_script(bundle: Path, data: Path, file: str, jobs: Sequence[FioJob], runtime_s: float) -> str:
+    lines = []
+    for j in jobs:
+        args = shlex.join(fio_args(j, "/tmp/m/" + file, runtime_s))
+        lines.append(f"  fio {args} > $O/$1/{j.name}.json 2>>$O/fio.err")
+    return VM_SCRIPT.format(
+        bundle=shlex.quote(str(bundle)), data=shlex.quote(str(data)), file=shlex.quote(file),
+        fio_lines="\n".join(lines),
+    )  # fmt: skip
+
+
+def measure_randread_vm(
+    workdir: Path, jobs: Sequence[FioJob], runtime_s: float, log: Path
+) -> dict[str, Any]:
+    """fio inside the VM harness (6.12 guest, QEMU TCG): ours through the ublk frontend and
+    the fuse frontend vs the same btrfs image on loop devices (device 2 materialized, copied
+    into the guest's RAM). Only the ratios mean something under TCG."""
+    from tests.bundletools import materialize_data_device
+    from tests.vm import harness
+
+    data = inp.ensure_inputs(workdir, VM_INPUT, log=_log)
+    work = workdir / "vm"
+    remove(work)
+    work.mkdir(parents=True)
+    bundle, dev2 = work / "bundle", work / "dev2.img"
+    _sh([sys.executable, "-m", "btrfs_ublk_image", "build", data.spec, "-o", bundle], log)
+    materialize_data_device(bundle, dev2)
+    file = "large/blob-0.bin"
+    script = vm_script(bundle, dev2, file, jobs, runtime_s)
+    _log("VM: booting the 6.12 guest (TCG) for the ublk random-read runs")
+    res = harness.run_in_vm(
+        harness.SCRIPT_BODY.format(script="/vmout/script.sh"),
+        files={"script.sh": script.encode()},
+        timeout=float(os.environ.get("BUI_VM_TIMEOUT", 480)),
+    )
+    targets: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    fio_dir = res.share / "fio"
+    for tag in ("ours_ublk", "ours_fuse", "btrfs_loop"):
+        d = fio_dir / tag
+        if not d.is_dir():
+            errors[tag] = "not run (see the guest log)"
+            continue
+        targets[tag] = {}
+        for j in jobs:
+            f = d / f"{j.name}.json"
+            try:
+                targets[tag][j.name] = parse_fio_json(f.read_text()).to_json()
+            except (OSError, ValueError, KeyError) as e:
+                targets[tag][j.name] = {"error": str(e)[:200]}
+    remove(work)
+    return {"kernel": res.kver, "rc": res.rc, "results_dir": str(res.out), "file": file,
+            "file_bytes": VM_INPUT.large_bytes, "runtime_s": runtime_s, "targets": targets,
+            "errors": errors, "guest_log_tail": res.read("pytest.log")[-1500:]}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ driver
+
+
+@contextlib.contextmanager
+def _scratch(workdir: Path) -> Iterator[Path]:
+    base = workdir / "runtime"
+    remove(base)
+    base.mkdir(parents=True)
+    try:
+        yield base
+    finally:
+        remove(base)
+
+
+def run_runtime(
+    sections: set[str],
+    workdir: Path,
+    synthetic: inp.Inputs,
+    repeats: int,
+    runtime_s: float,
+    jobs: Sequence[FioJob] = MATRIX,
+) -> dict[str, Any]:
+    """Run the selected runtime sections; the JSON document parts keyed by section."""
+    log = workdir / "bench.log"
+    ublkd = Ublkd(workdir / "ublkd-run")
+    doc: dict[str, Any] = {}
+    skipped: dict[str, str] = {}
+    with _scratch(workdir) as base:
+        images: list[Image] = []
+        if sections & {"mount", "laziness"}:
+            tar, why = debian_inputs(log)
+            if tar is None:
+                skipped["debian"] = why
+            else:
+                images.append(prepare_image("debian", "Debian minbase", tar, base / "debian",
+                                            log, probe="usr/bin/dpkg"))  # fmt: skip
+        if sections & {"mount", "randread"}:
+            s = synthetic.stats
+            images.append(
+                prepare_image(
+                    "synthetic",
+                    f"synthetic ({s.entries:,} entries)",
+                    synthetic.tar,
+                    base / "synthetic",
+                    log,
+                )  # fmt: skip
+            )
+        by = {i.name: i for i in images}
+        for img in images:
+            _log(f"{img.name}: {img.entries:,} entries, {img.content_bytes / MiB:.0f} MiB")
+        if "mount" in sections:
+            doc["mount"] = {
+                "repeats": repeats,
+                "images": {
+                    i.name: {
+                        "label": i.label, "entries": i.entries, "content_bytes": i.content_bytes,
+                        "probe": i.probe,
+                        "results": {r.name: r.to_json(i.content_bytes, i.entries)
+                                    for r in measure_mounts(i, ublkd, repeats)},
+                    }
+                    for i in images
+                },
+            }  # fmt: skip
+        if "laziness" in sections and "debian" in by:
+            deb = by["debian"]
+            doc["laziness"] = measure_laziness(deb, ublkd, closest_file(deb.tree, MiB))
+        if "randread" in sections and "synthetic" in by:
+            syn = by["synthetic"]
+            doc["randread"] = measure_randread(syn, ublkd, "large/blob-0.bin", jobs, runtime_s, log)
+    if "vm" in sections:
+        try:
+            doc["randread_vm"] = measure_randread_vm(workdir, jobs, min(runtime_s, 3.0), log)
+        except Exception as e:  # noqa: BLE001 - a benchmark section that could not run
+            skipped["vm"] = f"{type(e).__name__}: {e}"[:300]
+    if skipped:
+        doc["runtime_skipped"] = skipped
+    return doc

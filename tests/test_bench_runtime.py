@@ -1,0 +1,183 @@
+"""The runtime benchmark's own code (bench/fio.py, bench/report.py runtime sections, the VM
+script): fio job matrix and JSON parsing, tables, docs sections. Not a speed test."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # bench/ is not an installed package
+    sys.path.insert(0, str(ROOT))
+
+from bench.build import main as bench_main  # noqa: E402
+from bench.fio import MATRIX, FioJob, fio_args, parse_fio_json  # noqa: E402
+from bench.report import (  # noqa: E402
+    laziness_section,
+    mount_section,
+    mount_table,
+    randread_section,
+    randread_table,
+)
+from bench.runtime import vm_script  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+# trimmed from real `fio --output-format=json` output (fio 3.33), with a warning before it
+FIO_OUT = "fio: note: both iodepth >= 1 and synchronous I/O engine are selected\n" + json.dumps(
+    {
+        "fio version": "fio-3.33",
+        "jobs": [
+            {
+                "jobname": "randread",
+                "error": 0,
+                "read": {
+                    "iops": 12345.5,
+                    "bw_bytes": 50567168,
+                    "clat_ns": {"percentile": {"50.000000": 70144, "99.000000": 181248}},
+                },
+            }
+        ],
+    },
+    indent=2,
+)
+
+
+def test_fio_matrix_args_and_parse() -> None:
+    names = [j.name for j in MATRIX]
+    assert names == [
+        "io_uring-qd1-j1", "io_uring-qd1-j2", "io_uring-qd16-j1", "io_uring-qd16-j2",
+        "psync-j1", "psync-j2",
+    ]  # fmt: skip
+    args = fio_args(FioJob("io_uring", 16, 2), "/m/f", 3)
+    assert "--direct=1" in args and "--bs=4k" in args and "--rw=randread" in args
+    assert "--iodepth=16" in args and "--numjobs=2" in args and "--runtime=3" in args
+    assert "--readonly" in args and "--filename=/m/f" in args
+
+    r = parse_fio_json(FIO_OUT)
+    assert r.iops == 12345.5 and r.mib_s == pytest.approx(48.22, abs=0.01)
+    assert r.lat_p50_us == pytest.approx(70.144) and r.lat_p99_us == pytest.approx(181.248)
+    assert parse_fio_json(FIO_OUT.split("\n", 1)[1]).iops == 12345.5
+    with pytest.raises(ValueError):
+        parse_fio_json("fio: error\n")
+
+
+def _mount_result(label: str, walls: list[float] | None, error: str | None = None) -> Any:
+    if walls is None:
+        return {"label": label, "error": error}
+    med = sorted(walls)[len(walls) // 2]
+    return {"label": label, "wall_min_s": min(walls), "wall_median_s": med,
+            "wall_plus_sync_median_s": med + 1.0, "error": None}  # fmt: skip
+
+
+def _doc() -> dict[str, Any]:
+    iops = {"ours_fuse": 9000.0, "btrfs_loop": 10000.0, "erofs_loop": 20000.0,
+            "squashfuse": 4500.0, "ours_ublk": 800.0}  # fmt: skip
+    rr = {
+        "image": "synthetic", "file": "large/blob-0.bin", "file_bytes": 64 << 20,
+        "ours_cache_mb": 256, "runtime_s": 3.0, "errors": {},
+        "targets": {t: {j.name: {"iops": iops[t]} for j in MATRIX[:2]}
+                    for t in ("ours_fuse", "btrfs_loop", "erofs_loop", "squashfuse")},
+    }  # fmt: skip
+    rr["targets"]["squashfuse"]["io_uring-qd1-j2"] = {"error": "boom"}
+    vm = {
+        "kernel": "6.12.0", "file": "large/blob-0.bin", "file_bytes": 64 << 20,
+        "runtime_s": 2.0, "errors": {"ours_fuse": "not run"},
+        "targets": {"ours_ublk": {"psync-j1": {"iops": 800.0}},
+                    "btrfs_loop": {"psync-j1": {"iops": 1000.0}}},
+    }  # fmt: skip
+    return {
+        "command": "bench/run --quick",
+        "machine": {"date": "today", "nproc": 2},
+        "mount": {
+            "repeats": 3,
+            "images": {
+                "debian": {
+                    "label": "Debian minbase",
+                    "entries": 6000,
+                    "content_bytes": 200 << 20,
+                    "probe": "usr/bin/dpkg",
+                    "results": {
+                        "ours": _mount_result("ours", [0.05, 0.04, 0.06]),
+                        "tar_x": _mount_result("tar -x", [0.5, 0.4, 0.6]),
+                        "erofs": _mount_result("erofs", None, "OSError: EINVAL"),
+                    },
+                },
+            },
+        },  # fmt: skip
+        "laziness": {
+            "image": "debian",
+            "pack_bytes_total": 200 << 20,
+            "one_mib_file": "x",
+            "steps": [
+                {
+                    "step": "mount",
+                    "what": "ublkd mount",
+                    "reads": 2,
+                    "bytes_served": 8192,
+                    "chunks_verified": 1,
+                    "pack_bytes_read": 350_000,
+                    "cache_hits": 1,
+                },
+                {
+                    "step": "read_1mib",
+                    "what": "read /x",
+                    "reads": 1,
+                    "bytes_served": 1 << 20,
+                    "chunks_verified": 2,
+                    "pack_bytes_read": 2 << 20,
+                    "cache_hits": 0,
+                },
+            ],
+        },  # fmt: skip
+        "randread": rr,
+        "randread_vm": vm,
+    }
+
+
+def test_runtime_tables_and_sections() -> None:
+    doc = _doc()
+    mt = mount_table(doc["mount"]["images"]).splitlines()
+    assert len(mt) == 2 + 3
+    assert "| 50.0 |" in mt[2] and mt[2].endswith("| 1.00x |")
+    assert mt[3].endswith("| 10.00x |")  # tar -x median 0.5 s / ours 0.05 s
+    assert "OSError: EINVAL" in mt[4]
+    assert "`/usr/bin/dpkg`" in mount_section(doc)
+
+    rt = randread_table(
+        doc["randread"], [("ours_fuse", "btrfs_loop"), ("ours_fuse", "squashfuse")]
+    ).splitlines()
+    assert len(rt) == 2 + 2
+    assert "9,000" in rt[2] and "| 0.90x | 2.00x |" in rt[2]
+    assert "failed" in rt[3] and rt[3].endswith("| 0.90x |  |")
+    sec = randread_section(doc)
+    assert "6.12.0" in sec and "| 0.80x |" in sec and "VM ours_fuse: not run" in sec
+
+    lz = laziness_section(doc)
+    assert "| read /x | 1 | 1.0 MiB | 2 | 2.0 MiB | 2.00x |" in lz
+
+
+def test_from_json_renders_runtime_sections(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = tmp_path / "r.json"
+    saved.write_text(json.dumps(_doc()))
+    out = tmp_path / "again.json"
+    rc = bench_main(["--from-json", str(saved), "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "Mount (until the first file is readable)" in text and "0.90x" in text
+    assert rc == 1  # the erofs row and the VM fuse run failed: reported, never hidden
+    assert json.loads(out.read_text()) == _doc()
+
+
+def test_vm_script_runs_every_job_for_each_target() -> None:
+    s = vm_script(Path("/b"), Path("/d.img"), "large/blob-0.bin", MATRIX, 2.0)
+    for j in MATRIX:
+        assert f"$O/$1/{j.name}.json" in s
+    assert "--frontend $fe" in s and "for fe in ublk fuse" in s
+    assert "runfio btrfs_loop" in s and "losetup -d" in s
+    assert "--filename=/tmp/m/large/blob-0.bin" in s
