@@ -34,6 +34,7 @@ from typing import BinaryIO, Protocol, cast
 import zstandard
 
 from btrfs_ublk_image.errors import SourceError
+from btrfs_ublk_image.hashing import BackgroundSha256
 from btrfs_ublk_image.sources.base import WHITEOUT, LayerContext, SourceRecord
 from btrfs_ublk_image.sources.globs import normalize, selector
 from btrfs_ublk_image.spec import TarLayer
@@ -103,7 +104,7 @@ class _HashingReader:
     def __init__(self, f: _Readable, path: Path | str) -> None:
         self.f = f
         self.path = path
-        self.hash = hashlib.sha256()
+        self.hash = BackgroundSha256()  # on the second core, while the main thread parses
         self.nbytes = 0
         self._head = b""
 
@@ -333,6 +334,71 @@ class _FastTarInfo(tarfile.TarInfo):
             raise
 
 
+class _ForwardReader:
+    """``read``/``tell``/``seek`` over a non-seekable stream: seeks only go forward (or back
+    within the current buffer), which is all tarfile needs to read members in order."""
+
+    def __init__(self, raw: _Readable) -> None:
+        self.raw = raw
+        self.buf = b""
+        self.off = 0  # read position in buf
+        self.pos = 0  # stream position of buf[off]
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        if n < 0:
+            out = self.buf[self.off :] + b"".join(iter(lambda: self.raw.read(READ_SIZE), b""))
+            self.buf, self.off = b"", 0
+            self.pos += len(out)
+            return out
+        avail = len(self.buf) - self.off
+        if n <= avail:
+            out = self.buf[self.off : self.off + n]
+            self.off += n
+            self.pos += n
+            return out
+        parts = [self.buf[self.off :]] if avail else []
+        need = n - avail
+        self.buf, self.off = b"", 0
+        while need > 0:
+            chunk = self.raw.read(max(need, READ_SIZE))
+            if not chunk:
+                break
+            if len(chunk) <= need:
+                parts.append(chunk)
+                need -= len(chunk)
+            else:
+                parts.append(chunk[:need])
+                self.buf, self.off = chunk, need
+                need = 0
+        out = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.pos += len(out)
+        return out
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence != 0:
+            raise OSError("tar stream: only absolute seeks are supported")
+        if pos < self.pos:
+            back = self.pos - pos
+            if back > self.off:
+                raise OSError("tar stream: cannot seek backwards")
+            self.off -= back
+            self.pos = pos
+            return pos
+        while self.pos < pos:
+            if not self.read(min(pos - self.pos, READ_SIZE)):
+                break  # tarfile notices the end on its next read
+        return self.pos
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+
 class _TarFile(tarfile.TarFile):
     tarinfo = _FastTarInfo
     header_error: Exception | None = None  # the last header problem (tarfile hides some)
@@ -472,13 +538,14 @@ def read_tar(
         stream = _decompressor(kind, raw)
         if opts.diff_id and kind != "none":
             stream = diff = _DigestStream(stream)
-        tf = _TarFile.open(
-            fileobj=cast(BinaryIO, stream),
-            mode="r|",
+        # mode "r" over a forward-only reader: tarfile's own stream mode ("r|") refills a
+        # 10 KiB buffer and re-joins it on every read, which dominated the build time
+        tf = _TarFile(
+            fileobj=cast(BinaryIO, _ForwardReader(stream)),
+            mode="r",
             encoding="utf-8",
             errors="surrogateescape",
         )
-        assert isinstance(tf, _TarFile)
         _read_members(tf, tar_path, ctx, opts)
         # validate the compressed stream's end and hash every remaining byte
         while stream.read(READ_SIZE):
