@@ -207,7 +207,7 @@ def no_leftovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
         "mounts": our_mounts(tmp_path),
         "loops": our_loops(tmp_path, run_dir),
         "servers": our_servers(tmp_path),
-        "state": sorted(p.name for p in (run_dir / "mounts").glob("*")),
+        "state": sorted(p.name for d in ("mounts", "bundles") for p in (run_dir / d).glob("*")),
     }
     if any(left.values()):
         # clean up for the next test, then fail this one
@@ -381,7 +381,7 @@ def test_corrupt_pack_byte_fails_reads_of_that_chunk_only(no_leftovers: Path) ->
             time.sleep(0.1)
         st = status_of(mnt)
         assert isinstance(st["verify_failures"], int) and st["verify_failures"] >= 1
-        log = Path(os.environ["UBLKD_RUN_DIR"], "mounts").glob("*/server.log")
+        log = Path(os.environ["UBLKD_RUN_DIR"], "bundles").glob("*/server.log")
         assert any(f"chunk {bad_chunk} " in p.read_text() for p in log)
     finally:
         ublkd("umount", mnt)
@@ -436,7 +436,8 @@ def test_ublk_mount_kill_during_reads_recover(no_leftovers: Path) -> None:
     try:
         st = status_of(mnt)
         assert st["frontend"] == "ublk"
-        assert any(str(d).startswith("dev2=/dev/ublkb") for d in st["devices"])  # type: ignore[attr-defined]
+        # device 2: a loop instance on the bundle server's /dev/ublkbN
+        assert any("on /dev/ublkb" in str(d) for d in st["devices"])  # type: ignore[attr-defined]
         listing = list_dir(mnt)
         assert listing == list_tar(tarball)
         (mnt / "written").write_text("before kill\n")

@@ -5,7 +5,7 @@ use crate::bundle::Bundle;
 use crate::frontend::{self, Kind};
 use crate::plumbing::{btrfs, loopdev, mount as mnt};
 use crate::server::Ready;
-use crate::state::{self, LoopRecord, MountState, ServerRecord};
+use crate::state::{self, BundleState, LoopRecord, MountState, ServerRecord, SharedMount};
 use crate::stats::Snapshot;
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use std::fs::{File, OpenOptions};
@@ -25,6 +25,10 @@ pub struct MountArgs {
     /// if it already holds this image's sprout, that filesystem is mounted again).
     #[arg(long)]
     pub rw: Option<PathBuf>,
+    /// A writable layer that lives under /run/ublkd/ (overlayfs over the bundle's shared
+    /// read-only mount) and is discarded by `umount`.
+    #[arg(long, conflicts_with = "rw")]
+    pub ephemeral: bool,
     /// Size of a new --rw file (K, M, G, T suffixes).
     #[arg(long, default_value = "10G", value_parser = parse_size)]
     pub rw_size: u64,
@@ -33,7 +37,8 @@ pub struct MountArgs {
     /// Refuse to mount unless the image id (sha256 of manifest.json) is this.
     #[arg(long)]
     pub expect_id: Option<String>,
-    /// Memory for the server's verified chunk cache, in MiB.
+    /// Memory for the server's verified chunk cache, in MiB (the bundle's first mount
+    /// starts its server; later mounts share it).
     #[arg(long, default_value_t = 256)]
     pub cache_mb: u64,
 }
@@ -232,6 +237,252 @@ fn all_zero_head(f: &File) -> Result<bool> {
     Ok(buf[..n].iter().all(|&b| b == 0))
 }
 
+const RO_OPTS: loopdev::AttachOptions = loopdev::AttachOptions {
+    read_only: true,
+    direct_io: true,
+    block_size: 4096,
+    autoclear: true,
+};
+
+/// Size of the scratch device the shared mount is sprouted onto (sparse; it only ever
+/// receives the relocated SYSTEM chunk and a little metadata before going read-only).
+const SHARED_SCRATCH_SIZE: u64 = 1 << 30;
+
+/// A new device-2 instance: a read-only, direct-I/O loop device on the server's device
+/// node (the FUSE file, or /dev/ublkbN). Each mounted filesystem needs its own block
+/// device; all instances are served by the bundle's one server. `name` goes into
+/// lo_file_name (the state dir: tells whose instance it is).
+fn attach_dev2_instance(srv: &ServerRecord, name: &Path) -> Result<loopdev::LoopDev> {
+    let f = File::open(&srv.device).with_context(|| format!("open the server's device {}", srv.device))?;
+    let l = loopdev::attach(&f, name, &RO_OPTS)?;
+    if !l.direct_io {
+        eprintln!(
+            "ublkd: warning: {} on {} runs without direct I/O",
+            l.path.display(),
+            srv.device
+        );
+    }
+    Ok(l)
+}
+
+fn attach_meta(bundle: &Bundle) -> Result<loopdev::LoopDev> {
+    let meta_path = bundle.meta_path();
+    let meta = File::open(&meta_path).with_context(|| format!("{}: open", meta_path.display()))?;
+    loopdev::attach(&meta, &meta_path, &RO_OPTS)
+}
+
+/// `btrfs device scan` for a new instance of the image's seed devices.
+fn scan_seed(devs: &[&Path], bundle: &Bundle) -> Result<()> {
+    for d in devs {
+        btrfs::scan(d).map_err(|e| {
+            if e.root_cause()
+                .downcast_ref::<std::io::Error>()
+                .and_then(|e| e.raw_os_error())
+                == Some(libc::EEXIST)
+            {
+                e.context(format!(
+                    "image {} (fsid {}) has an unsprouted mount elsewhere (not made by ublkd?); the kernel allows \
+                     one unsprouted mount per image at a time",
+                    bundle.image_id, bundle.manifest.fsid
+                ))
+            } else {
+                e
+            }
+        })?;
+    }
+    Ok(())
+}
+
+fn mounts_of(key: &str) -> Result<Vec<MountState>> {
+    Ok(MountState::all()?.into_iter().filter(|m| m.bundle_key == key).collect())
+}
+
+fn is_mounted(path: &str) -> Result<bool> {
+    Ok(mnt::mounts()?.iter().any(|m| m.mount_point == path))
+}
+
+/// A ublk server that died leaves I/O queued (USER_RECOVERY): delete its device first
+/// so that unmounts see errors instead of waiting forever.
+fn fail_dead_ublk(b: &BundleState) -> Result<()> {
+    if let Some(srv) = &b.server {
+        if let (Some(id), false) = (srv.ublk_id, state::server_alive(srv)) {
+            if ublk_dev_exists(id) {
+                frontend::ublk::delete(id, true)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn umount_busy_msg(path: &str, lazy: bool) -> Result<()> {
+    match mnt::umount(Path::new(path), lazy) {
+        Ok(()) => Ok(()),
+        Err(nix::errno::Errno::EBUSY) => bail!("umount {path}: target is busy (close files under it, or use --lazy)"),
+        Err(e) => Err(e).with_context(|| format!("umount {path}")),
+    }
+}
+
+fn forget_and_detach(loops: &[&Option<LoopRecord>]) -> Result<()> {
+    for r in loops.iter().copied().flatten() {
+        let _ = btrfs::forget(Path::new(&r.path));
+    }
+    for r in loops.iter().copied().flatten() {
+        detach_record(r).with_context(|| format!("detach {}", r.path))?;
+    }
+    Ok(())
+}
+
+fn teardown_shared(sh: &SharedMount) -> Result<()> {
+    if is_mounted(&sh.path)? {
+        umount_busy_msg(&sh.path, false)?;
+    }
+    forget_and_detach(&[&sh.rw_loop, &sh.meta_loop, &sh.dev2_loop])?;
+    if let Some(p) = &sh.rw_path {
+        match std::fs::remove_file(p) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).context(format!("{p}: remove")),
+            _ => {}
+        }
+    }
+    let _ = std::fs::remove_dir(&sh.path);
+    Ok(())
+}
+
+/// Reference counting by inspection (the caller holds the bundle lock): the shared
+/// mount goes when no read-only or ephemeral mount of the bundle is left, the server
+/// and the bundle's state when no mount at all is left.
+fn gc_bundle(key: &str) -> Result<()> {
+    let Some(mut b) = BundleState::load(key) else {
+        let _ = std::fs::remove_dir_all(BundleState::dir_of(key));
+        return Ok(());
+    };
+    let users = mounts_of(key)?;
+    if let Some(sh) = b.shared.clone() {
+        if !users.iter().any(|m| m.mode != "rw") {
+            fail_dead_ublk(&b)?;
+            teardown_shared(&sh)?;
+            b.shared = None;
+            b.save()?;
+        }
+    }
+    if users.is_empty() {
+        if let Some(srv) = &b.server {
+            stop_server(srv)?;
+            if let Some(id) = srv.ublk_id {
+                if ublk_dev_exists(id) {
+                    let _ = frontend::ublk::delete(id, false);
+                }
+            }
+        }
+        std::fs::remove_dir_all(b.dir()).with_context(|| format!("{}: remove", b.dir().display()))?;
+    }
+    Ok(())
+}
+
+/// The bundle's server: the running one, or a new one.
+fn ensure_server(
+    b: &mut BundleState,
+    bundle: &Bundle,
+    asked: Kind,
+    kind: Kind,
+    cache_mb: u64,
+    me: &str,
+) -> Result<ServerRecord> {
+    if let Some(s) = &b.server {
+        if state::server_alive(s) {
+            ensure!(
+                asked == Kind::Auto || s.frontend == kind.as_str(),
+                "bundle {} is already served by a {} server (pid {}): use --frontend {} or auto",
+                b.bundle,
+                s.frontend,
+                s.pid,
+                s.frontend
+            );
+            return Ok(s.clone());
+        }
+        let others: Vec<String> = mounts_of(&b.key)?
+            .into_iter()
+            .filter(|m| m.id != me)
+            .map(|m| m.mountpoint)
+            .collect();
+        ensure!(
+            others.is_empty(),
+            "the server of bundle {} (pid {}) is not running and it still has mounts ({}): run `ublkd recover` on one \
+             of them first",
+            b.bundle,
+            s.pid,
+            others.join(", ")
+        );
+    }
+    std::fs::create_dir_all(b.dir()).with_context(|| format!("{}: mkdir", b.dir().display()))?;
+    let (_ready, srv) = spawn_server(&bundle.dir, kind, &b.dir(), &bundle.image_id, cache_mb, None)?;
+    b.server = Some(srv.clone());
+    b.save()?;
+    Ok(srv)
+}
+
+/// The bundle's shared mount (see [`SharedMount`]): the existing one, or a new one.
+fn ensure_shared(b: &mut BundleState, bundle: &Bundle, srv: &ServerRecord) -> Result<PathBuf> {
+    if let Some(sh) = b.shared.clone() {
+        if sh.phase == "mounted" && is_mounted(&sh.path)? {
+            return Ok(PathBuf::from(sh.path));
+        }
+        teardown_shared(&sh).context("clean up a stale shared mount")?;
+        b.shared = None;
+        b.save()?;
+    }
+    let dir = b.dir();
+    let path = dir.join("seed");
+    std::fs::create_dir_all(&path).with_context(|| format!("{}: mkdir", path.display()))?;
+    let mut sh = SharedMount {
+        path: path.display().to_string(),
+        phase: "mounting".into(),
+        ..Default::default()
+    };
+    let save = |b: &mut BundleState, sh: &SharedMount| -> Result<()> {
+        b.shared = Some(sh.clone());
+        b.save()
+    };
+    save(b, &sh)?;
+    let mut holds: Vec<File> = Vec::new();
+    let d2 = attach_dev2_instance(srv, &dir)?;
+    sh.dev2_loop = Some(loop_record(&d2));
+    save(b, &sh)?;
+    let dev2 = d2.path.clone();
+    holds.push(d2.file);
+    let m = attach_meta(bundle)?;
+    sh.meta_loop = Some(loop_record(&m));
+    save(b, &sh)?;
+    let meta = m.path.clone();
+    holds.push(m.file);
+    scan_seed(&[&meta, &dev2], bundle)?;
+    mnt::mount_btrfs(&meta, &path, &[&meta, &dev2], true, "")?;
+    // sprout onto a scratch device, then read-only: the image's fsid is free again for
+    // the devices of --rw mounts, and nothing can write to the shared mount
+    let rw_path = dir.join("seed-rw.img");
+    let _ = std::fs::remove_file(&rw_path);
+    sh.rw_path = Some(rw_path.display().to_string());
+    save(b, &sh)?;
+    let (rwf, _) = open_rw_file(&rw_path, SHARED_SCRATCH_SIZE)?;
+    let rl = loopdev::attach(
+        &rwf,
+        &rw_path,
+        &loopdev::AttachOptions {
+            read_only: false,
+            ..RO_OPTS
+        },
+    )?;
+    sh.rw_loop = Some(loop_record(&rl));
+    save(b, &sh)?;
+    let rw_dev = rl.path.clone();
+    holds.push(rl.file);
+    btrfs::add_device(&path, &rw_dev)?;
+    mnt::remount_ro(&path)?;
+    sh.phase = "mounted".into();
+    save(b, &sh)?;
+    drop(holds);
+    Ok(path)
+}
+
 pub fn mount(args: MountArgs) -> Result<()> {
     let t0 = Instant::now();
     let mountpoint = args
@@ -244,29 +495,53 @@ pub fn mount(args: MountArgs) -> Result<()> {
         mountpoint.display()
     );
     let bundle = Bundle::open(&args.bundle, args.expect_id.as_deref(), true)?;
-    let (kind, why) = frontend::choose(args.frontend)?;
-    eprintln!("ublkd: frontend {why}");
+    let mode = match (&args.rw, args.ephemeral) {
+        (Some(_), _) => "rw",
+        (None, true) => "ephemeral",
+        (None, false) => "ro",
+    };
 
-    let _global = state::global_lock()?;
+    let id = state::mount_id(&mountpoint);
+    let dir = state::mounts_dir().join(&id);
+    let _mlock = state::lock(&MountState::lock_path(&id), Some(&dir))?;
     ensure!(
         !mnt::is_mountpoint(&mountpoint)?,
         "{}: already a mount point",
         mountpoint.display()
     );
-    let id = state::mount_id(&mountpoint);
-    let dir = state::mounts_dir().join(&id);
     if dir.exists() {
         // left over from a crashed mount or a killed umount: the mount point is not mounted
         eprintln!("ublkd: cleaning up stale state {}", dir.display());
-        if let Ok(old) = MountState::load(&dir) {
-            teardown(&old, false)?;
-        } else {
-            std::fs::remove_dir_all(&dir).with_context(|| format!("{}: remove", dir.display()))?;
+        match MountState::load(&dir) {
+            Ok(old) if !old.bundle_key.is_empty() => teardown_mount(&old, false)?,
+            _ => std::fs::remove_dir_all(&dir).with_context(|| format!("{}: remove", dir.display()))?,
         }
     }
-    std::fs::create_dir_all(&dir).with_context(|| format!("{}: mkdir", dir.display()))?;
-    let _lock = state::lock(&dir.join("lock"))?;
+
+    let key = state::bundle_key(&bundle.image_id);
+    let _block = state::lock(&BundleState::lock_path(&key), Some(&BundleState::dir_of(&key)))?;
+    let mut b = BundleState::load(&key).unwrap_or_else(|| BundleState {
+        key: key.clone(),
+        bundle: bundle.dir.display().to_string(),
+        image_id: bundle.image_id.clone(),
+        name: bundle.manifest.name.clone(),
+        fsid: bundle.manifest.fsid.clone(),
+        created: state::now(),
+        ..Default::default()
+    });
+    let (kind, why) = match b.server.as_ref().filter(|s| state::server_alive(s)) {
+        Some(s) if s.frontend == "ublk" => (Kind::Ublk, format!("ublk (the bundle's server, pid {})", s.pid)),
+        Some(s) => (Kind::Fuse, format!("fuse (the bundle's server, pid {})", s.pid)),
+        None => frontend::choose(args.frontend)?,
+    };
+    eprintln!("ublkd: frontend {why}");
+
     let mut rb = Rollback(Vec::new());
+    {
+        let key = key.clone();
+        rb.push("release the bundle", move || gc_bundle(&key));
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("{}: mkdir", dir.display()))?;
     {
         let dir = dir.clone();
         rb.push("remove state dir", move || Ok(std::fs::remove_dir_all(&dir)?));
@@ -280,102 +555,81 @@ pub fn mount(args: MountArgs) -> Result<()> {
         fsid: bundle.manifest.fsid.clone(),
         rw_path: None,
         phase: "mounting".into(),
-        mode: if args.rw.is_some() { "rw".into() } else { "ro".into() },
+        mode: mode.into(),
+        bundle_key: key.clone(),
         created: state::now(),
         ..Default::default()
     };
     st.save()?;
 
-    // 1. the device-2 server
-    let (ready, srv) = spawn_server(&bundle.dir, kind, &dir, &bundle.image_id, args.cache_mb, None)?;
-    st.server = Some(srv.clone());
-    st.save()?;
-    {
-        let srv = srv.clone();
-        rb.push(format!("stop server {}", srv.pid), move || {
-            stop_server(&srv)?;
-            if let Some(id) = srv.ublk_id {
-                if ublk_dev_exists(id) {
-                    frontend::ublk::delete(id, false)?;
-                }
-            }
-            Ok(())
-        });
-    }
+    // 1. the bundle's server (shared by all its mounts)
+    let srv = ensure_server(&mut b, &bundle, args.frontend, kind, args.cache_mb, &id)?;
 
-    // 2. device 2 as a block device
-    let mut holds: Vec<File> = Vec::new(); // loop fds kept open until the fs holds the devices
-    let dev2: PathBuf = match kind {
-        Kind::Fuse => {
-            let f =
-                File::open(&ready.device).with_context(|| format!("open the server's device file {}", ready.device))?;
-            let l = loopdev::attach(
-                &f,
-                // lo_file_name = the state dir: tells whose device-2 loop this is
-                // (the kernel reports every FUSE dev2 file as "/dev2")
-                &dir,
-                &loopdev::AttachOptions {
-                    read_only: true,
-                    direct_io: true,
-                    block_size: 4096,
-                    autoclear: true,
-                },
-            )?;
-            if !l.direct_io {
-                eprintln!(
-                    "ublkd: warning: {} on the FUSE file runs without direct I/O",
-                    l.path.display()
-                );
-            }
-            let rec = loop_record(&l);
-            st.dev2_loop = Some(rec.clone());
-            st.save()?;
-            rb.push(format!("detach {}", rec.path), move || detach_record(&rec));
-            let p = l.path.clone();
-            holds.push(l.file);
-            p
+    let mp = mountpoint.clone();
+    let note = match mode {
+        "ro" => {
+            let shared = ensure_shared(&mut b, &bundle, &srv)?;
+            mnt::bind_ro(&shared, &mountpoint)?;
+            rb.push("umount", move || Ok(mnt::umount(&mp, false)?));
+            format!(" (bind of {})", shared.display())
         }
-        _ => PathBuf::from(&ready.device),
+        "ephemeral" => {
+            let shared = ensure_shared(&mut b, &bundle, &srv)?;
+            let (upper, work) = (dir.join("upper"), dir.join("work"));
+            for d in [&upper, &work] {
+                std::fs::create_dir(d).with_context(|| format!("{}: mkdir", d.display()))?;
+            }
+            mnt::overlay(&format!("ublkd-{key}"), &shared, &upper, &work, &mountpoint)?;
+            rb.push("umount", move || Ok(mnt::umount(&mp, false)?));
+            format!(" (overlay over {}, upper {})", shared.display(), upper.display())
+        }
+        _ => mount_rw(&args, &bundle, &srv, &mut st, &mut rb)?,
     };
+    st.phase = "mounted".into();
+    st.save()?;
+    rb.disarm();
+    println!(
+        "mounted {} ({}) at {}: {}{}, frontend {}, server pid {} in {:.0} ms",
+        bundle.dir.display(),
+        bundle.image_id,
+        mountpoint.display(),
+        st.mode,
+        note,
+        kind.as_str(),
+        srv.pid,
+        t0.elapsed().as_secs_f64() * 1000.0
+    );
+    Ok(())
+}
 
-    // 3. meta.img, read-only
-    let meta_path = bundle.meta_path();
-    let meta = File::open(&meta_path).with_context(|| format!("{}: open", meta_path.display()))?;
-    let l = loopdev::attach(
-        &meta,
-        &meta_path,
-        &loopdev::AttachOptions {
-            read_only: true,
-            direct_io: true,
-            block_size: 4096,
-            autoclear: true,
-        },
-    )?;
-    let rec = loop_record(&l);
+/// `--rw`: own device instances (meta.img, device 2, the rw file), native btrfs sprout.
+fn mount_rw(
+    args: &MountArgs,
+    bundle: &Bundle,
+    srv: &ServerRecord,
+    st: &mut MountState,
+    rb: &mut Rollback,
+) -> Result<String> {
+    let rw = args.rw.as_ref().expect("rw mode");
+    let mountpoint = PathBuf::from(&st.mountpoint);
+    let mut holds: Vec<File> = Vec::new(); // loop fds kept open until the fs holds the devices
+    let d2 = attach_dev2_instance(srv, &st.dir())?;
+    let rec = loop_record(&d2);
+    st.dev2_loop = Some(rec.clone());
+    st.save()?;
+    rb.push(format!("detach {}", rec.path), move || detach_record(&rec));
+    let dev2 = d2.path.clone();
+    holds.push(d2.file);
+
+    let m = attach_meta(bundle)?;
+    let rec = loop_record(&m);
     st.meta_loop = Some(rec.clone());
     st.save()?;
     rb.push(format!("detach {}", rec.path), move || detach_record(&rec));
-    let meta_dev = l.path.clone();
-    holds.push(l.file);
+    let meta_dev = m.path.clone();
+    holds.push(m.file);
 
-    // 4. register both with btrfs
-    for d in [&meta_dev, &dev2] {
-        btrfs::scan(d).map_err(|e| {
-            if e.root_cause()
-                .downcast_ref::<std::io::Error>()
-                .and_then(|e| e.raw_os_error())
-                == Some(libc::EEXIST)
-            {
-                e.context(format!(
-                    "image {} (fsid {}) already has an unsprouted mount on other devices; the kernel allows one \
-                     unsprouted mount per image at a time: mount this one with --rw, or unmount the other",
-                    bundle.image_id, bundle.manifest.fsid
-                ))
-            } else {
-                e
-            }
-        })?;
-    }
+    scan_seed(&[&meta_dev, &dev2], bundle)?;
     {
         let (a, b) = (meta_dev.clone(), dev2.clone());
         rb.push("btrfs device forget", move || {
@@ -385,104 +639,81 @@ pub fn mount(args: MountArgs) -> Result<()> {
         });
     }
 
-    // 5. mount (and sprout)
     let mp = mountpoint.clone();
-    let mut sprout_note = String::new();
-    match &args.rw {
-        None => {
-            mnt::mount_btrfs(&meta_dev, &mountpoint, &[&meta_dev, &dev2], true, "")?;
-            rb.push("umount", move || Ok(mnt::umount(&mp, false)?));
-        }
-        Some(rw) => {
-            let (rwf, created) = open_rw_file(rw, args.rw_size)?;
-            let rw_abs = rw.canonicalize().unwrap_or_else(|_| rw.clone());
-            if created {
-                let rw2 = rw_abs.clone();
-                rb.push(format!("remove new {}", rw2.display()), move || {
-                    Ok(std::fs::remove_file(&rw2)?)
-                });
-            }
-            let existing = btrfs::read_super_fsid(&rwf).with_context(|| format!("--rw {}", rw.display()))?;
-            if let Some(fsid) = existing {
-                ensure!(
-                    btrfs::uuid_string(&fsid) != bundle.manifest.fsid,
-                    "--rw {}: holds a btrfs with the image's own fsid, not a sprout",
-                    rw.display()
-                );
-            } else {
-                ensure!(
-                    created || all_zero_head(&rwf)?,
-                    "--rw {}: exists and holds neither a btrfs sprout nor zeros; refusing to overwrite it",
-                    rw.display()
-                );
-            }
-            let l = loopdev::attach(
-                &rwf,
-                &rw_abs,
-                &loopdev::AttachOptions {
-                    read_only: false,
-                    direct_io: true,
-                    block_size: 4096,
-                    autoclear: true,
-                },
-            )?;
-            let rec = loop_record(&l);
-            st.rw_loop = Some(rec.clone());
-            st.rw_path = Some(rw_abs.display().to_string());
-            st.save()?;
-            rb.push(format!("detach {}", rec.path), move || detach_record(&rec));
-            let rw_dev = l.path.clone();
-            holds.push(l.file);
-            {
-                let d = rw_dev.clone();
-                rb.push("btrfs device forget rw", move || {
-                    let _ = btrfs::forget(&d);
-                    Ok(())
-                });
-            }
-            if existing.is_some() {
-                btrfs::scan(&rw_dev)?;
-                // The seeds are registered by the scans above; naming them in device= would
-                // make kernels before 6.17 open them for writing in a rw mount, and they are
-                // read-only devices: EACCES (seen on 6.12).
-                mnt::mount_btrfs(&rw_dev, &mountpoint, &[&rw_dev], false, "").with_context(|| {
-                    format!(
-                        "--rw {}: it holds a btrfs (fsid {}) that does not mount as a sprout of this image \
-                             (a sprout of another image? see dmesg)",
-                        rw.display(),
-                        btrfs::uuid_string(&existing.unwrap_or_default())
-                    )
-                })?;
-                rb.push("umount", move || Ok(mnt::umount(&mp, false)?));
-                check_seed_is_ours(&mountpoint, &bundle).with_context(|| format!("--rw {}", rw.display()))?;
-                sprout_note = " (existing sprout)".into();
-            } else {
-                mnt::mount_btrfs(&meta_dev, &mountpoint, &[&meta_dev, &dev2], true, "")?;
-                rb.push("umount", move || Ok(mnt::umount(&mp, false)?));
-                btrfs::add_device(&mountpoint, &rw_dev)?;
-                mnt::remount_rw(&mountpoint)?;
-                sprout_note = " (new sprout)".into();
-            }
-        }
+    let (rwf, created) = open_rw_file(rw, args.rw_size)?;
+    let rw_abs = rw.canonicalize().unwrap_or_else(|_| rw.clone());
+    if created {
+        let rw2 = rw_abs.clone();
+        rb.push(format!("remove new {}", rw2.display()), move || {
+            Ok(std::fs::remove_file(&rw2)?)
+        });
     }
-    st.phase = "mounted".into();
+    let existing = btrfs::read_super_fsid(&rwf).with_context(|| format!("--rw {}", rw.display()))?;
+    if let Some(fsid) = existing {
+        ensure!(
+            btrfs::uuid_string(&fsid) != bundle.manifest.fsid,
+            "--rw {}: holds a btrfs with the image's own fsid, not a sprout",
+            rw.display()
+        );
+    } else {
+        ensure!(
+            created || all_zero_head(&rwf)?,
+            "--rw {}: exists and holds neither a btrfs sprout nor zeros; refusing to overwrite it",
+            rw.display()
+        );
+    }
+    let l = loopdev::attach(
+        &rwf,
+        &rw_abs,
+        &loopdev::AttachOptions {
+            read_only: false,
+            ..RO_OPTS
+        },
+    )?;
+    let rec = loop_record(&l);
+    st.rw_loop = Some(rec.clone());
+    st.rw_path = Some(rw_abs.display().to_string());
     st.save()?;
-    rb.disarm();
+    rb.push(format!("detach {}", rec.path), move || detach_record(&rec));
+    let rw_dev = l.path.clone();
+    holds.push(l.file);
+    {
+        let d = rw_dev.clone();
+        rb.push("btrfs device forget rw", move || {
+            let _ = btrfs::forget(&d);
+            Ok(())
+        });
+    }
+    let note = if existing.is_some() {
+        btrfs::scan(&rw_dev)?;
+        // The seeds are registered by the scans above; naming them in device= would
+        // make kernels before 6.17 open them for writing in a rw mount, and they are
+        // read-only devices: EACCES (seen on 6.12).
+        mnt::mount_btrfs(&rw_dev, &mountpoint, &[&rw_dev], false, "").with_context(|| {
+            format!(
+                "--rw {}: it holds a btrfs (fsid {}) that does not mount as a sprout of this image \
+                     (a sprout of another image? see dmesg)",
+                rw.display(),
+                btrfs::uuid_string(&existing.unwrap_or_default())
+            )
+        })?;
+        rb.push("umount", move || Ok(mnt::umount(&mp, false)?));
+        check_seed_is_ours(&mountpoint, bundle).with_context(|| format!("--rw {}", rw.display()))?;
+        " (existing sprout)"
+    } else {
+        mnt::mount_btrfs(&meta_dev, &mountpoint, &[&meta_dev, &dev2], true, "")?;
+        rb.push("umount", move || Ok(mnt::umount(&mp, false)?));
+        btrfs::add_device(&mountpoint, &rw_dev)?;
+        mnt::remount_rw(&mountpoint)?;
+        " (new sprout)"
+    };
     drop(holds);
-    println!(
-        "mounted {} ({}) at {}: {}{}, frontend {}, devices {} {}{} in {:.0} ms",
-        bundle.dir.display(),
-        bundle.image_id,
-        mountpoint.display(),
-        st.mode,
-        sprout_note,
-        kind.as_str(),
+    Ok(format!(
+        "{note}, devices {} {} {}",
         meta_dev.display(),
         dev2.display(),
-        st.rw_loop.as_ref().map(|r| format!(" {}", r.path)).unwrap_or_default(),
-        t0.elapsed().as_secs_f64() * 1000.0
-    );
-    Ok(())
+        rw_dev.display()
+    ))
 }
 
 /// After mounting an existing sprout: devid 1 and 2 must be this bundle's devices.
@@ -501,57 +732,23 @@ fn check_seed_is_ours(mountpoint: &Path, bundle: &Bundle) -> Result<()> {
     Ok(())
 }
 
-/// Undo everything a mount set up, in order. Idempotent: each step checks first.
-fn teardown(st: &MountState, lazy: bool) -> Result<()> {
-    let mountpoint = Path::new(&st.mountpoint);
-    let server_alive = st.server.as_ref().is_some_and(state::server_alive);
-    // a dead ublk server leaves I/O queued (USER_RECOVERY): delete the device first so
-    // that the unmount below sees errors instead of waiting forever
-    if let Some(srv) = &st.server {
-        if let (Some(id), false) = (srv.ublk_id, server_alive) {
-            if ublk_dev_exists(id) {
-                frontend::ublk::delete(id, true)?;
-            }
-        }
+/// Undo one mount (the caller holds its mount-point lock), then release its share of
+/// the bundle. Idempotent: each step checks first.
+fn teardown_mount(st: &MountState, lazy: bool) -> Result<()> {
+    let key = st.bundle_key.clone();
+    let _block = state::lock(&BundleState::lock_path(&key), Some(&BundleState::dir_of(&key)))?;
+    if let Some(b) = BundleState::load(&key) {
+        fail_dead_ublk(&b)?;
     }
-    let ours: Vec<String> = [&st.meta_loop, &st.rw_loop]
-        .iter()
-        .filter_map(|r| r.as_ref().map(|r| r.path.clone()))
-        .collect();
     let mounted = mnt::mounts()?
         .into_iter()
-        .any(|m| m.mount_point == st.mountpoint && m.fstype == "btrfs" && ours.contains(&m.source));
+        .any(|m| m.mount_point == st.mountpoint && (m.fstype == "btrfs" || m.fstype == "overlay"));
     if mounted {
-        match mnt::umount(mountpoint, lazy) {
-            Ok(()) => {}
-            Err(nix::errno::Errno::EBUSY) => bail!(
-                "umount {}: target is busy (close files under it, or use --lazy)",
-                st.mountpoint
-            ),
-            Err(e) => return Err(e).with_context(|| format!("umount {}", st.mountpoint)),
-        }
+        umount_busy_msg(&st.mountpoint, lazy)?;
     }
-    for r in [&st.rw_loop, &st.meta_loop, &st.dev2_loop].into_iter().flatten() {
-        let _ = btrfs::forget(Path::new(&r.path));
-    }
-    if let Some(srv) = &st.server {
-        if srv.ublk_id.is_none() {
-            // fuse: detach device 2's loop before stopping the server (no EIO on the way out)
-        }
-    }
-    for r in [&st.rw_loop, &st.meta_loop, &st.dev2_loop].into_iter().flatten() {
-        detach_record(r).with_context(|| format!("detach {}", r.path))?;
-    }
-    if let Some(srv) = &st.server {
-        stop_server(srv)?;
-        if let Some(id) = srv.ublk_id {
-            if ublk_dev_exists(id) {
-                let _ = frontend::ublk::delete(id, false);
-            }
-        }
-    }
+    forget_and_detach(&[&st.rw_loop, &st.meta_loop, &st.dev2_loop])?;
     std::fs::remove_dir_all(st.dir()).with_context(|| format!("{}: remove", st.dir().display()))?;
-    Ok(())
+    gc_bundle(&key)
 }
 
 fn find_state(mountpoint: &Path) -> Result<MountState> {
@@ -573,55 +770,68 @@ fn find_state(mountpoint: &Path) -> Result<MountState> {
         })
 }
 
-pub fn umount(mountpoint: &Path, lazy: bool) -> Result<()> {
-    let _global = state::global_lock()?;
+/// Find a mount's state and lock its mount point; the state is read again under the lock.
+fn lock_mount(mountpoint: &Path) -> Result<(MountState, state::Lock)> {
     let st = find_state(mountpoint)?;
-    let _lock = state::lock(&st.dir().join("lock"))?;
-    teardown(&st, lazy)?;
+    let l = state::lock(&MountState::lock_path(&st.id), Some(&st.dir()))?;
+    let st = MountState::load(&st.dir())
+        .map_err(|_| anyhow!("{}: unmounted meanwhile by another ublkd", mountpoint.display()))?;
+    Ok((st, l))
+}
+
+pub fn umount(mountpoint: &Path, lazy: bool) -> Result<()> {
+    let (st, _l) = lock_mount(mountpoint)?;
+    ensure!(
+        !st.bundle_key.is_empty(),
+        "{}: state from an older ublkd",
+        st.mountpoint
+    );
+    teardown_mount(&st, lazy)?;
     println!("unmounted {}", st.mountpoint);
     Ok(())
 }
 
-/// Start a new server for a mount whose server died, and reattach device 2 without
-/// unmounting: ublk through USER_RECOVERY, fuse by swapping the loop device's backing
-/// file (LOOP_CHANGE_FD, allowed on read-only loop devices).
+/// Start a new server for a bundle whose server died, and reattach every device-2
+/// instance without unmounting: ublk through USER_RECOVERY, fuse by swapping each
+/// loop device's backing file (LOOP_CHANGE_FD, allowed on read-only loop devices).
 pub fn recover(mountpoint: &Path) -> Result<()> {
-    let _global = state::global_lock()?;
-    let mut st = find_state(mountpoint)?;
-    let _lock = state::lock(&st.dir().join("lock"))?;
-    let old = st.server.clone().context("no server recorded")?;
+    let (st, _l) = lock_mount(mountpoint)?;
+    let key = st.bundle_key.clone();
+    let _block = state::lock(&BundleState::lock_path(&key), Some(&BundleState::dir_of(&key)))?;
+    let mut b = BundleState::load(&key).context("no bundle state")?;
+    let old = b.server.clone().context("no server recorded")?;
     ensure!(
         !state::server_alive(&old),
         "server pid {} is alive: nothing to recover",
         old.pid
     );
-    let dir = st.dir();
+    let dir = b.dir();
     match old.ublk_id {
         Some(id) => {
             frontend::ublk::begin_recovery(id)?;
-            let (_r, srv) = spawn_server(Path::new(&st.bundle), Kind::Ublk, &dir, &st.image_id, 256, Some(id))?;
-            st.server = Some(srv);
+            let (_r, srv) = spawn_server(Path::new(&b.bundle), Kind::Ublk, &dir, &b.image_id, 256, Some(id))?;
+            b.server = Some(srv);
         }
         None => {
-            let l = st.dev2_loop.clone().context("no device-2 loop recorded")?;
-            let (r, srv) = spawn_server(Path::new(&st.bundle), Kind::Fuse, &dir, &st.image_id, 256, None)?;
+            let (r, srv) = spawn_server(Path::new(&b.bundle), Kind::Fuse, &dir, &b.image_id, 256, None)?;
             let f = File::open(&r.device).with_context(|| format!("open {}", r.device))?;
-            if let Err(e) = loopdev::change_fd(l.number, &f) {
-                let _ = stop_server(&srv);
-                return Err(e);
+            let mut loops: Vec<LoopRecord> = b.shared.iter().filter_map(|s| s.dev2_loop.clone()).collect();
+            loops.extend(mounts_of(&key)?.into_iter().filter_map(|m| m.dev2_loop));
+            for l in &loops {
+                if let Err(e) = loopdev::change_fd(l.number, &f) {
+                    let _ = stop_server(&srv);
+                    return Err(e).with_context(|| format!("reattach {}", l.path));
+                }
             }
-            st.dev2_loop = Some(LoopRecord {
-                backing: loopdev::backing_file(l.number).unwrap_or_default(),
-                ..l
-            });
-            st.server = Some(srv);
+            b.server = Some(srv);
         }
     }
-    st.save()?;
+    b.save()?;
     println!(
-        "recovered {}: server pid {}",
+        "recovered {} (bundle {}): server pid {}",
         st.mountpoint,
-        st.server.as_ref().unwrap().pid
+        b.bundle,
+        b.server.as_ref().unwrap().pid
     );
     Ok(())
 }
@@ -630,60 +840,75 @@ pub fn recover(mountpoint: &Path) -> Result<()> {
 struct StatusEntry<'a> {
     mountpoint: &'a str,
     bundle: &'a str,
+    bundle_key: &'a str,
     name: &'a str,
     image_id: &'a str,
     mode: &'a str,
     phase: &'a str,
     rw_path: &'a Option<String>,
+    /// ephemeral: the overlay's upper directory
+    upper: Option<String>,
+    /// ro/ephemeral: the bundle's shared mount
+    shared: Option<&'a str>,
     frontend: &'a str,
     mounted: bool,
     server_pid: Option<i32>,
     server_alive: bool,
     devices: Vec<String>,
+    /// the bundle server's counters (shared by every mount of the bundle)
     #[serde(flatten)]
     stats: Snapshot,
 }
 
+fn loop_desc(kind: &str, r: &LoopRecord) -> String {
+    format!("{kind}={}{}", r.path, if r.direct_io { " (dio)" } else { "" })
+}
+
 pub fn status(json: bool) -> Result<()> {
     let states = MountState::all()?;
+    let bundles = BundleState::all();
     let mounts = mnt::mounts()?;
+    let nobundle = BundleState::default();
     let mut entries = Vec::new();
     for st in &states {
-        let stats: Snapshot = std::fs::read(st.dir().join("stats.json"))
+        let b = bundles.iter().find(|b| b.key == st.bundle_key).unwrap_or(&nobundle);
+        let stats: Snapshot = std::fs::read(b.dir().join("stats.json"))
             .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
+            .and_then(|x| serde_json::from_slice(&x).ok())
             .unwrap_or_default();
+        let server_dev = b.server.as_ref().map(|s| s.device.as_str()).unwrap_or("-");
+        let shared = b.shared.as_ref().filter(|_| st.mode != "rw");
         let mut devices: Vec<String> = Vec::new();
-        if let Some(r) = &st.meta_loop {
-            devices.push(format!("meta={}", r.path));
+        let (meta, dev2, rw) = match shared {
+            Some(sh) => (&sh.meta_loop, &sh.dev2_loop, &sh.rw_loop),
+            None => (&st.meta_loop, &st.dev2_loop, &st.rw_loop),
+        };
+        if let Some(r) = meta {
+            devices.push(loop_desc("meta", r));
         }
-        if let Some(s) = &st.server {
-            match &st.dev2_loop {
-                Some(r) => devices.push(format!(
-                    "dev2={} (fuse{})",
-                    r.path,
-                    if r.direct_io { ", dio" } else { "" }
-                )),
-                None => devices.push(format!("dev2={}", s.device)),
-            }
+        if let Some(r) = dev2 {
+            devices.push(format!("{} on {server_dev}", loop_desc("dev2", r)));
         }
-        if let Some(r) = &st.rw_loop {
-            devices.push(format!("rw={}", r.path));
+        if let Some(r) = rw {
+            devices.push(loop_desc(if shared.is_some() { "scratch" } else { "rw" }, r));
         }
         entries.push(StatusEntry {
             mountpoint: &st.mountpoint,
             bundle: &st.bundle,
+            bundle_key: &st.bundle_key,
             name: &st.name,
             image_id: &st.image_id,
             mode: &st.mode,
             phase: &st.phase,
             rw_path: &st.rw_path,
-            frontend: st.server.as_ref().map_or("", |s| s.frontend.as_str()),
+            upper: (st.mode == "ephemeral").then(|| st.dir().join("upper").display().to_string()),
+            shared: shared.map(|s| s.path.as_str()),
+            frontend: b.server.as_ref().map_or("", |s| s.frontend.as_str()),
             mounted: mounts
                 .iter()
-                .any(|m| m.mount_point == st.mountpoint && m.fstype == "btrfs"),
-            server_pid: st.server.as_ref().map(|s| s.pid),
-            server_alive: st.server.as_ref().is_some_and(state::server_alive),
+                .any(|m| m.mount_point == st.mountpoint && (m.fstype == "btrfs" || m.fstype == "overlay")),
+            server_pid: b.server.as_ref().map(|s| s.pid),
+            server_alive: b.server.as_ref().is_some_and(state::server_alive),
             devices,
             stats,
         });
@@ -692,29 +917,65 @@ pub fn status(json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&entries)?);
         return Ok(());
     }
-    if entries.is_empty() {
+    if entries.is_empty() && bundles.is_empty() {
         println!("no ublkd mounts");
     }
-    for e in &entries {
-        println!(
-            "{} ({}, {})",
-            e.mountpoint,
-            e.mode,
-            if e.mounted { "mounted" } else { e.phase }
-        );
-        println!("  bundle   {} [{}]", e.bundle, e.name);
-        println!("  image    {}", e.image_id);
-        println!(
-            "  server   {} pid {} ({})",
-            e.frontend,
-            e.server_pid.map_or("-".into(), |p| p.to_string()),
-            if e.server_alive { "running" } else { "NOT RUNNING" }
-        );
-        println!("  devices  {}", e.devices.join(" "));
-        println!(
-            "  served   {} bytes in {} reads; {} chunks verified, {} verification failures, {} read errors, {} pack bytes read",
-            e.stats.bytes_served, e.stats.reads, e.stats.chunks_verified, e.stats.verify_failures, e.stats.read_errors, e.stats.pack_bytes_read
-        );
+    // grouped by bundle: its server, counters and shared mount, then its mounts
+    for b in &bundles {
+        let mine: Vec<&StatusEntry> = entries.iter().filter(|e| e.bundle_key == b.key).collect();
+        println!("bundle {} [{}]", b.bundle, b.name);
+        println!("  image    {}", b.image_id);
+        match &b.server {
+            Some(s) => println!(
+                "  server   {} pid {} ({}), device {}",
+                s.frontend,
+                s.pid,
+                if state::server_alive(s) {
+                    "running"
+                } else {
+                    "NOT RUNNING"
+                },
+                s.device
+            ),
+            None => println!("  server   -"),
+        }
+        if let Some(sh) = &b.shared {
+            let devs: Vec<String> = [
+                ("meta", &sh.meta_loop),
+                ("dev2", &sh.dev2_loop),
+                ("scratch", &sh.rw_loop),
+            ]
+            .iter()
+            .filter_map(|(k, r)| r.as_ref().map(|r| loop_desc(k, r)))
+            .collect();
+            println!("  shared   {} ({}) {}", sh.path, sh.phase, devs.join(" "));
+        }
+        if let Some(e) = mine.first() {
+            println!(
+                "  served   {} bytes in {} reads; {} chunks verified, {} verification failures, {} read errors, {} pack bytes read, {} cache hits",
+                e.stats.bytes_served, e.stats.reads, e.stats.chunks_verified, e.stats.verify_failures, e.stats.read_errors, e.stats.pack_bytes_read, e.stats.cache_hits
+            );
+        }
+        println!("  mounts   {}", mine.len());
+        for e in &mine {
+            let what = match e.mode {
+                "rw" => format!("rw {} [{}]", e.rw_path.as_deref().unwrap_or("-"), e.devices.join(" ")),
+                "ephemeral" => format!("ephemeral, upper {}", e.upper.as_deref().unwrap_or("-")),
+                m => m.to_string(),
+            };
+            println!(
+                "    {} {} ({})",
+                e.mountpoint,
+                what,
+                if e.mounted { "mounted" } else { e.phase }
+            );
+        }
+    }
+    for e in entries
+        .iter()
+        .filter(|e| !bundles.iter().any(|b| b.key == e.bundle_key))
+    {
+        println!("{} ({}, {}): no bundle state", e.mountpoint, e.mode, e.phase);
     }
     Ok(())
 }

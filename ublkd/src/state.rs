@@ -1,7 +1,15 @@
-//! State under /run/ublkd (or $UBLKD_RUN_DIR): one directory per mount,
-//! `mounts/<id>/`, holding `state.json` (written by `mount`, read by `umount` and
-//! `status`), `stats.json` (rewritten by the server), `server.log` and a `lock` file.
-//! A global `lock` file serializes mount/umount bookkeeping.
+//! State under /run/ublkd (or $UBLKD_RUN_DIR):
+//! * `bundles/b-<key>/`: one per served bundle (key = image id): `state.json`
+//!   ([`BundleState`]: the server, the shared read-only mount), `stats.json` (rewritten
+//!   by the server), `server.log`, `seed/` (the shared mount), `seed-rw.img`;
+//!   `bundles/b-<key>.lock` serializes every change to that bundle and its mounts.
+//! * `mounts/m-<id>/`: one per mount point: `state.json` ([`MountState`]), the
+//!   overlay `upper/` and `work/` of an `--ephemeral` mount;
+//!   `mounts/m-<id>.lock` serializes changes to that mount point.
+//!
+//! Lock order: mount point, then bundle. Lock files sit beside the directories and
+//! are removed by the holder when the directory goes; [`lock`] re-checks that the file
+//! it locked is still the one at the path, so a waiter never holds a stale lock.
 
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -17,6 +25,79 @@ pub fn run_dir() -> PathBuf {
 
 pub fn mounts_dir() -> PathBuf {
     run_dir().join("mounts")
+}
+
+pub fn bundles_dir() -> PathBuf {
+    run_dir().join("bundles")
+}
+
+/// Directory name for a bundle: derived from its image id (one server per image).
+pub fn bundle_key(image_id: &str) -> String {
+    let hex = image_id.strip_prefix("sha256:").unwrap_or(image_id);
+    format!("b-{}", &hex[..16.min(hex.len())])
+}
+
+/// The shared mount of a bundle that read-only and `--ephemeral` mounts use: the image
+/// mounted once, sprouted onto a small scratch device (so that the image's own fsid is
+/// free for further sprouts) and remounted read-only.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct SharedMount {
+    pub path: String,
+    pub meta_loop: Option<LoopRecord>,
+    pub dev2_loop: Option<LoopRecord>,
+    pub rw_loop: Option<LoopRecord>,
+    pub rw_path: Option<String>,
+    /// "mounting" until it is up and read-only, then "mounted".
+    pub phase: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct BundleState {
+    pub key: String,
+    pub bundle: String,
+    pub image_id: String,
+    pub name: String,
+    pub fsid: String,
+    pub server: Option<ServerRecord>,
+    pub shared: Option<SharedMount>,
+    pub created: u64,
+}
+
+impl BundleState {
+    pub fn dir_of(key: &str) -> PathBuf {
+        bundles_dir().join(key)
+    }
+
+    pub fn dir(&self) -> PathBuf {
+        Self::dir_of(&self.key)
+    }
+
+    pub fn lock_path(key: &str) -> PathBuf {
+        bundles_dir().join(format!("{key}.lock"))
+    }
+
+    pub fn save(&self) -> Result<()> {
+        let dir = self.dir();
+        std::fs::create_dir_all(&dir).with_context(|| format!("{}: mkdir", dir.display()))?;
+        write_atomic(&dir.join("state.json"), &serde_json::to_vec_pretty(self)?)
+    }
+
+    pub fn load(key: &str) -> Option<BundleState> {
+        let b = std::fs::read(Self::dir_of(key).join("state.json")).ok()?;
+        serde_json::from_slice(&b).ok()
+    }
+
+    pub fn all() -> Vec<BundleState> {
+        let mut out: Vec<BundleState> = std::fs::read_dir(bundles_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().is_dir())
+            .filter_map(|e| Self::load(&e.file_name().to_string_lossy()))
+            .collect();
+        out.sort_by(|a, b| a.bundle.cmp(&b.bundle).then(a.key.cmp(&b.key)));
+        out
+    }
 }
 
 /// Directory name for a mount point: stable, short, filesystem-safe.
@@ -54,20 +135,28 @@ pub struct MountState {
     pub image_id: String,
     pub name: String,
     pub fsid: String,
-    pub server: Option<ServerRecord>,
     pub meta_loop: Option<LoopRecord>,
     pub dev2_loop: Option<LoopRecord>,
     pub rw_loop: Option<LoopRecord>,
     pub rw_path: Option<String>,
     /// "mounting" until the filesystem is up, then "mounted".
     pub phase: String,
+    /// "ro" (bind mount of the bundle's shared mount), "ephemeral" (overlayfs over it,
+    /// upper and work dirs in this state dir), "rw" (own devices, native sprout).
     pub mode: String,
+    /// Key of the bundle (`bundles/<key>/`) whose server and shared mount this uses.
+    #[serde(default)]
+    pub bundle_key: String,
     pub created: u64,
 }
 
 impl MountState {
     pub fn dir(&self) -> PathBuf {
         mounts_dir().join(&self.id)
+    }
+
+    pub fn lock_path(id: &str) -> PathBuf {
+        mounts_dir().join(format!("{id}.lock"))
     }
 
     pub fn save(&self) -> Result<()> {
@@ -90,6 +179,9 @@ impl MountState {
         };
         for e in rd {
             let e = e?;
+            if !e.path().is_dir() {
+                continue;
+            }
             if let Ok(s) = MountState::load(&e.path()) {
                 out.push(s);
             }
@@ -106,29 +198,62 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// An flock(2) held until dropped.
-pub struct Lock(#[allow(dead_code)] File);
-
-pub fn lock(path: &Path) -> Result<Lock> {
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent).with_context(|| format!("{}: mkdir", parent.display()))?;
-    }
-    let f = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(path)
-        .with_context(|| format!("{}: open", path.display()))?;
-    // SAFETY: flock on an fd we own.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        return Err(std::io::Error::last_os_error()).with_context(|| format!("{}: flock", path.display()));
-    }
-    Ok(Lock(f))
+/// An flock(2) held until dropped. With `gone_with`, the lock file is removed on drop
+/// (still under the lock) when that directory no longer exists.
+pub struct Lock {
+    #[allow(dead_code)]
+    file: File,
+    path: PathBuf,
+    gone_with: Option<PathBuf>,
 }
 
-pub fn global_lock() -> Result<Lock> {
-    lock(&run_dir().join("lock"))
+impl Drop for Lock {
+    fn drop(&mut self) {
+        if let Some(d) = &self.gone_with {
+            if !d.exists() {
+                remove_lock_file(&self.path);
+            }
+        }
+    }
+}
+
+/// Take an exclusive flock on `path` (created if missing). The file may be removed by a
+/// holder (see [`Lock`]): after locking, the inode at the path must still be the one
+/// locked, otherwise try again on the new file.
+pub fn lock(path: &Path, gone_with: Option<&Path>) -> Result<Lock> {
+    use std::os::unix::fs::MetadataExt;
+    loop {
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).with_context(|| format!("{}: mkdir", parent.display()))?;
+        }
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(path)
+            .with_context(|| format!("{}: open", path.display()))?;
+        // SAFETY: flock on an fd we own.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(std::io::Error::last_os_error()).with_context(|| format!("{}: flock", path.display()));
+        }
+        let held = f.metadata()?;
+        match std::fs::metadata(path) {
+            Ok(m) if m.ino() == held.ino() && m.dev() == held.dev() => {
+                return Ok(Lock {
+                    file: f,
+                    path: path.to_path_buf(),
+                    gone_with: gone_with.map(Path::to_path_buf),
+                })
+            }
+            _ => continue,
+        }
+    }
+}
+
+/// Remove a lock file while holding its lock (waiters then retry on a new file).
+pub fn remove_lock_file(path: &Path) {
+    let _ = std::fs::remove_file(path);
 }
 
 /// Start time of a process (field 22 of /proc/PID/stat), None if it does not exist.

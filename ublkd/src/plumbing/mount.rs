@@ -87,3 +87,53 @@ pub fn is_mountpoint(path: &Path) -> Result<bool> {
     let p = path.to_string_lossy();
     Ok(mounts()?.iter().any(|m| m.mount_point == p))
 }
+
+/// `mount -o remount,ro`: the superblock goes read-only (btrfs syncs first).
+pub fn remount_ro(target: &Path) -> Result<()> {
+    nix::mount::mount(
+        None::<&str>,
+        target,
+        None::<&str>,
+        MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY,
+        None::<&str>,
+    )
+    .with_context(|| format!("mount -o remount,ro {}", target.display()))
+}
+
+/// A read-only bind mount of `source` on `target` (`mount --bind -o ro`).
+pub fn bind_ro(source: &Path, target: &Path) -> Result<()> {
+    nix::mount::mount(Some(source), target, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+        .with_context(|| format!("mount --bind {} {}", source.display(), target.display()))?;
+    let r = nix::mount::mount(
+        None::<&str>,
+        target,
+        None::<&str>,
+        MsFlags::MS_BIND | MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY,
+        None::<&str>,
+    );
+    if let Err(e) = r {
+        let _ = umount(target, false);
+        return Err(e).with_context(|| format!("mount -o remount,bind,ro {}", target.display()));
+    }
+    Ok(())
+}
+
+/// overlayfs with one lower directory: `mount -t overlay SOURCE -o lowerdir=..,upperdir=..,workdir=..`.
+pub fn overlay(source: &str, lower: &Path, upper: &Path, work: &Path, target: &Path) -> Result<()> {
+    let esc = |p: &Path| {
+        p.display()
+            .to_string()
+            .replace('\\', "\\\\")
+            .replace(':', "\\:")
+            .replace(',', "\\,")
+    };
+    let data = format!("lowerdir={},upperdir={},workdir={}", esc(lower), esc(upper), esc(work));
+    nix::mount::mount(
+        Some(source),
+        target,
+        Some("overlay"),
+        MsFlags::empty(),
+        Some(data.as_str()),
+    )
+    .with_context(|| format!("mount -t overlay -o {data} {source} {}", target.display()))
+}

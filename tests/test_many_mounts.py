@@ -1,0 +1,172 @@
+"""Many mounts of one bundle at once (issue 10): read-only, --ephemeral and --rw mixed,
+one server per bundle, one shared read-only mount for the ro and ephemeral modes.
+
+The host runs the fuse frontend (16 mounts); the VM harness runs the same scenario
+through ublk (5 mounts, marker `vm`). `no_leftovers` (from test_ublkd) fails a test
+that leaves a mount, loop device, server or state behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import subprocess
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from test_ublkd import UBLKD, build_bundle, our_servers, read_file, status, ublkd
+from test_ublkd import no_leftovers as no_leftovers  # noqa: F401  (a fixture)
+
+from bundletools import list_dir, list_tar
+
+pytestmark = pytest.mark.root
+
+
+def _mount(bundle: Path, mnt: Path, mode: str, tmp: Path, frontend: str) -> str:
+    args: list[str | Path] = ["mount", bundle, mnt, "--frontend", frontend]
+    if mode == "ephemeral":
+        args.append("--ephemeral")
+    elif mode == "rw":
+        args += ["--rw", tmp / f"{mnt.name}.rw", "--rw-size", "1G"]
+    return ublkd(*args, timeout=180).stdout
+
+
+def _parallel(fn: object, items: Sequence[object], workers: int) -> list[object]:
+    """Run fn over items from `workers` threads, each starting its own ublkd process."""
+    with ThreadPoolExecutor(workers) as ex:
+        return list(ex.map(fn, items))  # type: ignore[call-overload]
+
+
+def _drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def _write_errno(path: Path) -> int:
+    try:
+        path.write_text("x")
+    except OSError as e:
+        return e.errno or 0
+    return 0
+
+
+def _unchanged(tree: dict[str, object]) -> dict[str, object]:
+    """The tree without what the test wrote (and the hardlink of the file it changed)."""
+    skip = ("/etc/hostname", "/etc/hardlink")
+    return {k: v for k, v in tree.items() if k not in skip and not k.startswith("/written-")}
+
+
+def many_mounts(tmp: Path, modes: list[str], frontend: str, workers: int) -> None:
+    bundle, tarball, files = build_bundle(tmp, "many", 21)
+    expected = list_tar(tarball)
+    mnts = []
+    for i, mode in enumerate(modes):
+        m = tmp / f"m{i:02d}-{mode}"
+        m.mkdir()
+        mnts.append((m, mode))
+    mounted: list[Path] = []
+    try:
+        # mount all of them from `workers` concurrent ublkd processes
+        def do_mount(x: tuple[Path, str]) -> str:
+            out = _mount(bundle, x[0], x[1], tmp, frontend)
+            mounted.append(x[0])
+            return out
+
+        _parallel(do_mount, mnts, workers)
+        st = status()
+        assert len(st) == len(modes)
+        assert {e["mode"] for e in st} == set(modes)
+        # one server per bundle, shared by every mount
+        assert len({e["server_pid"] for e in st}) == 1
+        assert all(e["server_alive"] and e["mounted"] for e in st)
+        assert len({e["bundle_key"] for e in st}) == 1
+        assert len({e["shared"] for e in st if e["mode"] != "rw"}) == 1
+        if frontend == "fuse":
+            assert len(our_servers(tmp)) == 1
+        text = ublkd("status").stdout
+        assert (
+            sum(x.startswith("bundle ") for x in text.splitlines()) == 1
+            and f"mounts   {len(modes)}" in text
+        ), text
+
+        # every tree identical to the source
+        for m, _ in mnts:
+            assert list_dir(m) == expected, m
+        # read-only mounts refuse writes; a write in one writable mount is absent elsewhere
+        for m, mode in mnts:
+            if mode == "ro":
+                assert _write_errno(m / "new-file") == errno.EROFS, m
+            else:
+                (m / f"written-{m.name}").write_text(m.name)
+                (m / "etc" / "hostname").write_text(f"changed in {m.name}\n")
+        _drop_caches()
+        for m, mode in mnts:
+            names = sorted(p.name for p in m.glob("written-*"))
+            assert names == ([] if mode == "ro" else [f"written-{m.name}"]), (m, names)
+            want = files["etc/hostname"] if mode == "ro" else f"changed in {m.name}\n".encode()
+            assert (m / "etc" / "hostname").read_bytes() == want, m
+
+        # a failing mount rolls back without disturbing the others
+        bad = tmp / "bad.rw"
+        bad.write_bytes(b"not a btrfs" * 1000)
+        extra = tmp / "extra"
+        extra.mkdir()
+        r = ublkd("mount", bundle, extra, "--frontend", frontend, "--rw", bad, check=False)
+        assert r.returncode != 0 and "refusing to overwrite" in r.stderr, r.stderr
+        r = ublkd("mount", bundle, mnts[0][0], "--frontend", frontend, check=False)
+        assert r.returncode != 0 and "already a mount point" in r.stderr, r.stderr
+        assert len(status()) == len(modes)
+
+        # umount one of each mode: the rest keep reading correctly
+        gone: list[Path] = []
+        for mode in ("ro", "ephemeral", "rw"):
+            m = next(m for m, md in mnts if md == mode and m not in gone)
+            ublkd("umount", m)
+            mounted.remove(m)
+            gone.append(m)
+        _drop_caches()
+        big = "data/a.bin"
+        digest = hashlib.sha256(files[big]).digest()
+        for m, _ in mnts:
+            if m in gone:
+                assert not list(m.iterdir()), m
+                continue
+            data = read_file(m / big)
+            assert isinstance(data, bytes) and hashlib.sha256(data).digest() == digest, m
+            assert _unchanged(list_dir(m)) == _unchanged(expected), m
+        # the rest unmounted from several processes in parallel
+        rest = list(mounted)
+        _parallel(lambda m: ublkd("umount", m, timeout=180), rest, workers)
+        mounted.clear()
+        assert status() == []
+        # and mounted again, in parallel, after the bundle's server went away
+        again = [x for x in mnts if x[1] != "rw"][:4]
+        _parallel(do_mount, again, workers)
+        assert len({e["server_pid"] for e in status()}) == 1
+        for m, _ in again:
+            assert (m / "etc" / "hostname").read_bytes() == files["etc/hostname"]
+        _parallel(lambda m: ublkd("umount", m, timeout=180), list(mounted), workers)
+        mounted.clear()
+    finally:
+        for m in list(mounted):
+            ublkd("umount", "--lazy", m, check=False)
+    assert status() == []
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_sixteen_mounts_of_one_bundle(tmp_path: Path) -> None:
+    modes = ["ro"] * 6 + ["ephemeral"] * 6 + ["rw"] * 4
+    many_mounts(tmp_path, modes, "fuse", workers=6)
+
+
+@pytest.mark.vm
+@pytest.mark.usefixtures("no_leftovers")
+def test_ublk_many_mounts_of_one_bundle(tmp_path: Path) -> None:
+    subprocess.run(["modprobe", "ublk_drv"], check=False)
+    many_mounts(tmp_path, ["ro", "ro", "ephemeral", "ephemeral", "rw"], "ublk", workers=3)
+    assert not list(Path("/dev").glob("ublkb*"))
+
+
+assert UBLKD is not None
