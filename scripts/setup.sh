@@ -18,6 +18,7 @@ APT_PACKAGES=(
   umoci skopeo debootstrap            # OCI images and the Debian golden image
   zstd xz-utils bzip2 gzip cpio       # tarball flavours, initramfs
   fio squashfs-tools squashfuse erofs-utils  # benchmarks against the peers
+  bubblewrap        # bwrap: runs a container on a mounted bundle (tests/test_many_mounts.py, README)
   qemu-system-x86 busybox-static      # VM harness (ublk under QEMU TCG)
   python3 python3-venv python3-pip
   curl ca-certificates
