@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
+import shutil
 import subprocess
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +20,8 @@ from pathlib import Path
 import pytest
 from test_ublkd import UBLKD, build_bundle, our_servers, read_file, status, ublkd
 from test_ublkd import no_leftovers as no_leftovers  # noqa: F401  (a fixture)
+
+from btrfs_ublk_image.cli import main as cli
 
 from bundletools import list_dir, list_tar
 
@@ -170,3 +174,83 @@ def test_ublk_many_mounts_of_one_bundle(tmp_path: Path) -> None:
 
 
 assert UBLKD is not None
+
+
+# --- a real container runtime on a mounted Debian minbase bundle ------------------------
+GOLDEN_DEBIAN = Path(__file__).resolve().parent.parent / "specs" / "golden" / "debian"
+DEBIAN_CACHE = (
+    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian"
+)
+
+
+def bwrap(root: Path, *cmd: str, ro: bool) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            "bwrap",
+            "--ro-bind" if ro else "--bind",
+            str(root),
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--tmpfs",
+            "/tmp",
+            "--unshare-all",
+            "--die-with-parent",
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/sbin:/usr/bin:/sbin:/bin",
+            *cmd,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_bwrap_runs_a_shell_on_a_mounted_debian_bundle(tmp_path: Path) -> None:
+    """bwrap (bubblewrap) runs `/bin/sh -c 'echo ok'` with a read-only mount and an
+    --ephemeral mount of a Debian minbase bundle as its root; what the ephemeral
+    container writes stays in its mount."""
+    if shutil.which("bwrap") is None or shutil.which("debootstrap") is None:
+        pytest.skip("needs bwrap (bubblewrap) and debootstrap: run scripts/setup.sh")
+    prep = subprocess.run(
+        ["bash", str(GOLDEN_DEBIAN / "prepare.sh"), str(DEBIAN_CACHE)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    assert prep.returncode == 0, f"prepare.sh failed:\n{prep.stdout}{prep.stderr}"
+    # the golden minbase tree plus one file of ours: a different image (and fsid) than
+    # the golden one, so that other users' mounts of that image cannot interfere
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "version: 1\nname: debian-bwrap\nlayers:\n"
+        f"  - tar: {{path: {DEBIAN_CACHE / 'rootfs.tar'}}}\n"
+        '  - files:\n      - {path: /etc/bwrap-test, content: "bwrap test\\n"}\n'
+    )
+    bundle = tmp_path / "debian.bundle"
+    assert cli(["build", str(spec), "-o", str(bundle)]) == 0
+    ro, eph = tmp_path / "ro", tmp_path / "eph"
+    ro.mkdir()
+    eph.mkdir()
+    mounted = []
+    try:
+        for m, extra in ((ro, []), (eph, ["--ephemeral"])):
+            ublkd("mount", bundle, m, "--frontend", "fuse", *extra)
+            mounted.append(m)
+        r = bwrap(ro, "/bin/sh", "-c", "echo ok", ro=True)
+        assert (r.returncode, r.stdout) == (0, "ok\n"), r.stderr
+        r = bwrap(ro, "/bin/sh", "-c", "echo x > /etc/x", ro=True)
+        assert r.returncode != 0 and "Read-only file system" in r.stderr, r.stderr
+        r = bwrap(eph, "/bin/sh", "-c", "echo ok; echo hi > /etc/x; cat /etc/bwrap-test", ro=False)
+        assert (r.returncode, r.stdout) == (0, "ok\nbwrap test\n"), r.stderr
+        assert (eph / "etc" / "x").read_text() == "hi\n"
+        assert not (ro / "etc" / "x").exists()
+    finally:
+        for m in mounted:
+            ublkd("umount", m)
+    assert status() == []
