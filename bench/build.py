@@ -349,6 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_info()
     commit = _git_state()  # before the run: other work may land in the checkout meanwhile
     command = "bench/run" + (" --quick" if args.quick else "")
+    if sections != set(SECTIONS):
+        command += " --sections " + ",".join(s for s in SECTIONS if s in sections)
     doc: dict[str, Any] = {"command": command, "machine": machine}
     results: list[Result] = []
     if "build" in sections:

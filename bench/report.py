@@ -225,12 +225,14 @@ def mount_table(images: dict[str, Any]) -> str:
 
 
 RANDREAD_TARGETS = {
+    "ours_ublk": "**ours** (ublk frontend)",
     "ours_fuse": "**ours** (fuse frontend)",
     "btrfs_loop": "btrfs, device 2 on a local loop",
     "erofs_loop": "erofs on a loop device",
     "squashfuse": "squashfuse",
-    "ours_ublk": "**ours** (ublk frontend)",
 }
+SHORT = {"ours_ublk": "ours ublk", "ours_fuse": "ours fuse", "btrfs_loop": "btrfs loop",
+         "erofs_loop": "erofs", "squashfuse": "squashfuse"}  # fmt: skip
 
 
 def _iops(d: dict[str, Any] | None) -> float | None:
@@ -248,7 +250,7 @@ def randread_table(rr: dict[str, Any], ratios: Sequence[tuple[str, str]]) -> str
             if j not in jobs:
                 jobs.append(j)
     head = ["fio job"] + [f"{RANDREAD_TARGETS[t]} IOPS" for t in targets]
-    head += [f"{a} / {b}" for a, b in ratios if a in targets and b in targets]
+    head += [f"{SHORT[a]} / {SHORT[b]}" for a, b in ratios if a in targets and b in targets]
     rows = ["| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 1) + "|"]
     for j in jobs:
         cells = [j]
