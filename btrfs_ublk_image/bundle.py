@@ -169,14 +169,19 @@ def _write_into(
     return image_id(data), manifest, layout
 
 
+def read_bundle_file(path: str) -> bytes:
+    """A whole (small) bundle file; a clear error naming it when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ImageError(f"{path}: cannot read: {e.strerror}") from None
+
+
 def read_manifest(bundle: str) -> tuple[dict[str, Any], str]:
     """The manifest of ``bundle`` and its image id."""
     path = os.path.join(bundle, MANIFEST)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise ImageError(f"{path}: cannot read: {e.strerror}") from None
+    data = read_bundle_file(path)
     try:
         manifest = json.loads(data)
     except ValueError as e:

@@ -36,7 +36,7 @@ import crc32c as _crc32c
 
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.btrfs import ondisk as d
-from btrfs_ublk_image.bundle import BLOCKMAP, META_IMG, read_manifest
+from btrfs_ublk_image.bundle import BLOCKMAP, META_IMG, read_bundle_file, read_manifest
 from btrfs_ublk_image.errors import ImageError
 
 # --- on-disk layouts (little-endian) ----------------------------------------------------
@@ -343,11 +343,7 @@ class Filesystem:
         self.manifest = manifest
         self.meta_path = os.path.join(bundle, META_IMG)
         bm_path = os.path.join(bundle, BLOCKMAP)
-        try:
-            with open(bm_path, "rb") as f:
-                bm_bytes = f.read()
-        except OSError as e:
-            raise ImageError(f"{bm_path}: cannot read: {e.strerror}") from None
+        bm_bytes = read_bundle_file(bm_path)
         want = manifest.get("files", {}).get(BLOCKMAP, {}).get("sha256")
         if want != "sha256:" + hashlib.sha256(bm_bytes).hexdigest():
             raise ImageError(

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.bundle import BLOCKMAP, META_IMG, read_manifest
+from btrfs_ublk_image.listing import TYPES
 from btrfs_ublk_image.tree import Tree
 
 # system.posix_acl_access: version 2; user::rwx user:1000:r-x group::r-x mask::r-x other::r--
@@ -106,15 +107,7 @@ Entry = dict[str, object]
 
 
 def _kind(mode: int) -> str:
-    return {
-        stat.S_IFREG: "file",
-        stat.S_IFDIR: "dir",
-        stat.S_IFLNK: "symlink",
-        stat.S_IFCHR: "char",
-        stat.S_IFBLK: "block",
-        stat.S_IFIFO: "fifo",
-        stat.S_IFSOCK: "socket",
-    }[stat.S_IFMT(mode)]
+    return TYPES[stat.S_IFMT(mode)]
 
 
 def list_dir(root: Path, with_root: bool = False) -> dict[str, Entry]:
@@ -247,15 +240,6 @@ def list_tree(tree: Tree, packs_dir: Path | None = None) -> dict[str, Entry]:
     """The same listing from an in-memory ``Tree`` (content read back from the pack)."""
     from btrfs_ublk_image.tree import Blob, FileType
 
-    kinds = {
-        FileType.REG: "file",
-        FileType.DIR: "dir",
-        FileType.SYMLINK: "symlink",
-        FileType.CHR: "char",
-        FileType.BLK: "block",
-        FileType.FIFO: "fifo",
-        FileType.SOCK: "socket",
-    }
     counts: dict[int, int] = {}
     for _, node in tree.walk():
         counts[id(node)] = counts.get(id(node), 0) + 1
@@ -266,7 +250,7 @@ def list_tree(tree: Tree, packs_dir: Path | None = None) -> dict[str, Entry]:
         if path == "/":
             continue
         e: Entry = {
-            "type": kinds[node.type],
+            "type": TYPES[int(node.type)],
             "mode": oct(node.mode),
             "uid": node.uid,
             "gid": node.gid,
