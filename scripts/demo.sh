@@ -26,6 +26,7 @@ sha256sum "$MNT/docs/large.txt"             # a data extent: read from the pack 
 step "write to the sprouted read-write layer"
 echo "written after mount" > "$MNT/notes.txt"
 cat "$MNT/notes.txt"
+sleep 0.5                                   # the server publishes its counters every 200 ms
 ublkd status
 
 step "unmount"
