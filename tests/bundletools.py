@@ -278,3 +278,23 @@ def list_tree(tree: Tree, packs_dir: Path | None = None) -> dict[str, Entry]:
             e["rdev"] = (os.major(node.rdev), os.minor(node.rdev))
         out[path] = e
     return _canonical_links(out)
+
+
+# --- the golden Debian minbase inputs (specs/golden/debian) ------------------------------------
+GOLDEN_DEBIAN = Path(__file__).resolve().parent.parent / "specs" / "golden" / "debian"
+DEBIAN_CACHE = (
+    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian"
+)
+
+
+def prepare_debian_inputs() -> Path:
+    """Run specs/golden/debian/prepare.sh (debootstrap minbase -> rootfs tarball and OCI
+    layout, cached) and return the cache directory holding the specs."""
+    prep = subprocess.run(
+        ["bash", str(GOLDEN_DEBIAN / "prepare.sh"), str(DEBIAN_CACHE)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    assert prep.returncode == 0, f"prepare.sh failed:\n{prep.stdout}{prep.stderr}"
+    return DEBIAN_CACHE

@@ -23,7 +23,14 @@ from btrfs_ublk_image import listing
 from btrfs_ublk_image.bundle import read_manifest
 from btrfs_ublk_image.cli import main as cli
 
-from bundletools import dmesg_btrfs_problems, dmesg_len, mounted_bundle, run
+from bundletools import (
+    DEBIAN_CACHE,
+    dmesg_btrfs_problems,
+    dmesg_len,
+    mounted_bundle,
+    prepare_debian_inputs,
+    run,
+)
 
 GOLDEN = Path(__file__).resolve().parent.parent / "specs" / "golden"
 # specs with committed inputs; a golden dir with a prepare.sh (inputs made at test time,
@@ -100,10 +107,6 @@ def test_golden_mounted_equals_listing(name: str, tmp_path: Path) -> None:
 
 
 # --- the Debian image: real-world acceptance -------------------------------------------------
-DEBIAN = GOLDEN / "debian"
-DEBIAN_CACHE = (
-    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian"
-)
 ROOT = GOLDEN.parent.parent
 CHROOT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C"}
 
@@ -131,13 +134,7 @@ def test_debian_acceptance(spec: str, tmp_path: Path, monkeypatch: pytest.Monkey
     ublkd = _ublkd_binary()
     if os.geteuid() != 0 or ublkd is None or shutil.which("debootstrap") is None:
         pytest.skip("needs root, a built ublkd and debootstrap")
-    prep = subprocess.run(
-        ["bash", str(DEBIAN / "prepare.sh"), str(DEBIAN_CACHE)],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    assert prep.returncode == 0, f"prepare.sh failed:\n{prep.stdout}{prep.stderr}"
+    prepare_debian_inputs()
     bundle = tmp_path / "bundle"
     assert cli(["build", str(DEBIAN_CACHE / spec), "-o", str(bundle)]) == 0
     ours = listing.from_bundle(str(bundle))

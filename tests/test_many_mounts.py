@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import os
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ from test_ublkd import no_leftovers as no_leftovers  # noqa: F401  (a fixture)
 
 from btrfs_ublk_image.cli import main as cli
 
-from bundletools import list_dir, list_tar
+from bundletools import DEBIAN_CACHE, list_dir, list_tar, prepare_debian_inputs
 
 pytestmark = pytest.mark.root
 
@@ -177,10 +176,6 @@ assert UBLKD is not None
 
 
 # --- a real container runtime on a mounted Debian minbase bundle ------------------------
-GOLDEN_DEBIAN = Path(__file__).resolve().parent.parent / "specs" / "golden" / "debian"
-DEBIAN_CACHE = (
-    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian"
-)
 
 
 def bwrap(root: Path, *cmd: str, ro: bool) -> subprocess.CompletedProcess[str]:
@@ -217,13 +212,7 @@ def test_bwrap_runs_a_shell_on_a_mounted_debian_bundle(tmp_path: Path) -> None:
     container writes stays in its mount."""
     if shutil.which("bwrap") is None or shutil.which("debootstrap") is None:
         pytest.skip("needs bwrap (bubblewrap) and debootstrap: run scripts/setup.sh")
-    prep = subprocess.run(
-        ["bash", str(GOLDEN_DEBIAN / "prepare.sh"), str(DEBIAN_CACHE)],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    assert prep.returncode == 0, f"prepare.sh failed:\n{prep.stdout}{prep.stderr}"
+    prepare_debian_inputs()
     # the golden minbase tree plus one file of ours: a different image (and fsid) than
     # the golden one, so that other users' mounts of that image cannot interfere
     spec = tmp_path / "spec.yaml"

@@ -25,31 +25,31 @@ impl Kind {
     }
 }
 
+/// `modprobe ublk_drv` unless /dev/ublk-control is already there (failure is fine: the
+/// caller checks for the control node).
+fn load_ublk_drv() {
+    if !Path::new("/dev/ublk-control").exists() {
+        let _ = std::process::Command::new("modprobe")
+            .arg("ublk_drv")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
+}
+
 /// Resolve `auto`: try `modprobe ublk_drv`, use ublk when /dev/ublk-control exists.
 pub fn choose(kind: Kind) -> Result<(Kind, String)> {
     match kind {
         Kind::Fuse => Ok((Kind::Fuse, "fuse (requested)".into())),
         Kind::Ublk => {
-            if !Path::new("/dev/ublk-control").exists() {
-                let _ = std::process::Command::new("modprobe")
-                    .arg("ublk_drv")
-                    .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null())
-                    .status();
-            }
+            load_ublk_drv();
             if !Path::new("/dev/ublk-control").exists() {
                 bail!("--frontend ublk: /dev/ublk-control does not exist (no ublk_drv in this kernel?); use --frontend fuse");
             }
             Ok((Kind::Ublk, "ublk (requested)".into()))
         }
         Kind::Auto => {
-            if !Path::new("/dev/ublk-control").exists() {
-                let _ = std::process::Command::new("modprobe")
-                    .arg("ublk_drv")
-                    .stdout(std::process::Stdio::null())
-                    .stderr(std::process::Stdio::null())
-                    .status();
-            }
+            load_ublk_drv();
             if Path::new("/dev/ublk-control").exists() {
                 Ok((Kind::Ublk, "ublk (auto: /dev/ublk-control exists)".into()))
             } else {
