@@ -66,7 +66,6 @@ _FILE_EXTENT_REG = struct.Struct("<QQQQ")  # disk_bytenr disk_num_bytes offset n
 # struct btrfs_root_item: the inode item, then generation root_dirid bytenr ... level
 _ROOT_ITEM = struct.Struct("<QQQQQQQI17sBB")
 
-INODE_EXTREF_KEY = 13
 FILE_EXTENT_PREALLOC = 2
 CSUM_TYPE_CRC32C = 0
 BLOCK_GROUP_PROFILE_MASK = 0xFF8  # RAID0/1/10/5/6/DUP/RAID1C3/C4 bits: SINGLE when none set
@@ -552,7 +551,7 @@ class Filesystem:
                     pos += _INODE_REF.size
                     cur.refs.append((off, index, bytes(data[pos : pos + n])))
                     pos += n
-            elif type_ == INODE_EXTREF_KEY:
+            elif type_ == d.INODE_EXTREF_KEY:
                 pos = 0
                 while pos < len(data):
                     parent, index, n = _INODE_EXTREF.unpack_from(data, pos)

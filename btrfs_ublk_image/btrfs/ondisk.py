@@ -49,6 +49,7 @@ FIRST_FREE_OBJECTID = 256
 # --- item types ---------------------------------------------------------
 INODE_ITEM_KEY = 1
 INODE_REF_KEY = 12
+INODE_EXTREF_KEY = 13
 XATTR_ITEM_KEY = 24
 DIR_ITEM_KEY = 84
 DIR_INDEX_KEY = 96
@@ -183,6 +184,19 @@ _INODE_REF = struct.Struct("<QH")
 
 def pack_inode_ref(index: int, name: bytes) -> bytes:
     return _INODE_REF.pack(index, len(name)) + name
+
+
+_INODE_EXTREF = struct.Struct("<QQH")
+
+
+def pack_inode_extref(parent: int, index: int, name: bytes) -> bytes:
+    """struct btrfs_inode_extref: the names that no longer fit the INODE_REF item."""
+    return _INODE_EXTREF.pack(parent, index, len(name)) + name
+
+
+def extref_hash(parent: int, name: bytes) -> int:
+    """``btrfs_extref_hash``: INODE_EXTREF key offset."""
+    return _raw_crc32c(parent & _MASK32, name)
 
 
 # struct btrfs_dir_item: location key, transid, data_len, name_len, type

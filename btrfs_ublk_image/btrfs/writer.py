@@ -46,6 +46,7 @@ from btrfs_ublk_image.tree import Blob, FileType, Inode, Tree
 
 GENERATION = 1
 MAX_INLINE = d.SECTORSIZE - 1  # btrfs check: inline ram_bytes <= sectorsize - 1
+LINK_MAX = 65535  # BTRFS_LINK_MAX
 
 _FT = {
     FileType.REG: d.FT_REG_FILE,
@@ -291,6 +292,8 @@ def _fs_tree_items(table: list[_Numbered], placer: _DataPlacer, imax: int) -> _F
             size = 2 * sum(len(name) for _, name, _ in num.children)
         else:
             stats["devices"] += 1
+        if len(num.refs) > LINK_MAX:
+            raise ImageError(f"inode {ino} has {len(num.refs)} hardlinks; btrfs allows {LINK_MAX}")
         mtime = node.mtime_ns
         ctime = node.ctime_ns if node.ctime_ns is not None else mtime
         add(
@@ -315,13 +318,22 @@ def _fs_tree_items(table: list[_Numbered], placer: _DataPlacer, imax: int) -> _F
             parent, index, name = num.refs[0]
             add((ino, d.INODE_REF_KEY, parent), d.pack_inode_ref(index, name))
         else:
+            # names per parent dir in one INODE_REF item while it fits in a leaf, the rest in
+            # INODE_EXTREF items (EXTENDED_IREF), as the kernel does when a ref item is full
             by_parent: dict[int, bytes] = {}
+            extrefs: dict[int, bytes] = {}
             for parent, index, name in sorted(num.refs):
-                by_parent[parent] = by_parent.get(parent, b"") + d.pack_inode_ref(index, name)
+                ref = d.pack_inode_ref(index, name)
+                data = by_parent.get(parent, b"")
+                if len(data) + len(ref) <= d.MAX_ITEM_DATA:
+                    by_parent[parent] = data + ref
+                else:
+                    h = d.extref_hash(parent, name)
+                    extrefs[h] = extrefs.get(h, b"") + d.pack_inode_extref(parent, index, name)
             for parent, data in sorted(by_parent.items()):
-                if len(data) > d.MAX_ITEM_DATA:
-                    raise ImageError(f"too many hardlinks to inode {ino} in one directory")
                 add((ino, d.INODE_REF_KEY, parent), data)
+            for h, data in sorted(extrefs.items()):
+                add((ino, d.INODE_EXTREF_KEY, h), data)
         if node.xattrs:
             xattrs = []
             for name, value in node.xattrs.items():
