@@ -68,6 +68,12 @@ class Inode:
     def st_mode(self) -> int:
         return int(self.type) | (self.mode & 0o7777)
 
+    def take_metadata(self, other: Inode) -> None:
+        """Mode, owner, times and xattrs of ``other`` (a later layer's entry for this directory)."""
+        self.mode, self.uid, self.gid = other.mode, other.uid, other.gid
+        self.mtime_ns, self.atime_ns, self.ctime_ns = other.mtime_ns, other.atime_ns, other.ctime_ns
+        self.xattrs = other.xattrs
+
 
 def new_dir(mode: int = 0o755, mtime_ns: int = 0) -> Inode:
     return Inode(FileType.DIR, mode=mode, mtime_ns=mtime_ns)
@@ -140,35 +146,11 @@ class Tree:
     def put(self, path: bytes | str, inode: Inode, where: str) -> None:
         """Place ``inode`` at ``path``. An existing directory stays (its metadata is updated)."""
         parent, name = self.parent_dir(path, where, inode.mtime_ns)
-        if not split_path(path):
-            return
         old = parent.entries.get(name)
         if old is not None and old.type == FileType.DIR and inode.type == FileType.DIR:
-            old.mode, old.uid, old.gid = inode.mode, inode.uid, inode.gid
-            old.mtime_ns, old.atime_ns, old.ctime_ns = (
-                inode.mtime_ns,
-                inode.atime_ns,
-                inode.ctime_ns,
-            )
-            old.xattrs = inode.xattrs
+            old.take_metadata(inode)
             return
         parent.entries[name] = inode
-
-    def set_root_meta(self, inode: Inode) -> None:
-        """A source's entry for ``/`` itself updates the root directory's metadata."""
-        r = self.root
-        r.mode, r.uid, r.gid = inode.mode, inode.uid, inode.gid
-        r.mtime_ns, r.atime_ns, r.ctime_ns = inode.mtime_ns, inode.atime_ns, inode.ctime_ns
-        r.xattrs = inode.xattrs
-
-    def remove(self, path: bytes | str) -> bool:
-        parts = split_path(path)
-        if not parts:
-            return False
-        node = self.lookup(b"/".join(parts[:-1]))
-        if node is None or node.type != FileType.DIR:
-            return False
-        return node.entries.pop(parts[-1], None) is not None
 
     def walk(self) -> Iterator[tuple[bytes, Inode]]:
         """(path, inode) in sorted depth-first order; ``/`` first. Hardlinks appear once per name."""

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 import re
 import stat
 import struct
 import subprocess
+import sys
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.bundle import BLOCKMAP, META_IMG, read_manifest
@@ -298,3 +301,17 @@ def prepare_debian_inputs() -> Path:
     )
     assert prep.returncode == 0, f"prepare.sh failed:\n{prep.stdout}{prep.stderr}"
     return DEBIAN_CACHE
+
+
+def load_vm_harness() -> ModuleType:
+    """tests/vm/harness.py, loaded by path: works whatever pytest's import mode and rootdir."""
+    name = "bui_vm_harness"
+    if name in sys.modules:
+        return sys.modules[name]
+    path = Path(__file__).resolve().parent / "vm" / "harness.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(mod)
+    return mod

@@ -6,32 +6,17 @@ tests/vm/README.md). A VM that cannot boot is a failure with the reason, never a
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from bundletools import load_vm_harness
 
 pytestmark = pytest.mark.root
 
 
-def _load_harness() -> ModuleType:
-    """tests/vm/harness.py by path: works whatever pytest's import mode and rootdir."""
-    name = "bui_vm_harness"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parent / "vm/harness.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
-harness = _load_harness()
+harness = load_vm_harness()
 
 
 @pytest.mark.skipif(os.environ.get("BUI_IN_VM") == "1", reason="already inside the VM")

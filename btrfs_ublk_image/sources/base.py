@@ -144,7 +144,7 @@ class LayerContext:
         if not parts:
             if inode.type != FileType.DIR:
                 raise SourceError(f"{where}: the image root can only be a directory")
-            tree.set_root_meta(inode)
+            tree.root.take_metadata(inode)
             return
         found = self._resolve_dir(parts[:-1], where, True, inode.mtime_ns)
         assert found is not None
@@ -158,9 +158,7 @@ class LayerContext:
             check_name(name, where)
         elif old.type == FileType.DIR and inode.type == FileType.DIR:
             if old is not inode:
-                old.mode, old.uid, old.gid = inode.mode, inode.uid, inode.gid
-                old.mtime_ns, old.atime_ns = inode.mtime_ns, inode.atime_ns
-                old.ctime_ns, old.xattrs = inode.ctime_ns, inode.xattrs
+                old.take_metadata(inode)
             return
         entries[name] = inode
 
