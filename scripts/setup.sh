@@ -22,6 +22,7 @@ APT_PACKAGES=(
   qemu-system-x86 busybox-static      # VM harness (ublk under QEMU TCG)
   python3 python3-venv python3-pip
   curl ca-certificates
+  nginx-light docker-registry         # remote packs: HTTP range server and OCI registry (tests, bench)
 )
 
 if [ -z "${SKIP_APT:-}" ]; then
@@ -34,6 +35,10 @@ if [ -z "${SKIP_APT:-}" ]; then
     # a private archive dir: this image's apt hook deletes /var/cache/apt/archives/*.deb after dpkg runs
     mkdir -p /var/cache/btrfs-ublk-image/apt/partial
     apt-get update -qq
+    # servers (nginx, docker-registry) must not start system-wide on install: the tests
+    # and benchmarks run their own instances on loopback ports
+    policy_rc=/usr/sbin/policy-rc.d
+    [ -e "$policy_rc" ] || { printf '#!/bin/sh\nexit 101\n' >"$policy_rc"; chmod +x "$policy_rc"; trap 'rm -f "$policy_rc"' EXIT; }
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
       -o Dir::Cache::archives=/var/cache/btrfs-ublk-image/apt "${missing[@]}"
   fi
