@@ -79,13 +79,13 @@ impl Device2 {
 pub mod tests {
     use super::*;
     use crate::blockmap::{encode, Blockmap, PackEntry, Range};
-    use crate::verify::source::LocalPacks;
+    use crate::verify::source::{LocalPacks, PackSource};
     use sha2::{Digest as _, Sha256};
     use std::path::{Path, PathBuf};
 
-    /// A synthetic bundle-less device: one pack of pseudo-random bytes in `dir`,
-    /// mapped by a few ranges with holes. Returns (device, expected device bytes, pack path).
-    pub fn synthetic(dir: &Path, chunk_shift: u32) -> (Device2, Vec<u8>, PathBuf) {
+    /// A synthetic pack in `dir`: 5 chunks and a bit of pseudo-random bytes, mapped by a
+    /// few ranges with holes. Returns (blockmap, its source, the pack bytes, pack path).
+    pub fn synthetic_parts(dir: &Path, chunk_shift: u32) -> (Blockmap, Box<dyn PackSource>, Vec<u8>, PathBuf) {
         let chunk = 1usize << chunk_shift;
         let pack_len = 5 * chunk + 1234;
         let mut x = 0x1234_5678_9abc_def0u64;
@@ -134,24 +134,26 @@ pub mod tests {
                 size: pack_len as u64,
                 first_chunk: 0,
             }],
-            ranges: ranges.clone(),
+            ranges,
             digests,
         };
         let bm = Blockmap::parse(&encode(&bm)).unwrap();
-        let mut expect = vec![0u8; device_size as usize];
-        for r in &ranges {
+        let src = LocalPacks::open(std::slice::from_ref(&path), &[pack_len as u64]).unwrap();
+        (bm, Box::new(src), pack, path)
+    }
+
+    /// A synthetic bundle-less device over [`synthetic_parts`]. Returns (device, expected
+    /// device bytes, pack path).
+    pub fn synthetic(dir: &Path, chunk_shift: u32) -> (Device2, Vec<u8>, PathBuf) {
+        let chunk = 1u64 << chunk_shift;
+        let (bm, src, pack, path) = synthetic_parts(dir, chunk_shift);
+        let mut expect = vec![0u8; bm.device_size as usize];
+        for r in &bm.ranges {
             let (d, p, l) = (r.dev_offset as usize, r.pack_offset as usize, r.length as usize);
             expect[d..d + l].copy_from_slice(&pack[p..p + l]);
         }
         let counters = Arc::new(Counters::default());
-        let src = LocalPacks::open(std::slice::from_ref(&path), &[pack_len as u64]).unwrap();
-        let chunks = VerifiedChunks::new(
-            Arc::new(bm),
-            Box::new(src),
-            counters.clone(),
-            2 * chunk as u64,
-            vec!["p0".into()],
-        );
+        let chunks = VerifiedChunks::new(Arc::new(bm), src, counters.clone(), 2 * chunk, vec!["p0".into()]);
         (Device2 { chunks, counters }, expect, path)
     }
 

@@ -4,6 +4,7 @@
 use crate::bundle::Bundle;
 use crate::frontend::{self, Kind};
 use crate::plumbing::{btrfs, loopdev, mount as mnt};
+use crate::remote::{self, RemoteArgs};
 use crate::server::Ready;
 use crate::state::{self, BundleState, LoopRecord, MountState, ServerRecord, SharedMount};
 use crate::stats::Snapshot;
@@ -17,8 +18,9 @@ use std::time::{Duration, Instant};
 
 #[derive(clap::Args, Debug)]
 pub struct MountArgs {
-    /// Bundle directory (manifest.json, meta.img, blockmap, packs/).
-    pub bundle: PathBuf,
+    /// Bundle directory (manifest.json, meta.img, blockmap, packs/), the URL of a bundle's
+    /// manifest.json (`http(s)://...`), or `oci://REGISTRY[:PORT]/REPO[:TAG|@sha256:DIGEST]`.
+    pub bundle: String,
     /// Where to mount the image.
     pub mountpoint: PathBuf,
     /// Writable layer: a file that becomes the sprout's rw device (created sparse if missing;
@@ -41,6 +43,11 @@ pub struct MountArgs {
     /// starts its server; later mounts share it).
     #[arg(long, default_value_t = 256)]
     pub cache_mb: u64,
+    /// Registry credentials USER:PASSWORD (also from $UBLKD_REGISTRY_AUTH).
+    #[arg(long)]
+    pub registry_auth: Option<String>,
+    #[command(flatten)]
+    pub remote: RemoteArgs,
 }
 
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -116,14 +123,8 @@ fn server_log_tail(dir: &Path) -> String {
 
 /// Start `ublkd serve` in the background (own session, log in `dir/server.log`) and wait
 /// for its READY line.
-fn spawn_server(
-    bundle: &Path,
-    kind: Kind,
-    dir: &Path,
-    image_id: &str,
-    cache_mb: u64,
-    recover: Option<i32>,
-) -> Result<(Ready, ServerRecord)> {
+fn spawn_server(b: &BundleState, kind: Kind, cache_mb: u64, recover: Option<i32>) -> Result<(Ready, ServerRecord)> {
+    let (bundle, dir, image_id) = (b.bundle.as_str(), &b.dir(), b.image_id.as_str());
     let exe = std::env::current_exe().context("locate the ublkd executable")?;
     let log = OpenOptions::new()
         .create(true)
@@ -136,7 +137,8 @@ fn spawn_server(
         .args(["--frontend", kind.as_str(), "--expect-id", image_id])
         .arg("--dir")
         .arg(dir)
-        .args(["--cache-mb", &cache_mb.to_string()]);
+        .args(["--cache-mb", &cache_mb.to_string()])
+        .args(&b.serve_args);
     if let Some(id) = recover {
         cmd.args(["--ublk-recover", &id.to_string()]);
     }
@@ -379,14 +381,7 @@ fn gc_bundle(key: &str) -> Result<()> {
 }
 
 /// The bundle's server: the running one, or a new one.
-fn ensure_server(
-    b: &mut BundleState,
-    bundle: &Bundle,
-    asked: Kind,
-    kind: Kind,
-    cache_mb: u64,
-    me: &str,
-) -> Result<ServerRecord> {
+fn ensure_server(b: &mut BundleState, asked: Kind, kind: Kind, cache_mb: u64, me: &str) -> Result<ServerRecord> {
     if let Some(s) = &b.server {
         if state::server_alive(s) {
             ensure!(
@@ -414,7 +409,7 @@ fn ensure_server(
         );
     }
     std::fs::create_dir_all(b.dir()).with_context(|| format!("{}: mkdir", b.dir().display()))?;
-    let (_ready, srv) = spawn_server(&bundle.dir, kind, &b.dir(), &bundle.image_id, cache_mb, None)?;
+    let (_ready, srv) = spawn_server(b, kind, cache_mb, None)?;
     b.server = Some(srv.clone());
     b.save()?;
     Ok(srv)
@@ -494,7 +489,11 @@ pub fn mount(args: MountArgs) -> Result<()> {
         "mount point {}: not a directory",
         mountpoint.display()
     );
-    let bundle = Bundle::open(&args.bundle, args.expect_id.as_deref(), true)?;
+    if let Some(a) = &args.registry_auth {
+        // read by the registry client here and inherited by the server (never in its argv)
+        std::env::set_var(remote::AUTH_ENV, a);
+    }
+    let (bundle, location) = remote::open_bundle(&args.bundle, &args.remote, args.expect_id.as_deref())?;
     let mode = match (&args.rw, args.ephemeral) {
         (Some(_), _) => "rw",
         (None, true) => "ephemeral",
@@ -522,13 +521,21 @@ pub fn mount(args: MountArgs) -> Result<()> {
     let _block = state::lock(&BundleState::lock_path(&key), Some(&BundleState::dir_of(&key)))?;
     let mut b = BundleState::load(&key).unwrap_or_else(|| BundleState {
         key: key.clone(),
-        bundle: bundle.dir.display().to_string(),
+        bundle: location.clone(),
         image_id: bundle.image_id.clone(),
         name: bundle.manifest.name.clone(),
         fsid: bundle.manifest.fsid.clone(),
         created: state::now(),
         ..Default::default()
     });
+    if b.server.as_ref().is_none_or(|s| !state::server_alive(s)) {
+        // a new server serves from where this mount found the image
+        b.bundle = location.clone();
+        b.serve_args = match remote::Location::parse(&location)? {
+            remote::Location::Local(_) => Vec::new(),
+            _ => args.remote.to_args(),
+        };
+    }
     let (kind, why) = match b.server.as_ref().filter(|s| state::server_alive(s)) {
         Some(s) if s.frontend == "ublk" => (Kind::Ublk, format!("ublk (the bundle's server, pid {})", s.pid)),
         Some(s) => (Kind::Fuse, format!("fuse (the bundle's server, pid {})", s.pid)),
@@ -549,7 +556,7 @@ pub fn mount(args: MountArgs) -> Result<()> {
     let mut st = MountState {
         id: id.clone(),
         mountpoint: mountpoint.display().to_string(),
-        bundle: bundle.dir.display().to_string(),
+        bundle: location.clone(),
         image_id: bundle.image_id.clone(),
         name: bundle.manifest.name.clone(),
         fsid: bundle.manifest.fsid.clone(),
@@ -563,7 +570,7 @@ pub fn mount(args: MountArgs) -> Result<()> {
     st.save()?;
 
     // 1. the bundle's server (shared by all its mounts)
-    let srv = ensure_server(&mut b, &bundle, args.frontend, kind, args.cache_mb, &id)?;
+    let srv = ensure_server(&mut b, args.frontend, kind, args.cache_mb, &id)?;
 
     let mp = mountpoint.clone();
     let note = match mode {
@@ -590,7 +597,7 @@ pub fn mount(args: MountArgs) -> Result<()> {
     rb.disarm();
     println!(
         "mounted {} ({}) at {}: {}{}, frontend {}, server pid {} in {:.0} ms",
-        bundle.dir.display(),
+        location,
         bundle.image_id,
         mountpoint.display(),
         st.mode,
@@ -805,15 +812,14 @@ pub fn recover(mountpoint: &Path) -> Result<()> {
         "server pid {} is alive: nothing to recover",
         old.pid
     );
-    let dir = b.dir();
     match old.ublk_id {
         Some(id) => {
             frontend::ublk::begin_recovery(id)?;
-            let (_r, srv) = spawn_server(Path::new(&b.bundle), Kind::Ublk, &dir, &b.image_id, 256, Some(id))?;
+            let (_r, srv) = spawn_server(&b, Kind::Ublk, 256, Some(id))?;
             b.server = Some(srv);
         }
         None => {
-            let (r, srv) = spawn_server(Path::new(&b.bundle), Kind::Fuse, &dir, &b.image_id, 256, None)?;
+            let (r, srv) = spawn_server(&b, Kind::Fuse, 256, None)?;
             let f = File::open(&r.device).with_context(|| format!("open {}", r.device))?;
             let mut loops: Vec<LoopRecord> = b.shared.iter().filter_map(|s| s.dev2_loop.clone()).collect();
             loops.extend(mounts_of(&key)?.into_iter().filter_map(|m| m.dev2_loop));
@@ -955,6 +961,23 @@ pub fn status(json: bool) -> Result<()> {
                 "  served   {} bytes in {} reads; {} chunks verified, {} verification failures, {} read errors, {} pack bytes read, {} cache hits",
                 e.stats.bytes_served, e.stats.reads, e.stats.chunks_verified, e.stats.verify_failures, e.stats.read_errors, e.stats.pack_bytes_read, e.stats.cache_hits
             );
+            if !b.serve_args.is_empty() {
+                let s = &e.stats;
+                println!(
+                    "  fetched  {} bytes in {} requests ({} failed), latency mean {:.1} ms max {:.1} ms; \
+                     chunk cache {} hits {} misses {} bad, {} bytes; {} chunks read ahead",
+                    s.fetch_bytes,
+                    s.fetch_requests,
+                    s.fetch_errors,
+                    s.fetch_latency_us_mean as f64 / 1000.0,
+                    s.fetch_latency_us_max as f64 / 1000.0,
+                    s.disk_cache_hits,
+                    s.disk_cache_misses,
+                    s.disk_cache_corrupt,
+                    s.disk_cache_bytes,
+                    s.readahead_chunks
+                );
+            }
         }
         println!("  mounts   {}", mine.len());
         for e in &mine {

@@ -7,12 +7,11 @@
 //! know how many device instances sit on it: a FUSE file can back any number of loop
 //! devices, and more ublk devices could be added over the same `Arc<Device2>`.
 
-use crate::bundle::Bundle;
 use crate::device::Device2;
 use crate::frontend::{self, Kind};
+use crate::remote::{self, Opened, RemoteArgs};
 use crate::state::write_atomic;
 use crate::stats::Counters;
-use crate::verify::source::LocalPacks;
 use crate::verify::VerifiedChunks;
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::{SigSet, Signal};
@@ -26,8 +25,8 @@ use std::time::Duration;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// Bundle directory.
-    pub bundle: PathBuf,
+    /// Bundle directory, `http(s)://.../manifest.json` or `oci://REGISTRY/REPO[:TAG]`.
+    pub bundle: String,
     /// Frontend (auto: ublk when available, else fuse).
     #[arg(long, value_enum, default_value = "auto")]
     pub frontend: Kind,
@@ -46,6 +45,8 @@ pub struct ServeArgs {
     /// Reattach to an existing ublk device left by a dead server (USER_RECOVERY).
     #[arg(long)]
     pub ublk_recover: Option<i32>,
+    #[command(flatten)]
+    pub remote: RemoteArgs,
 }
 
 /// The line `serve` prints once the device is live.
@@ -95,14 +96,12 @@ fn stats_writer(counters: Arc<Counters>, dir: PathBuf) {
         .expect("spawn stats thread");
 }
 
-pub fn open_device(bundle: &Bundle, counters: Arc<Counters>, cache_mb: u64) -> Result<Arc<Device2>> {
-    let paths = bundle.pack_paths();
-    let sizes: Vec<u64> = bundle.blockmap.packs.iter().map(|p| p.size).collect();
-    let src = LocalPacks::open(&paths, &sizes)?;
-    let names = bundle.manifest.packs.iter().map(|p| p.path.clone()).collect();
-    let bm = bundle.blockmap.clone();
-    let chunks = VerifiedChunks::new(bm, Box::new(src), counters.clone(), cache_mb << 20, names);
-    Ok(Arc::new(Device2 { chunks, counters }))
+pub fn open_device(opened: Opened, counters: Arc<Counters>, cache_mb: u64) -> Arc<Device2> {
+    let names = opened.bundle.manifest.packs.iter().map(|p| p.path.clone()).collect();
+    let bm = opened.bundle.blockmap.clone();
+    let chunks =
+        VerifiedChunks::new(bm, opened.source, counters.clone(), cache_mb << 20, names).with_fetching(opened.fetching);
+    Arc::new(Device2 { chunks, counters })
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
@@ -123,19 +122,19 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // SAFETY: ignoring SIGPIPE is always sound.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
 
-    let bundle = Bundle::open(&args.bundle, args.expect_id.as_deref(), false)?;
     let counters = Arc::new(Counters::default());
-    let dev = open_device(&bundle, counters.clone(), args.cache_mb)?;
+    let opened = remote::open_for_serving(&args.bundle, &args.remote, args.expect_id.as_deref(), counters.clone())?;
+    let location = opened.location.clone();
+    let bundle_ranges = opened.bundle.blockmap.ranges.len();
+    let image_id = opened.bundle.image_id.clone();
+    let dev = open_device(opened, counters.clone(), args.cache_mb);
     if let Some(dir) = &args.dir {
         std::fs::create_dir_all(dir).with_context(|| format!("{}: mkdir", dir.display()))?;
         stats_writer(counters.clone(), dir.clone());
     }
     log::info!(
-        "serving {} ({}), device 2 = {} bytes, {} ranges, frontend {}",
-        bundle.dir.display(),
-        bundle.image_id,
+        "serving {location} ({image_id}), device 2 = {} bytes, {bundle_ranges} ranges, frontend {}",
         dev.size(),
-        bundle.blockmap.ranges.len(),
         kind.as_str()
     );
 
@@ -149,7 +148,6 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         })?;
     }
     let pid = std::process::id() as i32;
-    let image_id = bundle.image_id.clone();
 
     match kind {
         Kind::Fuse => {

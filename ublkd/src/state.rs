@@ -61,6 +61,10 @@ pub struct BundleState {
     pub server: Option<ServerRecord>,
     pub shared: Option<SharedMount>,
     pub created: u64,
+    /// Extra `serve` arguments for this bundle's server (remote bundles: the cache and
+    /// fetch options its first mount was given); `recover` starts the server with them.
+    #[serde(default)]
+    pub serve_args: Vec<String>,
 }
 
 impl BundleState {

@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
 
 #[derive(Default)]
 pub struct Counters {
@@ -13,9 +14,24 @@ pub struct Counters {
     pub verify_failures: AtomicU64,
     pub pack_bytes_read: AtomicU64,
     pub cache_hits: AtomicU64,
+    pub cache_misses: AtomicU64,
+    pub disk_cache_hits: AtomicU64,
+    pub disk_cache_misses: AtomicU64,
+    pub disk_cache_corrupt: AtomicU64,
+    pub disk_cache_bytes: AtomicU64,
+    pub fetch_requests: AtomicU64,
+    pub fetch_bytes: AtomicU64,
+    pub fetch_errors: AtomicU64,
+    pub fetch_ok: AtomicU64,
+    pub fetch_latency_us_total: AtomicU64,
+    pub fetch_latency_us_max: AtomicU64,
+    pub readahead_chunks: AtomicU64,
 }
 
+/// What `stats.json` holds. Counters of remote packs (`fetch_*`, `disk_cache_*`) stay 0
+/// for a local bundle; fields missing in an older file read as 0.
 #[derive(Debug, Default, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
 pub struct Snapshot {
     pub reads: u64,
     pub bytes_served: u64,
@@ -24,7 +40,25 @@ pub struct Snapshot {
     pub chunks_verified: u64,
     pub verify_failures: u64,
     pub pack_bytes_read: u64,
+    /// memory cache of verified chunks
     pub cache_hits: u64,
+    pub cache_misses: u64,
+    /// persistent chunk cache (remote bundles)
+    pub disk_cache_hits: u64,
+    pub disk_cache_misses: u64,
+    /// entries that failed their digest on load (removed, fetched again)
+    pub disk_cache_corrupt: u64,
+    pub disk_cache_bytes: u64,
+    /// HTTP requests made, body bytes received, failed attempts
+    pub fetch_requests: u64,
+    pub fetch_bytes: u64,
+    pub fetch_errors: u64,
+    /// successful fetches and their latency (request start to last body byte)
+    pub fetch_ok: u64,
+    pub fetch_latency_us_mean: u64,
+    pub fetch_latency_us_max: u64,
+    /// chunks fetched ahead of demand (sequential readahead)
+    pub readahead_chunks: u64,
 }
 
 impl Counters {
@@ -32,7 +66,15 @@ impl Counters {
         c.fetch_add(n, Relaxed);
     }
 
+    pub fn record_latency(&self, d: Duration) {
+        let us = d.as_micros() as u64;
+        Self::add(&self.fetch_ok, 1);
+        Self::add(&self.fetch_latency_us_total, us);
+        self.fetch_latency_us_max.fetch_max(us, Relaxed);
+    }
+
     pub fn snapshot(&self) -> Snapshot {
+        let ok = self.fetch_ok.load(Relaxed);
         Snapshot {
             reads: self.reads.load(Relaxed),
             bytes_served: self.bytes_served.load(Relaxed),
@@ -42,6 +84,18 @@ impl Counters {
             verify_failures: self.verify_failures.load(Relaxed),
             pack_bytes_read: self.pack_bytes_read.load(Relaxed),
             cache_hits: self.cache_hits.load(Relaxed),
+            cache_misses: self.cache_misses.load(Relaxed),
+            disk_cache_hits: self.disk_cache_hits.load(Relaxed),
+            disk_cache_misses: self.disk_cache_misses.load(Relaxed),
+            disk_cache_corrupt: self.disk_cache_corrupt.load(Relaxed),
+            disk_cache_bytes: self.disk_cache_bytes.load(Relaxed),
+            fetch_requests: self.fetch_requests.load(Relaxed),
+            fetch_bytes: self.fetch_bytes.load(Relaxed),
+            fetch_errors: self.fetch_errors.load(Relaxed),
+            fetch_ok: ok,
+            fetch_latency_us_mean: self.fetch_latency_us_total.load(Relaxed).checked_div(ok).unwrap_or(0),
+            fetch_latency_us_max: self.fetch_latency_us_max.load(Relaxed),
+            readahead_chunks: self.readahead_chunks.load(Relaxed),
         }
     }
 }

@@ -1,42 +1,331 @@
 //! The verified read path: pack chunks are read whole, checked against the blockmap
-//! digest, and only then served; verified chunks live in a bounded cache.
+//! digest, and only then served; verified chunks live in a bounded memory cache.
 //!
-//! Concurrent readers of the same missing chunk wait for one verification (a per-chunk
-//! `OnceLock`), so "verified once before first use" holds under load. A failed
-//! verification is not cached: every read of a bad chunk re-checks it, fails with EIO
+//! A chunk is looked up in: the memory cache -> the persistent chunk cache (remote
+//! bundles; re-verified on load) -> the pack source (then verified, then put in the
+//! persistent cache). Every missing chunk gets one slot in the memory cache, claimed by
+//! the thread that loads it; concurrent readers of that chunk wait for the slot (single
+//! flight), so "verified once before first use" holds under load. Chunks a read spans
+//! are loaded by one source read (one range request for remote packs), and sequential
+//! reads of a remote pack make a small worker pool fetch the next chunks ahead.
+//! A failed load is not cached: every read of a bad chunk re-checks it, fails with EIO
 //! and is counted.
 
 pub mod source;
 
 use crate::blockmap::Blockmap;
+use crate::remote::cache::DiskCache;
 use crate::stats::Counters;
 use sha2::{Digest as _, Sha256};
 use source::PackSource;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::time::Duration;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ChunkError {
-    /// The pack could not be read (I/O error, short file).
+    /// The pack could not be read (I/O error, short file, remote fetch failed).
     Read(String),
     /// The bytes read do not match the digest.
     Mismatch { pack: u32, chunk: u64 },
 }
 
-type Slot = Arc<OnceLock<Result<Arc<Vec<u8>>, ChunkError>>>;
+type Loaded = Result<Arc<Vec<u8>>, ChunkError>;
+
+/// One chunk in the memory cache: empty while its loader works, then the result.
+#[derive(Default)]
+struct Slot {
+    val: Mutex<Option<Loaded>>,
+    ready: Condvar,
+}
+
+impl Slot {
+    fn fill(&self, v: Loaded) {
+        *self.val.lock().unwrap() = Some(v);
+        self.ready.notify_all();
+    }
+
+    fn loading(&self) -> bool {
+        self.val.lock().unwrap().is_none()
+    }
+
+    fn wait(&self, limit: Option<Duration>) -> Loaded {
+        let mut g = self.val.lock().unwrap();
+        let deadline = limit.map(|l| std::time::Instant::now() + l);
+        loop {
+            if let Some(v) = &*g {
+                return v.clone();
+            }
+            match deadline {
+                None => g = self.ready.wait(g).unwrap(),
+                Some(d) => {
+                    let left = d.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        return Err(ChunkError::Read(
+                            "timed out waiting for another fetch of the chunk".into(),
+                        ));
+                    }
+                    g = self.ready.wait_timeout(g, left).unwrap().0;
+                }
+            }
+        }
+    }
+}
 
 struct CacheInner {
-    map: HashMap<(u32, u64), (Slot, u64)>,
+    map: HashMap<(u32, u64), (Arc<Slot>, u64)>,
     tick: u64,
 }
 
-pub struct VerifiedChunks {
+/// How chunks of remote packs are fetched (the default, for local packs: none of it).
+#[derive(Default)]
+pub struct Fetching {
+    /// The persistent chunk cache.
+    pub disk: Option<DiskCache>,
+    /// Chunks fetched ahead once a pack is read sequentially (3 chunks in a row).
+    pub readahead: u64,
+    /// Readahead worker threads.
+    pub workers: usize,
+    /// Longest a reader waits for a chunk another thread fetches (the fetch itself
+    /// gives up at the fetch timeout; this only guards against a lost wakeup).
+    pub wait_limit: Option<Duration>,
+}
+
+struct Core {
     blockmap: Arc<Blockmap>,
     source: Box<dyn PackSource>,
     counters: Arc<Counters>,
     capacity: usize,
     cache: Mutex<CacheInner>,
     pack_names: Vec<String>,
+    fetching: Fetching,
+    /// per pack: (last chunk read, chunks read in sequence up to it)
+    streaks: Mutex<HashMap<u32, (u64, u64)>>,
+}
+
+/// A fixed set of threads running readahead jobs; a job is only queued when a thread is
+/// free, so a chunk claimed for readahead is always being fetched (never stuck in a queue
+/// behind fetches that wait for a dead server).
+struct Pool {
+    tx: Mutex<mpsc::Sender<Box<dyn FnOnce() + Send>>>,
+    busy: Arc<AtomicUsize>,
+    workers: usize,
+}
+
+impl Pool {
+    fn new(workers: usize) -> Pool {
+        let (tx, rx) = mpsc::channel::<Box<dyn FnOnce() + Send>>();
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..workers {
+            let rx = rx.clone();
+            std::thread::Builder::new()
+                .name(format!("fetch-{i}"))
+                .spawn(move || loop {
+                    let job = rx.lock().unwrap().recv();
+                    match job {
+                        Ok(j) => j(),
+                        Err(_) => return,
+                    }
+                })
+                .expect("spawn fetch worker");
+        }
+        Pool {
+            tx: Mutex::new(tx),
+            busy: Arc::new(AtomicUsize::new(0)),
+            workers,
+        }
+    }
+
+    /// Run `job` on a free worker, or return false if all are busy.
+    fn try_run(&self, job: impl FnOnce() + Send + 'static) -> bool {
+        let w = self.workers;
+        if self
+            .busy
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| (b < w).then_some(b + 1))
+            .is_err()
+        {
+            return false;
+        }
+        let busy = self.busy.clone();
+        let sent = self.tx.lock().unwrap().send(Box::new(move || {
+            job();
+            busy.fetch_sub(1, Ordering::AcqRel);
+        }));
+        if sent.is_err() {
+            self.busy.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+}
+
+pub struct VerifiedChunks {
+    core: Arc<Core>,
+    pool: Option<Pool>,
+}
+
+impl Core {
+    /// The slot of `key`, and whether the caller created it (and must fill it).
+    fn slot(&self, key: (u32, u64)) -> (Arc<Slot>, bool) {
+        let mut c = self.cache.lock().unwrap();
+        c.tick += 1;
+        let tick = c.tick;
+        if let Some((slot, used)) = c.map.get_mut(&key) {
+            *used = tick;
+            return (slot.clone(), false);
+        }
+        let slot = Arc::new(Slot::default());
+        self.insert(&mut c, key, slot.clone(), tick);
+        (slot, true)
+    }
+
+    fn insert(&self, c: &mut CacheInner, key: (u32, u64), slot: Arc<Slot>, tick: u64) {
+        if c.map.len() >= self.capacity {
+            // evict the least recently used loaded entry (the cache is small: a scan is fine)
+            let old = c
+                .map
+                .iter()
+                .filter(|(_, (s, _))| !s.loading())
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| *k);
+            if let Some(old) = old {
+                c.map.remove(&old);
+            }
+        }
+        c.map.insert(key, (slot, tick));
+    }
+
+    /// Claim the chunks of `pack` in `chunks` that are not in memory (and, with
+    /// `skip_on_disk`, not in the persistent cache either): new slots the caller fills.
+    fn claim(&self, pack: u32, chunks: std::ops::Range<u64>, skip_on_disk: bool) -> Vec<(u64, Arc<Slot>)> {
+        let mut c = self.cache.lock().unwrap();
+        let mut out = Vec::new();
+        for chunk in chunks {
+            if c.map.contains_key(&(pack, chunk)) {
+                continue;
+            }
+            if skip_on_disk {
+                if let Some(d) = &self.fetching.disk {
+                    if d.contains(self.blockmap.digest(pack, chunk)) {
+                        continue;
+                    }
+                }
+            }
+            c.tick += 1;
+            let (slot, tick) = (Arc::new(Slot::default()), c.tick);
+            self.insert(&mut c, (pack, chunk), slot.clone(), tick);
+            out.push((chunk, slot));
+        }
+        out
+    }
+
+    fn forget(&self, key: (u32, u64), slot: &Arc<Slot>) {
+        let mut c = self.cache.lock().unwrap();
+        if let Some((s, _)) = c.map.get(&key) {
+            if Arc::ptr_eq(s, slot) {
+                c.map.remove(&key);
+            }
+        }
+    }
+
+    fn fail(&self, pack: u32, chunk: u64, slot: &Arc<Slot>, e: ChunkError) {
+        match &e {
+            ChunkError::Mismatch { .. } => {
+                Counters::add(&self.counters.verify_failures, 1);
+                let (s, en) = self.blockmap.chunk_bounds(pack, chunk);
+                log::error!(
+                    "verification failed: pack {} chunk {chunk} (bytes [{s}, {en})): sha256 does not match the blockmap; failing the read with EIO",
+                    self.pack_names[pack as usize]
+                );
+            }
+            ChunkError::Read(msg) => log::error!("{msg}"),
+        }
+        // not cached: the next read tries again
+        self.forget((pack, chunk), slot);
+        slot.fill(Err(e));
+    }
+
+    /// Load claimed chunks of one pack: from the persistent cache where it has them, the
+    /// rest from the source, one read per run of adjacent chunks; verify; fill the slots.
+    fn fill(&self, pack: u32, mut owned: Vec<(u64, Arc<Slot>)>) {
+        owned.sort_by_key(|(c, _)| *c);
+        let mut need: Vec<(u64, Arc<Slot>)> = Vec::new();
+        for (chunk, slot) in owned {
+            match self
+                .fetching
+                .disk
+                .as_ref()
+                .and_then(|d| d.get(self.blockmap.digest(pack, chunk)))
+            {
+                Some(data) => slot.fill(Ok(Arc::new(data))),
+                None => need.push((chunk, slot)),
+            }
+        }
+        let mut i = 0;
+        while i < need.len() {
+            let mut j = i + 1;
+            while j < need.len() && need[j].0 == need[j - 1].0 + 1 {
+                j += 1;
+            }
+            self.fill_run(pack, &need[i..j]);
+            i = j;
+        }
+    }
+
+    fn fill_run(&self, pack: u32, run: &[(u64, Arc<Slot>)]) {
+        let (start, _) = self.blockmap.chunk_bounds(pack, run[0].0);
+        let (_, end) = self.blockmap.chunk_bounds(pack, run[run.len() - 1].0);
+        let mut buf = vec![0u8; (end - start) as usize];
+        if let Err(e) = self.source.read_at(pack, start, &mut buf) {
+            let msg = format!("pack {}: read [{start}, {end}): {e}", self.pack_names[pack as usize]);
+            for (chunk, slot) in run {
+                self.fail(pack, *chunk, slot, ChunkError::Read(msg.clone()));
+            }
+            return;
+        }
+        Counters::add(&self.counters.pack_bytes_read, buf.len() as u64);
+        for (chunk, slot) in run {
+            let (s, e) = self.blockmap.chunk_bounds(pack, *chunk);
+            let data = &buf[(s - start) as usize..(e - start) as usize];
+            let digest = self.blockmap.digest(pack, *chunk);
+            if Sha256::digest(data).as_slice() != digest {
+                self.fail(pack, *chunk, slot, ChunkError::Mismatch { pack, chunk: *chunk });
+                continue;
+            }
+            Counters::add(&self.counters.chunks_verified, 1);
+            if let Some(d) = &self.fetching.disk {
+                d.put(digest, data);
+            }
+            slot.fill(Ok(Arc::new(data.to_vec())));
+        }
+    }
+
+    /// Fetch the chunks `chunks` of `pack` that neither cache holds, in this thread, as
+    /// one source read per run of adjacent chunks (readahead, prefetching). Returns how
+    /// many were fetched.
+    fn fetch_missing(&self, pack: u32, chunks: std::ops::Range<u64>) -> u64 {
+        let owned = self.claim(pack, chunks, true);
+        let n = owned.len() as u64;
+        if n > 0 {
+            self.fill(pack, owned);
+        }
+        n
+    }
+
+    /// Record a read of chunks `[first, last]` of `pack`; the length of the sequential
+    /// run it continues.
+    fn streak(&self, pack: u32, first: u64, last: u64) -> u64 {
+        let mut s = self.streaks.lock().unwrap();
+        let e = s.entry(pack).or_insert((u64::MAX, 0));
+        if e.0 != u64::MAX && (first == e.0 || first == e.0 + 1) {
+            e.1 += last.saturating_sub(e.0);
+        } else if e.0 != last {
+            e.1 = last - first + 1;
+        }
+        e.0 = last;
+        e.1
+    }
 }
 
 impl VerifiedChunks {
@@ -50,110 +339,100 @@ impl VerifiedChunks {
     ) -> VerifiedChunks {
         let capacity = (cache_bytes >> blockmap.chunk_shift).max(4) as usize;
         VerifiedChunks {
-            blockmap,
-            source,
-            counters,
-            capacity,
-            cache: Mutex::new(CacheInner {
-                map: HashMap::new(),
-                tick: 0,
+            core: Arc::new(Core {
+                blockmap,
+                source,
+                counters,
+                capacity,
+                cache: Mutex::new(CacheInner {
+                    map: HashMap::new(),
+                    tick: 0,
+                }),
+                pack_names,
+                fetching: Fetching::default(),
+                streaks: Mutex::new(HashMap::new()),
             }),
-            pack_names,
+            pool: None,
         }
+    }
+
+    /// Remote packs: a persistent cache, readahead (see [`Fetching`]).
+    pub fn with_fetching(mut self, fetching: Fetching) -> VerifiedChunks {
+        if fetching.readahead > 0 && fetching.workers > 0 {
+            self.pool = Some(Pool::new(fetching.workers));
+        }
+        Arc::get_mut(&mut self.core)
+            .expect("with_fetching before first use")
+            .fetching = fetching;
+        self
     }
 
     /// Number of chunks currently cached (tests).
     #[cfg(test)]
     pub fn cache_len(&self) -> usize {
-        self.cache.lock().unwrap().map.len()
+        self.core.cache.lock().unwrap().map.len()
     }
 
     pub fn blockmap(&self) -> &Blockmap {
-        &self.blockmap
-    }
-
-    fn slot(&self, key: (u32, u64)) -> (Slot, bool) {
-        let mut c = self.cache.lock().unwrap();
-        c.tick += 1;
-        let tick = c.tick;
-        if let Some((slot, used)) = c.map.get_mut(&key) {
-            *used = tick;
-            return (slot.clone(), true);
-        }
-        if c.map.len() >= self.capacity {
-            // evict the least recently used entry (the cache is small: a scan is fine)
-            if let Some(old) = c.map.iter().min_by_key(|(_, (_, used))| *used).map(|(k, _)| *k) {
-                c.map.remove(&old);
-            }
-        }
-        let slot: Slot = Arc::new(OnceLock::new());
-        c.map.insert(key, (slot.clone(), tick));
-        (slot, false)
-    }
-
-    fn forget(&self, key: (u32, u64), slot: &Slot) {
-        let mut c = self.cache.lock().unwrap();
-        if let Some((s, _)) = c.map.get(&key) {
-            if Arc::ptr_eq(s, slot) {
-                c.map.remove(&key);
-            }
-        }
-    }
-
-    fn load(&self, pack: u32, chunk: u64) -> Result<Arc<Vec<u8>>, ChunkError> {
-        let (start, end) = self.blockmap.chunk_bounds(pack, chunk);
-        let mut buf = vec![0u8; (end - start) as usize];
-        self.source.read_at(pack, start, &mut buf).map_err(|e| {
-            ChunkError::Read(format!(
-                "pack {}: read [{start}, {end}): {e}",
-                self.pack_names[pack as usize]
-            ))
-        })?;
-        Counters::add(&self.counters.pack_bytes_read, buf.len() as u64);
-        let got = Sha256::digest(&buf);
-        if got.as_slice() != self.blockmap.digest(pack, chunk) {
-            return Err(ChunkError::Mismatch { pack, chunk });
-        }
-        Counters::add(&self.counters.chunks_verified, 1);
-        Ok(Arc::new(buf))
+        &self.core.blockmap
     }
 
     /// The verified bytes of chunk `chunk` of pack `pack`.
     pub fn chunk(&self, pack: u32, chunk: u64) -> Result<Arc<Vec<u8>>, ChunkError> {
-        let key = (pack, chunk);
-        let (slot, hit) = self.slot(key);
-        let mut loaded_here = false;
-        let res = slot
-            .get_or_init(|| {
-                loaded_here = true;
-                self.load(pack, chunk)
-            })
-            .clone();
-        if hit && !loaded_here {
-            Counters::add(&self.counters.cache_hits, 1);
+        let (slot, owned) = self.core.slot((pack, chunk));
+        if owned {
+            Counters::add(&self.core.counters.cache_misses, 1);
+            self.core.fill(pack, vec![(chunk, slot.clone())]);
+        } else {
+            Counters::add(&self.core.counters.cache_hits, 1);
         }
-        if let Err(e) = &res {
-            if loaded_here {
-                match e {
-                    ChunkError::Mismatch { .. } => {
-                        Counters::add(&self.counters.verify_failures, 1);
-                        let (s, en) = self.blockmap.chunk_bounds(pack, chunk);
-                        log::error!(
-                            "verification failed: pack {} chunk {chunk} (bytes [{s}, {en})): sha256 does not match the blockmap; failing the read with EIO",
-                            self.pack_names[pack as usize]
-                        );
-                    }
-                    ChunkError::Read(msg) => log::error!("{msg}"),
-                }
+        slot.wait(self.core.fetching.wait_limit)
+    }
+
+    /// After a read of chunks `[first, last]`: on the third chunk in sequence, have a
+    /// worker fetch the next `readahead` chunks (those neither cache holds).
+    fn readahead(&self, pack: u32, first: u64, last: u64) {
+        let Some(pool) = &self.pool else { return };
+        let ahead = self.core.fetching.readahead;
+        if self.core.streak(pack, first, last) < 3 {
+            return;
+        }
+        let pe = &self.core.blockmap.packs[pack as usize];
+        let n = crate::blockmap::chunks_in(pe.size, self.core.blockmap.chunk_size());
+        let range = (last + 1).min(n)..(last + 1 + ahead).min(n);
+        if range.is_empty() {
+            return;
+        }
+        // cheap check first: nothing to do once the window is in memory
+        {
+            let c = self.core.cache.lock().unwrap();
+            if range.clone().all(|k| c.map.contains_key(&(pack, k))) {
+                return;
             }
-            self.forget(key, &slot);
         }
-        res
+        let core = self.core.clone();
+        pool.try_run(move || {
+            let n = core.fetch_missing(pack, range);
+            Counters::add(&core.counters.readahead_chunks, n);
+        });
     }
 
     /// Copy verified pack bytes `[pack_offset, pack_offset + out.len())` into `out`.
     pub fn read_pack(&self, pack: u32, pack_offset: u64, out: &mut [u8]) -> Result<(), ChunkError> {
-        let shift = self.blockmap.chunk_shift;
+        let shift = self.core.blockmap.chunk_shift;
+        if out.is_empty() {
+            return Ok(());
+        }
+        let (first, last) = (pack_offset >> shift, (pack_offset + out.len() as u64 - 1) >> shift);
+        if last > first {
+            // every chunk the read needs, loaded together (one range request when remote)
+            let owned = self.core.claim(pack, first..last + 1, false);
+            if !owned.is_empty() {
+                Counters::add(&self.core.counters.cache_misses, owned.len() as u64);
+                self.core.fill(pack, owned);
+            }
+        }
+        self.readahead(pack, first, last);
         let mut pos = pack_offset;
         let mut done = 0usize;
         while done < out.len() {
@@ -164,7 +443,7 @@ impl VerifiedChunks {
             if take == 0 {
                 return Err(ChunkError::Read(format!(
                     "pack {}: read past its end at {pos}",
-                    self.pack_names[pack as usize]
+                    self.core.pack_names[pack as usize]
                 )));
             }
             out[done..done + take].copy_from_slice(&data[within..within + take]);
@@ -172,5 +451,118 @@ impl VerifiedChunks {
             pos += take as u64;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::tests::synthetic_parts;
+    use std::sync::atomic::AtomicU64;
+
+    /// A source that counts its reads and can be slowed down.
+    struct Counting {
+        inner: Box<dyn PackSource>,
+        reads: Arc<AtomicU64>,
+        delay: Duration,
+    }
+
+    impl PackSource for Counting {
+        fn read_at(&self, pack: u32, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+            self.reads.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(self.delay);
+            self.inner.read_at(pack, offset, buf)
+        }
+    }
+
+    fn counted(
+        tmp: &std::path::Path,
+        delay: Duration,
+        fetching: Fetching,
+    ) -> (VerifiedChunks, Vec<u8>, Arc<AtomicU64>) {
+        let (bm, src, pack, _) = synthetic_parts(tmp, 12);
+        let reads = Arc::new(AtomicU64::new(0));
+        let src = Counting {
+            inner: src,
+            reads: reads.clone(),
+            delay,
+        };
+        let vc = VerifiedChunks::new(
+            Arc::new(bm),
+            Box::new(src),
+            Arc::new(Counters::default()),
+            64 << 12,
+            vec!["p0".into()],
+        )
+        .with_fetching(fetching);
+        (vc, pack, reads)
+    }
+
+    #[test]
+    fn concurrent_readers_of_one_chunk_cause_one_read() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (vc, pack, reads) = counted(tmp.path(), Duration::from_millis(200), Fetching::default());
+        let vc = Arc::new(vc);
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let vc = vc.clone();
+                std::thread::spawn(move || vc.chunk(0, 2).unwrap())
+            })
+            .collect();
+        for t in threads {
+            assert_eq!(&t.join().unwrap()[..], &pack[2 * 4096..3 * 4096]);
+        }
+        assert_eq!(reads.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_read_over_several_chunks_is_one_source_read() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (vc, pack, reads) = counted(tmp.path(), Duration::ZERO, Fetching::default());
+        let mut out = vec![0u8; 3 * 4096];
+        vc.read_pack(0, 100, &mut out).unwrap();
+        assert_eq!(out, pack[100..100 + 3 * 4096]);
+        assert_eq!(reads.load(Ordering::SeqCst), 1, "chunks 0..=3 in one read");
+    }
+
+    #[test]
+    fn sequential_reads_fetch_ahead_and_the_disk_cache_serves_a_new_instance() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = tmp.path().join("cache");
+        let fetching = |c: &std::path::Path| Fetching {
+            disk: Some(DiskCache::open(c, 1 << 30, Arc::new(Counters::default())).unwrap()),
+            readahead: 2,
+            workers: 2,
+            wait_limit: Some(Duration::from_secs(10)),
+        };
+        let (vc, pack, reads) = counted(tmp.path(), Duration::ZERO, fetching(&cache));
+        for c in 0..3u64 {
+            assert_eq!(
+                &vc.chunk(0, c).unwrap()[..],
+                &pack[(c as usize) * 4096..(c as usize + 1) * 4096]
+            );
+            let mut b = [0u8; 1];
+            vc.read_pack(0, c * 4096, &mut b).unwrap();
+        }
+        // the third chunk in sequence started a readahead of chunks 3 and 4 (one read)
+        let t = std::time::Instant::now();
+        while vc.core.counters.snapshot().readahead_chunks < 2 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(vc.core.counters.snapshot().readahead_chunks, 2);
+        while reads.load(Ordering::SeqCst) < 4 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(reads.load(Ordering::SeqCst), 4);
+        drop(vc);
+        // a new instance (a restarted server) reads chunks 0..5 without the source
+        let (vc, pack, reads) = counted(tmp.path(), Duration::ZERO, fetching(&cache));
+        for c in 0..5u64 {
+            assert_eq!(
+                &vc.chunk(0, c).unwrap()[..],
+                &pack[(c as usize) * 4096..(c as usize + 1) * 4096]
+            );
+        }
+        assert_eq!(reads.load(Ordering::SeqCst), 0);
     }
 }

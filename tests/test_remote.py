@@ -1,0 +1,332 @@
+"""Root integration tests for remote bundles (docs/remote.md): `ublkd mount` of a bundle
+served by nginx over HTTP and of an artifact in docker-registry (both real servers on
+loopback, tests/servers.py), the persistent chunk cache, timeouts and corrupt responses.
+
+Helpers and the `no_leftovers` fixture come from tests/test_ublkd.py; the chunk cache
+goes to tmp_path (UBLKD_CACHE_DIR), so a test leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import signal
+import tarfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from servers import AccessRecord, docker_registry, nginx_serving
+from test_ublkd import CHUNK, no_leftovers, read_file, status, status_of, ublkd
+
+from btrfs_ublk_image import blockmap as bmap
+from btrfs_ublk_image.cli import main as cli
+
+from bundletools import list_dir, list_tar
+
+pytestmark = pytest.mark.root
+__all__ = ["no_leftovers"]  # the fixture, used by name
+
+FRONTEND = ("--frontend", "fuse")
+
+
+def make_tree(path: Path) -> dict[str, bytes]:
+    """A tarball whose pack has neighbours around a 1 MiB file; returns name -> content."""
+    rnd = __import__("random").Random(11)
+    files = {
+        "etc/hostname": b"remote\n",
+        "data/before.bin": rnd.randbytes(3 * CHUNK + 5000),
+        "data/one.bin": rnd.randbytes(CHUNK),
+        "data/after.bin": rnd.randbytes(3 * CHUNK + 777),
+        "data/long.bin": rnd.randbytes(24 * CHUNK),
+        "data/small.bin": rnd.randbytes(70_000),
+        "data/victim.bin": rnd.randbytes(2 * CHUNK),
+    }
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        for d in ("etc", "data"):
+            ti = tarfile.TarInfo(d)
+            ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, 1_700_000_000
+            tf.addfile(ti)
+        for name, data in files.items():
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mode, ti.mtime = len(data), 0o644, 1_700_000_000
+            tf.addfile(ti, io.BytesIO(data))
+    return files
+
+
+def build_served_bundle(tmp: Path) -> tuple[Path, Path, dict[str, bytes]]:
+    """-> (bundle dir under tmp/www, tarball, files)."""
+    work = tmp / "src"
+    work.mkdir()
+    tarball = work / "rootfs.tar"
+    files = make_tree(tarball)
+    spec = work / "spec.yaml"
+    spec.write_text("version: 1\nname: remote\nlayers:\n  - tar: {path: rootfs.tar}\n")
+    bundle = tmp / "www" / "img.bundle"
+    bundle.parent.mkdir()
+    assert cli(["build", str(spec), "-o", str(bundle)]) == 0
+    return bundle, tarball, files
+
+
+def pack_bytes(reqs: list[AccessRecord]) -> int:
+    return sum(r.bytes_sent for r in reqs if "/packs/" in r.path)
+
+
+def image_hex(bundle: Path) -> str:
+    return hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()
+
+
+def settled_status(mnt: Path) -> dict[str, object]:
+    """The mount's status once the server's counters stopped changing (stats.json is
+    rewritten every 200 ms; readahead may still be finishing)."""
+    last = status_of(mnt)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = status_of(mnt)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+@pytest.fixture
+def cache_dir(no_leftovers: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = no_leftovers / "cache"
+    monkeypatch.setenv("UBLKD_CACHE_DIR", str(d))
+    return d
+
+
+def test_http_mount_tree_one_file_fetch_and_persistent_cache(
+    no_leftovers: Path, cache_dir: Path
+) -> None:
+    tmp = no_leftovers
+    bundle, tarball, files = build_served_bundle(tmp)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    with nginx_serving(bundle.parent, tmp / "nginx") as web:
+        url = f"{web.url}/{bundle.name}/manifest.json"
+        r = ublkd("mount", url, mnt, *FRONTEND)
+        assert url in r.stdout
+        try:
+            # manifest.json, meta.img and blockmap; of the packs only what mount(2)
+            # reads: device 2's superblock (one chunk)
+            reqs = web.requests()
+            assert [r.path.rsplit("/", 1)[1] for r in reqs[:3]] == [
+                "manifest.json",
+                "meta.img",
+                "blockmap",
+            ]
+            assert pack_bytes(reqs) <= CHUNK and len(reqs) <= 4, reqs
+            boot = [r for r in reqs if "/packs/" in r.path]
+            img = cache_dir / image_hex(bundle)
+            assert (img / "meta.img").read_bytes() == (bundle / "meta.img").read_bytes()
+            web.clear_log()
+            assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
+            reqs = web.requests()
+            fetched = pack_bytes(reqs)
+            assert 0 < fetched <= 2 * CHUNK, reqs
+            assert all(r.status == 206 and r.range.startswith("bytes=") for r in reqs), reqs
+            assert list_dir(mnt) == list_tar(tarball)
+            st = settled_status(mnt)
+            assert st["bundle"] == url
+            # the server's counters: its requests are exactly the pack requests nginx saw
+            reqs = boot + web.requests()
+            assert st["fetch_requests"] == len(reqs) and st["fetch_bytes"] == pack_bytes(reqs)
+            assert st["fetch_errors"] == 0 and st["verify_failures"] == 0
+            assert isinstance(st["fetch_latency_us_max"], int) and st["fetch_latency_us_max"] > 0
+            assert st["disk_cache_bytes"] == st["fetch_bytes"]
+        finally:
+            ublkd("umount", mnt)
+        assert status() == []
+        # a cold start: a new server, nothing in memory; the chunk cache has every chunk
+        web.clear_log()
+        ublkd("mount", url, mnt, *FRONTEND)
+        try:
+            assert list_dir(mnt) == list_tar(tarball)
+            reqs = web.requests()
+            assert pack_bytes(reqs) == 0, reqs
+            assert [r.path.rsplit("/", 1)[1] for r in reqs] == ["manifest.json"]
+            st = settled_status(mnt)
+            assert isinstance(st["disk_cache_hits"], int) and st["disk_cache_hits"] >= 30
+            assert st["fetch_bytes"] == 0 and st["disk_cache_corrupt"] == 0
+            text = ublkd("status").stdout
+            assert "chunk cache" in text and "fetched  0 bytes" in text, text
+        finally:
+            ublkd("umount", mnt)
+    assert status() == []
+
+
+def test_http_server_gone_mid_read_eio_then_back_and_recover(
+    no_leftovers: Path, cache_dir: Path
+) -> None:
+    """nginx stopped while a file is read: the read fails with EIO after the fetch timeout
+    (it never hangs); once nginx is back the same read succeeds. Then kill -9 of the
+    server and `ublkd recover`: the new server starts from the cached image (no network
+    needed for that) and serves the rest."""
+    tmp = no_leftovers
+    bundle, _, files = build_served_bundle(tmp)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    timeout = 2.0
+    with nginx_serving(bundle.parent, tmp / "nginx") as web:
+        url = f"{web.url}/{bundle.name}/manifest.json"
+        ublkd("mount", url, mnt, *FRONTEND, "--fetch-timeout", str(timeout))
+        try:
+            want = files["data/long.bin"]
+            with open(mnt / "data" / "long.bin", "rb") as f:
+                assert f.read(CHUNK) == want[:CHUNK]
+                web.stop()
+                t0 = time.monotonic()
+                with pytest.raises(OSError) as e:
+                    f.read()
+                elapsed = time.monotonic() - t0
+            assert e.value.errno == errno.EIO
+            # the kernel may try a failed page again and btrfs reads in several bios:
+            # a few fetch timeouts, never a hang
+            assert timeout * 0.9 < elapsed < 8 * timeout, elapsed
+            st = settled_status(mnt)
+            assert isinstance(st["fetch_errors"], int) and st["fetch_errors"] > 0
+            assert isinstance(st["read_errors"], int) and st["read_errors"] > 0
+            web.start()
+            assert read_file(mnt / "data" / "long.bin") == want
+            # the server dies; recover restarts it (it opens the cached image)
+            pid = status_of(mnt)["server_pid"]
+            assert isinstance(pid, int)
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5
+            while status_of(mnt)["server_alive"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            web.stop()
+            ublkd("recover", mnt)
+            assert status_of(mnt)["server_alive"] is True
+            web.start()
+            assert read_file(mnt / "data" / "after.bin") == files["data/after.bin"]
+        finally:
+            ublkd("umount", mnt)
+    assert status() == []
+
+
+def test_corrupt_response_rejected_counted_never_cached(
+    no_leftovers: Path, cache_dir: Path
+) -> None:
+    tmp = no_leftovers
+    bundle, _, files = build_served_bundle(tmp)
+    (pack,) = list((bundle / "packs").iterdir())
+    data = bytearray(pack.read_bytes())
+    want = files["data/victim.bin"]
+    at = data.find(want)
+    assert at >= 0
+    victim = at + len(want) // 2
+    bad_chunk = victim // CHUNK
+    bm = bmap.decode((bundle / "blockmap").read_bytes())
+    digest = bm.packs[0].chunk_digests[bad_chunk].hex()
+    cached = cache_dir / image_hex(bundle) / "chunks" / digest[:2] / digest
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    with nginx_serving(bundle.parent, tmp / "nginx") as web:
+        url = f"{web.url}/{bundle.name}/manifest.json"
+        ublkd("mount", url, mnt, *FRONTEND, "--fetch-timeout", "5")
+        try:
+            data[victim] ^= 0xFF
+            pack.write_bytes(bytes(data))  # the server now sends one wrong byte
+            assert read_file(mnt / "data" / "victim.bin") == errno.EIO
+            st = settled_status(mnt)
+            assert isinstance(st["verify_failures"], int) and st["verify_failures"] >= 1
+            assert not cached.exists()
+            assert not list((cache_dir / image_hex(bundle) / "chunks" / "tmp").iterdir())
+            data[victim] ^= 0xFF
+            pack.write_bytes(bytes(data))  # fixed
+            assert read_file(mnt / "data" / "victim.bin") == want
+            assert hashlib.sha256(cached.read_bytes()).hexdigest() == digest
+        finally:
+            ublkd("umount", mnt)
+    assert status() == []
+
+
+# --- OCI -------------------------------------------------------------------------------
+def push_artifact(registry: str, repo: str, tag: str, bundle: Path) -> str:
+    """Upload `bundle` as the artifact of docs/remote.md; returns the manifest digest.
+    A stand-in for `btrfs-ublk-image push` (branch `push`) until that lands on main."""
+    base = f"http://{registry}/v2/{repo}"
+
+    def put_blob(data: bytes) -> str:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        post = urllib.request.Request(f"{base}/blobs/uploads/", method="POST")
+        with urllib.request.urlopen(post) as r:
+            loc = r.headers["Location"]
+        if loc.startswith("/"):
+            loc = f"http://{registry}{loc}"
+        sep = "&" if "?" in loc else "?"
+        put = urllib.request.Request(f"{loc}{sep}digest={digest}", data=data, method="PUT")
+        put.add_header("Content-Type", "application/octet-stream")
+        urllib.request.urlopen(put).close()
+        return digest
+
+    def layer(rel: str, media: str) -> dict[str, object]:
+        data = (bundle / rel).read_bytes()
+        return {
+            "mediaType": f"application/vnd.btrfs-ublk-image.{media}.v1",
+            "digest": put_blob(data),
+            "size": len(data),
+            "annotations": {"org.opencontainers.image.title": rel},
+        }
+
+    mbytes = (bundle / "manifest.json").read_bytes()
+    packs = json.loads(mbytes)["packs"]
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "artifactType": "application/vnd.btrfs-ublk-image.bundle.v1",
+        "config": {
+            "mediaType": "application/vnd.btrfs-ublk-image.manifest.v1+json",
+            "digest": put_blob(mbytes),
+            "size": len(mbytes),
+        },
+        "layers": [layer("meta.img", "meta"), layer("blockmap", "blockmap")]
+        + [layer(p["path"], "pack") for p in packs],
+        "annotations": {"dev.btrfs-ublk-image.image-id": "sha256:" + image_hex(bundle)},
+    }
+    body = json.dumps(manifest).encode()
+    put = urllib.request.Request(f"{base}/manifests/{tag}", data=body, method="PUT")
+    put.add_header("Content-Type", "application/vnd.oci.image.manifest.v1+json")
+    urllib.request.urlopen(put).close()
+    return "sha256:" + hashlib.sha256(body).hexdigest()
+
+
+def test_oci_mount_by_tag_and_digest(no_leftovers: Path, cache_dir: Path) -> None:
+    tmp = no_leftovers
+    bundle, tarball, files = build_served_bundle(tmp)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    with docker_registry(tmp / "registry") as reg:
+        digest = push_artifact(reg.address, "images/remote", "v1", bundle)
+        loc = f"oci://{reg.address}/images/remote:v1"
+        image_id = "sha256:" + image_hex(bundle)
+        r = ublkd("mount", loc, mnt, *FRONTEND, "--expect-id", image_id)
+        assert image_id in r.stdout
+        try:
+            assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
+            st = settled_status(mnt)
+            assert st["bundle"] == loc and st["image_id"] == image_id
+            assert isinstance(st["fetch_bytes"], int) and 0 < st["fetch_bytes"] <= 2 * CHUNK
+            assert list_dir(mnt) == list_tar(tarball)
+        finally:
+            ublkd("umount", mnt)
+        # by digest: the same image, its chunks already cached
+        ublkd("mount", f"oci://{reg.address}/images/remote@{digest}", mnt, *FRONTEND)
+        try:
+            assert list_dir(mnt) == list_tar(tarball)
+            assert settled_status(mnt)["fetch_bytes"] == 0
+        finally:
+            ublkd("umount", mnt)
+        # errors name the location and the problem; nothing is left mounted
+        r = ublkd("mount", f"oci://{reg.address}/images/remote:nope", mnt, *FRONTEND, check=False)
+        assert r.returncode != 0 and "images/remote/manifests/nope: HTTP 404" in r.stderr, r.stderr
+        r = ublkd("mount", loc, mnt, *FRONTEND, "--expect-id", "sha256:" + "0" * 64, check=False)
+        assert r.returncode != 0 and f"{loc}: image id is {image_id}" in r.stderr, r.stderr
+    assert status() == []

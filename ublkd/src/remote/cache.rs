@@ -1,0 +1,247 @@
+//! The persistent chunk cache of a remote image: `<image dir>/chunks/<hh>/<sha256 hex>`,
+//! one file per verified pack chunk, named by its digest.
+//!
+//! * Only verified bytes are put in (the caller checked the digest), written to
+//!   `chunks/tmp/` and renamed into place: a torn write never has an entry's name.
+//! * Every load re-checks the digest (a crash can leave a renamed file whose data never
+//!   reached the disk); a bad entry is removed, counted, and the chunk fetched again.
+//! * Bounded: when the entries exceed the limit, the least recently used go (the order
+//!   survives restarts through the files' mtimes, which a hit refreshes).
+//!
+//! One server per image uses the directory (the bundle lock is keyed by image id).
+
+use crate::stats::Counters;
+use anyhow::{Context, Result};
+use sha2::{Digest as _, Sha256};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+struct Index {
+    entries: HashMap<[u8; 32], (u64, u64)>, // digest -> (size, last use tick)
+    total: u64,
+    tick: u64,
+}
+
+pub struct DiskCache {
+    dir: PathBuf,
+    limit: u64,
+    index: Mutex<Index>,
+    counters: Arc<Counters>,
+    tmp_seq: AtomicU64,
+}
+
+fn parse_digest(name: &str) -> Option<[u8; 32]> {
+    let v = hex::decode(name).ok()?;
+    v.try_into().ok()
+}
+
+impl DiskCache {
+    /// Open (creating) `dir` (`<image dir>/chunks`): leftover temp files are removed,
+    /// entries indexed by mtime, and the cache trimmed to `limit` bytes.
+    pub fn open(dir: &Path, limit: u64, counters: Arc<Counters>) -> Result<DiskCache> {
+        let tmp = dir.join("tmp");
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).with_context(|| format!("{}: mkdir", tmp.display()))?;
+        let mut found: Vec<([u8; 32], u64, SystemTime)> = Vec::new();
+        for sub in std::fs::read_dir(dir).with_context(|| format!("{}: read", dir.display()))? {
+            let sub = sub?;
+            if sub.file_name().len() != 2 || !sub.path().is_dir() {
+                continue;
+            }
+            for e in std::fs::read_dir(sub.path())? {
+                let e = e?;
+                let Some(d) = parse_digest(&e.file_name().to_string_lossy()) else {
+                    continue;
+                };
+                if let Ok(m) = e.metadata() {
+                    found.push((d, m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
+                }
+            }
+        }
+        found.sort_by_key(|f| f.2);
+        let mut index = Index {
+            entries: HashMap::new(),
+            total: 0,
+            tick: 0,
+        };
+        for (d, size, _) in found {
+            index.tick += 1;
+            index.entries.insert(d, (size, index.tick));
+            index.total += size;
+        }
+        let c = DiskCache {
+            dir: dir.to_path_buf(),
+            limit,
+            index: Mutex::new(index),
+            counters,
+            tmp_seq: AtomicU64::new(0),
+        };
+        c.trim();
+        Ok(c)
+    }
+
+    fn path(&self, digest: &[u8; 32]) -> PathBuf {
+        let h = hex::encode(digest);
+        self.dir.join(&h[..2]).join(h)
+    }
+
+    pub fn contains(&self, digest: &[u8; 32]) -> bool {
+        self.index.lock().unwrap().entries.contains_key(digest)
+    }
+
+    fn remove(&self, digest: &[u8; 32]) {
+        let mut ix = self.index.lock().unwrap();
+        if let Some((size, _)) = ix.entries.remove(digest) {
+            ix.total -= size;
+        }
+        let _ = std::fs::remove_file(self.path(digest));
+        self.publish(&ix);
+    }
+
+    fn publish(&self, ix: &Index) {
+        self.counters
+            .disk_cache_bytes
+            .store(ix.total, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The verified bytes of a cached chunk, or None (not cached, unreadable or bad).
+    pub fn get(&self, digest: &[u8; 32]) -> Option<Vec<u8>> {
+        {
+            let mut ix = self.index.lock().unwrap();
+            ix.tick += 1;
+            let tick = ix.tick;
+            match ix.entries.get_mut(digest) {
+                Some(e) => e.1 = tick,
+                None => {
+                    Counters::add(&self.counters.disk_cache_misses, 1);
+                    return None;
+                }
+            }
+        }
+        let path = self.path(digest);
+        let data = match std::fs::read(&path) {
+            Ok(d) => d,
+            Err(e) => {
+                log::warn!("chunk cache {}: {e}; fetching it again", path.display());
+                self.remove(digest);
+                Counters::add(&self.counters.disk_cache_misses, 1);
+                return None;
+            }
+        };
+        if Sha256::digest(&data).as_slice() != digest {
+            log::error!(
+                "chunk cache {}: sha256 does not match its name (torn write or disk corruption); removed",
+                path.display()
+            );
+            Counters::add(&self.counters.disk_cache_corrupt, 1);
+            Counters::add(&self.counters.disk_cache_misses, 1);
+            self.remove(digest);
+            return None;
+        }
+        // keep the LRU order across restarts
+        if let Ok(f) = std::fs::File::options().write(true).open(&path) {
+            let _ = f.set_modified(SystemTime::now());
+        }
+        Counters::add(&self.counters.disk_cache_hits, 1);
+        Some(data)
+    }
+
+    /// Add a chunk whose digest the caller has verified. Failures only cost the cache.
+    pub fn put(&self, digest: &[u8; 32], data: &[u8]) {
+        if self.contains(digest) || data.len() as u64 > self.limit {
+            return;
+        }
+        let path = self.path(digest);
+        let seq = self.tmp_seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = self
+            .dir
+            .join("tmp")
+            .join(format!("{}.{}.{seq}", hex::encode(digest), std::process::id()));
+        let res = (|| -> std::io::Result<()> {
+            std::fs::create_dir_all(path.parent().unwrap())?;
+            std::fs::write(&tmp, data)?;
+            std::fs::rename(&tmp, &path)
+        })();
+        if let Err(e) = res {
+            let _ = std::fs::remove_file(&tmp);
+            log::warn!("chunk cache {}: {e}; not cached", path.display());
+            return;
+        }
+        {
+            let mut ix = self.index.lock().unwrap();
+            ix.tick += 1;
+            let tick = ix.tick;
+            if ix.entries.insert(*digest, (data.len() as u64, tick)).is_none() {
+                ix.total += data.len() as u64;
+            }
+        }
+        self.trim();
+    }
+
+    /// Remove least recently used entries until the cache holds at most `limit` bytes.
+    fn trim(&self) {
+        let mut ix = self.index.lock().unwrap();
+        if ix.total > self.limit {
+            let mut by_age: Vec<([u8; 32], u64, u64)> = ix.entries.iter().map(|(d, (s, t))| (*d, *s, *t)).collect();
+            by_age.sort_by_key(|e| e.2);
+            // down to 90 %: an eviction scan per insert would be wasteful once full
+            let target = self.limit - self.limit / 10;
+            for (d, size, _) in by_age {
+                if ix.total <= target {
+                    break;
+                }
+                ix.entries.remove(&d);
+                ix.total -= size;
+                let _ = std::fs::remove_file(self.path(&d));
+            }
+        }
+        self.publish(&ix);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(i: u8) -> (Vec<u8>, [u8; 32]) {
+        let data = vec![i; 1000];
+        let d: [u8; 32] = Sha256::digest(&data).into();
+        (data, d)
+    }
+
+    #[test]
+    fn put_get_evict_reload_and_reject_corruption() {
+        let tmp = tempfile::tempdir().unwrap();
+        let counters = Arc::new(Counters::default());
+        let c = DiskCache::open(tmp.path(), 3500, counters.clone()).unwrap();
+        let chunks: Vec<_> = (0..5u8).map(chunk).collect();
+        for (data, d) in &chunks[..3] {
+            c.put(d, data);
+        }
+        assert_eq!(c.get(&chunks[0].1).as_deref(), Some(&chunks[0].0[..]));
+        // a fourth entry exceeds 3500 bytes: the least recently used (chunk 1) goes
+        c.put(&chunks[3].1, &chunks[3].0);
+        assert!(!c.contains(&chunks[1].1) && !c.path(&chunks[1].1).exists());
+        assert!(c.contains(&chunks[0].1) && c.contains(&chunks[3].1));
+        drop(c);
+        // persistent: a new instance finds the entries
+        let c = DiskCache::open(tmp.path(), 3500, counters.clone()).unwrap();
+        assert_eq!(c.get(&chunks[3].1).as_deref(), Some(&chunks[3].0[..]));
+        // a corrupted entry is never returned, and is removed
+        let p = c.path(&chunks[0].1);
+        let mut bad = std::fs::read(&p).unwrap();
+        bad[10] ^= 1;
+        std::fs::write(&p, bad).unwrap();
+        assert_eq!(c.get(&chunks[0].1), None);
+        assert!(!p.exists());
+        assert_eq!(counters.snapshot().disk_cache_corrupt, 1);
+        // leftover temp files go at open
+        std::fs::write(tmp.path().join("tmp").join("x"), b"torn").unwrap();
+        drop(c);
+        let _c = DiskCache::open(tmp.path(), 3500, counters).unwrap();
+        assert_eq!(std::fs::read_dir(tmp.path().join("tmp")).unwrap().count(), 0);
+    }
+}

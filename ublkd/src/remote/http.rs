@@ -1,0 +1,164 @@
+//! HTTP(S) for remote packs: one pooled `ureq` agent per server process (connections are
+//! reused), redirects followed (ureq keeps every header but `Authorization` across a
+//! redirect, so `Range` survives a registry's redirect to its blob storage), and a retry
+//! loop with backoff that gives up at a deadline.
+
+use crate::stats::Counters;
+use std::io::Read;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Why one attempt failed. Transient failures are retried until the deadline.
+#[derive(Debug)]
+pub enum Failure {
+    Transient(String),
+    Permanent(String),
+}
+
+impl Failure {
+    fn message(&self) -> &str {
+        match self {
+            Failure::Transient(m) | Failure::Permanent(m) => m,
+        }
+    }
+}
+
+pub struct Http {
+    agent: ureq::Agent,
+    pub counters: Arc<Counters>,
+}
+
+/// A `Range` header value for bytes `[start, end)`.
+pub fn range_header(start: u64, end: u64) -> String {
+    format!("bytes={start}-{}", end - 1)
+}
+
+/// An error from one request: connection problems, timeouts and server-side trouble
+/// (5xx, 408, 429) may pass; other statuses will not.
+pub fn classify(url: &str, e: ureq::Error) -> Failure {
+    match e {
+        ureq::Error::Status(code, _) if code >= 500 || code == 408 || code == 429 => {
+            Failure::Transient(format!("{url}: HTTP {code}"))
+        }
+        ureq::Error::Status(code, r) => Failure::Permanent(format!("{url}: HTTP {code} {}", r.status_text())),
+        ureq::Error::Transport(t) => Failure::Transient(format!("{url}: {t}")),
+    }
+}
+
+impl Http {
+    /// `read_timeout` bounds each wait for bytes (whole-file downloads have no overall
+    /// deadline, a stalled one fails after this long).
+    pub fn new(counters: Arc<Counters>, read_timeout: Duration) -> Http {
+        let agent = ureq::AgentBuilder::new()
+            .timeout_connect(read_timeout.min(Duration::from_secs(10)))
+            .timeout_read(read_timeout)
+            .redirects(8)
+            .max_idle_connections_per_host(16)
+            .user_agent(concat!("ublkd/", env!("CARGO_PKG_VERSION")))
+            .build();
+        Http { agent, counters }
+    }
+
+    /// One GET (counted as a request; failed ones as fetch errors).
+    pub fn get(
+        &self,
+        url: &str,
+        headers: &[(&str, &str)],
+        timeout: Option<Duration>,
+    ) -> Result<ureq::Response, Box<ureq::Error>> {
+        let mut req = self.agent.get(url);
+        for (k, v) in headers {
+            req = req.set(k, v);
+        }
+        if let Some(t) = timeout {
+            req = req.timeout(t);
+        }
+        Counters::add(&self.counters.fetch_requests, 1);
+        req.call().map_err(Box::new)
+    }
+
+    /// Run `attempt` (given the time left) until it succeeds, fails permanently or the
+    /// deadline passes; transient failures back off 50 ms, 100 ms, ... 2 s. Each failed
+    /// attempt is counted in `fetch_errors`, each success's latency recorded.
+    pub fn retry<T>(
+        &self,
+        what: &str,
+        deadline: Instant,
+        mut attempt: impl FnMut(Duration) -> Result<T, Failure>,
+    ) -> Result<T, String> {
+        let mut backoff = Duration::from_millis(50);
+        let mut tries = 0u32;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!("{what}: no answer within the fetch timeout"));
+            }
+            let t0 = Instant::now();
+            tries += 1;
+            match attempt(left) {
+                Ok(v) => {
+                    self.counters.record_latency(t0.elapsed());
+                    return Ok(v);
+                }
+                Err(f) => {
+                    Counters::add(&self.counters.fetch_errors, 1);
+                    log::warn!("{what}: attempt {tries}: {}", f.message());
+                    match f {
+                        Failure::Permanent(m) => return Err(m),
+                        Failure::Transient(m) => {
+                            let left = deadline.saturating_duration_since(Instant::now());
+                            if left <= backoff {
+                                return Err(format!("{m} (gave up after {tries} attempts: fetch timeout)"));
+                            }
+                            std::thread::sleep(backoff);
+                            backoff = (backoff * 2).min(Duration::from_secs(2));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The body of a response to a `Range: bytes=start-(start+len-1)` request: must be a 206
+/// for exactly that range (a server that ignores ranges would send the whole pack).
+pub fn range_body(
+    url: &str,
+    resp: ureq::Response,
+    start: u64,
+    len: u64,
+    counters: &Counters,
+) -> Result<Vec<u8>, Failure> {
+    if resp.status() != 206 {
+        return Err(Failure::Permanent(format!(
+            "{url}: HTTP {} to a range request (the server does not serve byte ranges)",
+            resp.status()
+        )));
+    }
+    let want = format!("bytes {start}-{}/", start + len - 1);
+    match resp.header("content-range") {
+        Some(cr) if cr.starts_with(&want) => {}
+        other => {
+            return Err(Failure::Permanent(format!(
+                "{url}: Content-Range {other:?}, asked for bytes {start}-{}",
+                start + len - 1
+            )))
+        }
+    }
+    read_body(url, resp, len, counters)
+}
+
+/// Exactly `len` body bytes (counted in `fetch_bytes`); short or long bodies fail.
+pub fn read_body(url: &str, resp: ureq::Response, len: u64, counters: &Counters) -> Result<Vec<u8>, Failure> {
+    let mut buf = Vec::with_capacity(len as usize);
+    let r = resp.into_reader().take(len + 1).read_to_end(&mut buf);
+    Counters::add(&counters.fetch_bytes, buf.len() as u64);
+    match r {
+        Err(e) => Err(Failure::Transient(format!("{url}: reading the body: {e}"))),
+        Ok(_) if buf.len() as u64 != len => Err(Failure::Transient(format!(
+            "{url}: body has {} bytes, expected {len}",
+            buf.len()
+        ))),
+        Ok(_) => Ok(buf),
+    }
+}

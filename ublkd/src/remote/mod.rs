@@ -1,0 +1,536 @@
+//! Remote bundles (docs/remote.md): `http(s)://.../manifest.json` and
+//! `oci://REGISTRY/REPO[:TAG|@DIGEST]`. manifest.json, meta.img and the blockmap are
+//! fetched eagerly into the image's cache directory (each checked against its digest
+//! before it is renamed into place) and the bundle is opened from there with the local
+//! checks of [`Bundle::open`]; pack bytes are fetched lazily by range requests
+//! ([`RemotePacks`]) through the persistent chunk cache ([`cache::DiskCache`]).
+//!
+//! Image directory: `<cache dir>/<image id hex>/` = `manifest.json`, `meta.img`,
+//! `blockmap`, `oci-manifest.json` (oci), `chunks/`.
+
+pub mod cache;
+pub mod http;
+pub mod oci;
+
+use crate::bundle::{normalize_id, sha256_hex, Bundle, Manifest};
+use crate::stats::Counters;
+use crate::verify::source::{LocalPacks, PackSource};
+use crate::verify::Fetching;
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use http::{range_body, range_header, read_body, Failure, Http};
+use oci::{Reference, Registry};
+use serde::Deserialize;
+use sha2::{Digest as _, Sha256};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Options for remote bundles, shared by `mount` and `serve` (`mount` passes them on).
+#[derive(clap::Args, Debug, Clone)]
+pub struct RemoteArgs {
+    /// Persistent cache of remote images [default: $UBLKD_CACHE_DIR, else /var/cache/ublkd].
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
+    /// Bound of one image's chunk cache (K, M, G, T suffixes).
+    #[arg(long, default_value = "4G", value_parser = crate::ops::parse_size)]
+    pub cache_size: u64,
+    /// Seconds a remote fetch may take, retries included, before the read fails with EIO.
+    #[arg(long, default_value_t = 30.0)]
+    pub fetch_timeout: f64,
+    /// Chunks fetched ahead when a remote pack is read sequentially (0: none).
+    #[arg(long, default_value_t = 8)]
+    pub readahead: u64,
+    /// Talk plain HTTP to the registry (loopback registries always are).
+    #[arg(long)]
+    pub plain_http: bool,
+}
+
+/// The registry credentials `USER:PASS` (never put on a command line of the server:
+/// `mount` passes them in its environment).
+pub const AUTH_ENV: &str = "UBLKD_REGISTRY_AUTH";
+
+impl RemoteArgs {
+    /// The same options as command-line arguments (for `mount` -> `serve`).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut a = vec![
+            "--cache-size".to_string(),
+            self.cache_size.to_string(),
+            "--fetch-timeout".into(),
+            self.fetch_timeout.to_string(),
+            "--readahead".into(),
+            self.readahead.to_string(),
+            "--cache-dir".into(),
+            self.cache_root().display().to_string(),
+        ];
+        if self.plain_http {
+            a.push("--plain-http".into());
+        }
+        a
+    }
+
+    pub fn cache_root(&self) -> PathBuf {
+        self.cache_dir
+            .clone()
+            .or_else(|| std::env::var_os("UBLKD_CACHE_DIR").map(PathBuf::from))
+            .unwrap_or_else(|| PathBuf::from("/var/cache/ublkd"))
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.fetch_timeout.max(0.1))
+    }
+}
+
+pub enum Location {
+    Local(PathBuf),
+    /// the manifest's URL
+    Http(String),
+    Oci(Reference),
+}
+
+impl Location {
+    pub fn parse(s: &str) -> Result<Location> {
+        if s.starts_with("http://") || s.starts_with("https://") {
+            ensure!(
+                !s.ends_with('/') && !s.contains('?') && !s.contains('#'),
+                "{s}: expected the URL of a bundle's manifest.json"
+            );
+            Ok(Location::Http(s.to_string()))
+        } else if s.starts_with("oci://") {
+            Ok(Location::Oci(Reference::parse(s)?))
+        } else {
+            ensure!(
+                !s.contains("://"),
+                "{s}: unsupported location (http://, https://, oci:// or a directory)"
+            );
+            Ok(Location::Local(PathBuf::from(s)))
+        }
+    }
+}
+
+/// Where the files of a remote bundle are, by bundle-relative path.
+pub enum Store {
+    /// relative to the directory of the manifest's URL
+    Http { http: Http, base: String },
+    /// blobs, by the `org.opencontainers.image.title` of the layers
+    Oci {
+        reg: Registry,
+        blobs: HashMap<String, (String, u64)>,
+    },
+}
+
+impl Store {
+    fn http(&self) -> &Http {
+        match self {
+            Store::Http { http, .. } => http,
+            Store::Oci { reg, .. } => &reg.http,
+        }
+    }
+
+    fn url(&self, rel: &str) -> Result<String, Failure> {
+        match self {
+            Store::Http { base, .. } => Ok(format!("{base}{rel}")),
+            Store::Oci { reg, blobs } => blobs
+                .get(rel)
+                .map(|(d, _)| reg.url("blobs", d))
+                .ok_or_else(|| Failure::Permanent(format!("{}: the artifact has no layer {rel:?}", reg.base))),
+        }
+    }
+
+    fn get(&self, rel: &str, headers: &[(&str, &str)], timeout: Option<Duration>) -> Result<ureq::Response, Failure> {
+        let url = self.url(rel)?;
+        match self {
+            Store::Http { http, .. } => http.get(&url, headers, timeout).map_err(|e| http::classify(&url, *e)),
+            Store::Oci { reg, .. } => reg.get(&url, headers, timeout),
+        }
+    }
+}
+
+/// Packs on a remote store, read by range requests (retried until the fetch timeout).
+pub struct RemotePacks {
+    store: Arc<Store>,
+    paths: Vec<String>,
+    timeout: Duration,
+}
+
+impl PackSource for RemotePacks {
+    fn read_at(&self, pack: u32, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        let rel = &self.paths[pack as usize];
+        let url = self
+            .store
+            .url(rel)
+            .map_err(|f| std::io::Error::other(format!("{f:?}")))?;
+        let len = buf.len() as u64;
+        let range = range_header(offset, offset + len);
+        let http = self.store.http();
+        let data = http
+            .retry(&url, Instant::now() + self.timeout, |left| {
+                let resp = self.store.get(rel, &[("Range", &range)], Some(left))?;
+                range_body(&url, resp, offset, len, &http.counters)
+            })
+            .map_err(std::io::Error::other)?;
+        buf.copy_from_slice(&data);
+        Ok(())
+    }
+}
+
+/// An opened bundle, local or remote, with the source of its packs (for `serve`).
+pub struct Opened {
+    pub bundle: Bundle,
+    /// what the user named: the canonical bundle directory, or the URL
+    pub location: String,
+    pub source: Box<dyn PackSource>,
+    pub fetching: Fetching,
+}
+
+struct Resolved {
+    bundle: Bundle,
+    location: String,
+    /// remote bundles: where the packs are
+    store: Option<Arc<Store>>,
+}
+
+/// `mount`: open and check the bundle at `location`; a remote one's manifest (or tag) is
+/// fetched again, meta.img and blockmap only when the image directory lacks them.
+/// Returns the bundle and the location to record (a local bundle's canonical directory).
+pub fn open_bundle(location: &str, args: &RemoteArgs, expect_id: Option<&str>) -> Result<(Bundle, String)> {
+    let r = resolve(location, args, expect_id, true, true, Arc::new(Counters::default()))?;
+    Ok((r.bundle, r.location))
+}
+
+/// `serve`: the bundle and its pack source. A remote image given by its id is opened
+/// from its image directory as cached by `mount` (no network needed to start).
+pub fn open_for_serving(
+    location: &str,
+    args: &RemoteArgs,
+    expect_id: Option<&str>,
+    counters: Arc<Counters>,
+) -> Result<Opened> {
+    let r = resolve(location, args, expect_id, false, expect_id.is_none(), counters.clone())?;
+    let Some(store) = r.store else {
+        let sizes: Vec<u64> = r.bundle.blockmap.packs.iter().map(|p| p.size).collect();
+        let source = Box::new(LocalPacks::open(&r.bundle.pack_paths(), &sizes)?);
+        return Ok(Opened {
+            bundle: r.bundle,
+            location: r.location,
+            source,
+            fetching: Fetching::default(),
+        });
+    };
+    let disk = cache::DiskCache::open(&r.bundle.dir.join("chunks"), args.cache_size, counters)?;
+    let timeout = args.timeout();
+    let paths = r.bundle.manifest.packs.iter().map(|p| p.path.clone()).collect();
+    Ok(Opened {
+        bundle: r.bundle,
+        location: r.location,
+        source: Box::new(RemotePacks { store, paths, timeout }),
+        fetching: Fetching {
+            disk: Some(disk),
+            readahead: args.readahead,
+            workers: 4,
+            wait_limit: Some(timeout * 2 + Duration::from_secs(5)),
+        },
+    })
+}
+
+fn resolve(
+    location: &str,
+    args: &RemoteArgs,
+    expect_id: Option<&str>,
+    verify_meta: bool,
+    refresh: bool,
+    counters: Arc<Counters>,
+) -> Result<Resolved> {
+    let loc = Location::parse(location)?;
+    if let Location::Local(dir) = &loc {
+        let bundle = Bundle::open(dir, expect_id, verify_meta)?;
+        return Ok(Resolved {
+            location: bundle.dir.display().to_string(),
+            bundle,
+            store: None,
+        });
+    }
+    let http = Http::new(counters, args.timeout());
+    let root = args.cache_root();
+    let cached = expect_id
+        .filter(|_| !refresh)
+        .map(normalize_id)
+        .transpose()?
+        .map(|id| root.join(id.trim_start_matches("sha256:")))
+        .filter(|d| d.join("manifest.json").exists());
+    let (dir, store) = match (&loc, cached) {
+        (Location::Http(url), cached) => {
+            let base = format!("{}/", url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b));
+            let store = Store::Http { http, base };
+            let dir = match cached {
+                Some(d) => d,
+                None => {
+                    let mbytes = fetch_manifest_at(&store, url, Instant::now() + args.timeout())?;
+                    image_dir(&root, url, &mbytes, expect_id)?
+                }
+            };
+            (dir, store)
+        }
+        (Location::Oci(r), cached) => {
+            let creds = std::env::var(AUTH_ENV).ok();
+            let reg = Registry::new(http, r, args.plain_http, creds.as_deref())?;
+            let (dir, oci_manifest) = match cached.filter(|d| d.join("oci-manifest.json").exists()) {
+                Some(d) => {
+                    let m = std::fs::read(d.join("oci-manifest.json"))
+                        .with_context(|| format!("{}: read", d.join("oci-manifest.json").display()))?;
+                    (d, m)
+                }
+                None => {
+                    let (mbytes, config) = oci_resolve(&reg, r, args.timeout())?;
+                    let dir = image_dir(&root, location, &config, expect_id)?;
+                    crate::state::write_atomic(&dir.join("oci-manifest.json"), &mbytes)?;
+                    (dir, mbytes)
+                }
+            };
+            let blobs = oci_layers(location, &oci_manifest)?;
+            (dir, Store::Oci { reg, blobs })
+        }
+        (Location::Local(_), _) => unreachable!(),
+    };
+    let manifest: Manifest = serde_json::from_slice(&std::fs::read(dir.join("manifest.json"))?)
+        .with_context(|| format!("{location}: manifest.json is not a valid manifest"))?;
+    for name in ["meta.img", "blockmap"] {
+        ensure_file(&store, location, &dir, name, &manifest, args.timeout(), verify_meta)?;
+    }
+    // ensure_file checked meta.img: Bundle::open need not hash it again
+    let bundle =
+        Bundle::open(&dir, expect_id, false).with_context(|| format!("{location} (cached in {})", dir.display()))?;
+    for (i, p) in bundle.manifest.packs.iter().enumerate() {
+        ensure!(
+            !p.path.starts_with('/') && !p.path.split('/').any(|c| c == ".." || c.is_empty()),
+            "{location}: pack {i} has the path {:?}, not a bundle-relative path",
+            p.path
+        );
+        if let Store::Oci { blobs, .. } = &store {
+            let (digest, size) = blobs
+                .get(&p.path)
+                .with_context(|| format!("{location}: the artifact has no layer titled {:?}", p.path))?;
+            ensure!(
+                *size == p.size,
+                "{location}: layer {:?} ({digest}) has {size} bytes, the manifest says {}",
+                p.path,
+                p.size
+            );
+        }
+    }
+    Ok(Resolved {
+        bundle,
+        location: location.to_string(),
+        store: Some(Arc::new(store)),
+    })
+}
+
+/// GET the manifest by its own URL (its name on the server may differ from manifest.json).
+fn fetch_manifest_at(store: &Store, url: &str, deadline: Instant) -> Result<Vec<u8>> {
+    let http = store.http();
+    http.retry(url, deadline, |left| {
+        let r = http.get(url, &[], Some(left)).map_err(|e| http::classify(url, *e))?;
+        read_small(url, r, &http.counters)
+    })
+    .map_err(|m| anyhow!(m))
+}
+
+/// A small JSON document (manifest.json, an OCI manifest, a config blob): at most 16 MiB.
+fn read_small(url: &str, r: ureq::Response, counters: &Counters) -> Result<Vec<u8>, Failure> {
+    let mut buf = Vec::new();
+    let res = r.into_reader().take(16 << 20).read_to_end(&mut buf);
+    Counters::add(&counters.fetch_bytes, buf.len() as u64);
+    res.map_err(|e| Failure::Transient(format!("{url}: reading the body: {e}")))?;
+    Ok(buf)
+}
+
+/// The image directory of the manifest `mbytes` (fetched from `location`), checked against
+/// `--expect-id`, with manifest.json written into it.
+fn image_dir(root: &Path, location: &str, mbytes: &[u8], expect_id: Option<&str>) -> Result<PathBuf> {
+    let hex = sha256_hex(mbytes);
+    let id = format!("sha256:{hex}");
+    if let Some(want) = expect_id {
+        let want = normalize_id(want)?;
+        ensure!(want == id, "{location}: image id is {id}, expected {want}");
+    }
+    let dir = root.join(&hex);
+    std::fs::create_dir_all(&dir).with_context(|| format!("{}: mkdir", dir.display()))?;
+    let mpath = dir.join("manifest.json");
+    if std::fs::read(&mpath).ok().as_deref() != Some(mbytes) {
+        crate::state::write_atomic(&mpath, mbytes)?;
+    }
+    Ok(dir)
+}
+
+/// meta.img or blockmap in the image directory: kept if its size (and with `verify`, its
+/// sha256) match the manifest, else downloaded to a temporary file, checked, renamed into
+/// place. (`serve` does not hash a cached meta.img: it never reads it.)
+fn ensure_file(
+    store: &Store,
+    location: &str,
+    dir: &Path,
+    name: &str,
+    m: &Manifest,
+    timeout: Duration,
+    verify: bool,
+) -> Result<()> {
+    let info = m
+        .files
+        .get(name)
+        .with_context(|| format!("{location}: manifest.json: files has no {name:?}"))?;
+    let want = info
+        .sha256
+        .strip_prefix("sha256:")
+        .with_context(|| format!("{location}: files.{name}.sha256 is not sha256:<hex>"))?
+        .to_ascii_lowercase();
+    let path = dir.join(name);
+    if std::fs::metadata(&path).is_ok_and(|md| md.len() == info.size) {
+        if !verify || crate::bundle::sha256_file(&path)?.0 == want {
+            return Ok(());
+        }
+        log::warn!(
+            "{}: cached copy does not match the manifest; fetching it again",
+            path.display()
+        );
+    }
+    let url = store.url(name).map_err(|f| anyhow!("{f:?}"))?;
+    let tmp = dir.join(format!("{name}.tmp.{}", std::process::id()));
+    let http = store.http();
+    let res = http.retry(&url, Instant::now() + timeout, |_| {
+        // no overall deadline for a whole file: a stalled transfer fails after the
+        // read timeout (= the fetch timeout) and is retried
+        let resp = store.get(name, &[], None)?;
+        let mut f = std::fs::File::create(&tmp).map_err(|e| Failure::Permanent(format!("{}: {e}", tmp.display())))?;
+        let mut r = resp.into_reader().take(info.size + 1);
+        let mut h = Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut total = 0u64;
+        loop {
+            let n = r
+                .read(&mut buf)
+                .map_err(|e| Failure::Transient(format!("{url}: reading the body: {e}")))?;
+            if n == 0 {
+                break;
+            }
+            Counters::add(&http.counters.fetch_bytes, n as u64);
+            h.update(&buf[..n]);
+            f.write_all(&buf[..n])
+                .map_err(|e| Failure::Permanent(format!("{}: {e}", tmp.display())))?;
+            total += n as u64;
+        }
+        let got = hex::encode(h.finalize());
+        if total != info.size || got != want {
+            return Err(Failure::Permanent(format!(
+                "{url}: {total} bytes with sha256 {got}, the manifest says {} bytes with {want}",
+                info.size
+            )));
+        }
+        f.sync_all()
+            .map_err(|e| Failure::Permanent(format!("{}: {e}", tmp.display())))?;
+        Ok(())
+    });
+    if let Err(m) = res {
+        let _ = std::fs::remove_file(&tmp);
+        bail!("{location}: fetching {name}: {m}");
+    }
+    std::fs::rename(&tmp, &path).with_context(|| format!("{}: rename", path.display()))?;
+    Ok(())
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Descriptor {
+    media_type: String,
+    digest: String,
+    size: u64,
+    #[serde(default)]
+    annotations: HashMap<String, String>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct OciManifest {
+    schema_version: u32,
+    #[serde(default)]
+    media_type: Option<String>,
+    #[serde(default)]
+    artifact_type: Option<String>,
+    config: Descriptor,
+    layers: Vec<Descriptor>,
+}
+
+fn parse_oci_manifest(location: &str, bytes: &[u8]) -> Result<OciManifest> {
+    let m: OciManifest = serde_json::from_slice(bytes)
+        .with_context(|| format!("{location}: the registry's manifest is not an OCI image manifest"))?;
+    ensure!(
+        m.schema_version == 2 && m.media_type.as_deref().is_none_or(|t| t == oci::MANIFEST_MEDIA_TYPE),
+        "{location}: manifest mediaType {:?} schemaVersion {}, expected {} schemaVersion 2",
+        m.media_type,
+        m.schema_version,
+        oci::MANIFEST_MEDIA_TYPE
+    );
+    ensure!(
+        m.artifact_type.as_deref() == Some(oci::ARTIFACT_TYPE),
+        "{location}: not a btrfs-ublk-image bundle (artifactType {:?}, expected {})",
+        m.artifact_type,
+        oci::ARTIFACT_TYPE
+    );
+    ensure!(
+        m.config.media_type == oci::CONFIG_MEDIA_TYPE,
+        "{location}: config mediaType {:?}, expected {}",
+        m.config.media_type,
+        oci::CONFIG_MEDIA_TYPE
+    );
+    normalize_id(&m.config.digest).with_context(|| format!("{location}: config digest"))?;
+    Ok(m)
+}
+
+/// Bundle-relative path (layer title) -> (blob digest, size).
+fn oci_layers(location: &str, bytes: &[u8]) -> Result<HashMap<String, (String, u64)>> {
+    let m = parse_oci_manifest(location, bytes)?;
+    let mut out = HashMap::new();
+    for l in m.layers {
+        let title = l
+            .annotations
+            .get(oci::TITLE)
+            .with_context(|| format!("{location}: layer {} has no {} annotation", l.digest, oci::TITLE))?;
+        normalize_id(&l.digest).with_context(|| format!("{location}: layer {title:?} digest"))?;
+        out.insert(title.clone(), (l.digest.clone(), l.size));
+    }
+    Ok(out)
+}
+
+/// Tag (or digest) -> (OCI manifest bytes, config blob bytes = the bundle's manifest.json).
+fn oci_resolve(reg: &Registry, r: &Reference, timeout: Duration) -> Result<(Vec<u8>, Vec<u8>)> {
+    let location = format!("oci://{}/{}:{}", r.registry, r.repo, r.reference);
+    let url = reg.url("manifests", &r.reference);
+    let deadline = Instant::now() + timeout;
+    let mbytes = reg
+        .http
+        .retry(&url, deadline, |left| {
+            let resp = reg.get(&url, &[("Accept", oci::MANIFEST_MEDIA_TYPE)], Some(left))?;
+            read_small(&url, resp, &reg.http.counters)
+        })
+        .map_err(|m| anyhow!("{location}: {m}"))?;
+    if r.reference.starts_with("sha256:") {
+        let got = format!("sha256:{}", sha256_hex(&mbytes));
+        ensure!(got == r.reference, "{url}: the manifest's digest is {got}");
+    }
+    let m = parse_oci_manifest(&location, &mbytes)?;
+    let curl = reg.url("blobs", &m.config.digest);
+    let config = reg
+        .http
+        .retry(&curl, deadline, |left| {
+            let resp = reg.get(&curl, &[], Some(left))?;
+            read_body(&curl, resp, m.config.size, &reg.http.counters)
+        })
+        .map_err(|e| anyhow!("{location}: config blob: {e}"))?;
+    let got = format!("sha256:{}", sha256_hex(&config));
+    ensure!(
+        got == m.config.digest,
+        "{curl}: sha256 is {got}, the manifest's config descriptor says {}",
+        m.config.digest
+    );
+    Ok((mbytes, config))
+}
