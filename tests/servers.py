@@ -169,11 +169,22 @@ def nginx_serving(root: Path, workdir: Path) -> Iterator[Nginx]:
 
 
 @contextlib.contextmanager
-def docker_registry(workdir: Path) -> Iterator[ServerProcess]:
-    """Debian's docker-registry (the reference OCI distribution registry), plain HTTP, no auth."""
+def docker_registry(
+    workdir: Path, basic_auth: tuple[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    """Debian's docker-registry (the reference OCI distribution registry), plain HTTP; no
+    auth, or with `basic_auth` = (user, password) its htpasswd auth (a `Basic` challenge)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     conf = workdir / "config.yml"
+    auth = ""
+    if basic_auth is not None:
+        users = workdir / "htpasswd"
+        line = subprocess.run(
+            ["htpasswd", "-nbB", *basic_auth], check=True, capture_output=True, text=True
+        ).stdout
+        users.write_text(line)
+        auth = f"auth:\n  htpasswd: {{realm: test, path: {users.resolve()}}}\n"
     conf.write_text(
         f"""version: 0.1
 log: {{level: warn}}
@@ -182,7 +193,7 @@ storage:
   delete: {{enabled: true}}
 http:
   addr: 127.0.0.1:{port}
-"""
+{auth}"""
     )
     server = ServerProcess([DOCKER_REGISTRY, "serve", str(conf)], port, workdir, "registry")
     server.start()

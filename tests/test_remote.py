@@ -8,6 +8,7 @@ goes to tmp_path (UBLKD_CACHE_DIR), so a test leaves nothing behind.
 
 from __future__ import annotations
 
+import base64
 import errno
 import hashlib
 import io
@@ -249,20 +250,27 @@ def test_corrupt_response_rejected_counted_never_cached(
 
 
 # --- OCI -------------------------------------------------------------------------------
-def push_artifact(registry: str, repo: str, tag: str, bundle: Path) -> str:
+def push_artifact(
+    registry: str, repo: str, tag: str, bundle: Path, auth: tuple[str, str] | None = None
+) -> str:
     """Upload `bundle` as the artifact of docs/remote.md; returns the manifest digest.
     A stand-in for `btrfs-ublk-image push` (branch `push`) until that lands on main."""
     base = f"http://{registry}/v2/{repo}"
+    headers = {}
+    if auth is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(":".join(auth).encode()).decode()
 
     def put_blob(data: bytes) -> str:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        post = urllib.request.Request(f"{base}/blobs/uploads/", method="POST")
+        post = urllib.request.Request(f"{base}/blobs/uploads/", method="POST", headers=headers)
         with urllib.request.urlopen(post) as r:
             loc = r.headers["Location"]
         if loc.startswith("/"):
             loc = f"http://{registry}{loc}"
         sep = "&" if "?" in loc else "?"
-        put = urllib.request.Request(f"{loc}{sep}digest={digest}", data=data, method="PUT")
+        put = urllib.request.Request(
+            f"{loc}{sep}digest={digest}", data=data, method="PUT", headers=headers
+        )
         put.add_header("Content-Type", "application/octet-stream")
         urllib.request.urlopen(put).close()
         return digest
@@ -292,7 +300,9 @@ def push_artifact(registry: str, repo: str, tag: str, bundle: Path) -> str:
         "annotations": {"dev.btrfs-ublk-image.image-id": "sha256:" + image_hex(bundle)},
     }
     body = json.dumps(manifest).encode()
-    put = urllib.request.Request(f"{base}/manifests/{tag}", data=body, method="PUT")
+    put = urllib.request.Request(
+        f"{base}/manifests/{tag}", data=body, method="PUT", headers=headers
+    )
     put.add_header("Content-Type", "application/vnd.oci.image.manifest.v1+json")
     urllib.request.urlopen(put).close()
     return "sha256:" + hashlib.sha256(body).hexdigest()
@@ -333,4 +343,30 @@ def test_oci_mount_by_tag_and_digest(no_leftovers: Path, cache_dir: Path) -> Non
         assert r.returncode != 0 and "images/remote/manifests/nope: HTTP 404" in r.stderr, r.stderr
         r = ublkd("mount", loc, mnt, *FRONTEND, "--expect-id", "sha256:" + "0" * 64, check=False)
         assert r.returncode != 0 and f"{loc}: image id is {image_id}" in r.stderr, r.stderr
+    assert status() == []
+
+
+def test_oci_registry_basic_auth(no_leftovers: Path, cache_dir: Path) -> None:
+    """docker-registry with htpasswd auth: anonymous requests get a `Basic` challenge;
+    without credentials the mount fails saying so; with --registry-auth it mounts (the
+    server, which fetches the packs, gets the credentials through its environment)."""
+    tmp = no_leftovers
+    bundle, tarball, _ = build_served_bundle(tmp)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    with docker_registry(tmp / "registry", basic_auth=("builder", "s3cret")) as reg:
+        push_artifact(reg.address, "images/private", "v1", bundle, auth=("builder", "s3cret"))
+        loc = f"oci://{reg.address}/images/private:v1"
+        r = ublkd("mount", loc, mnt, *FRONTEND, check=False)
+        assert r.returncode != 0 and "asks for credentials" in r.stderr, r.stderr
+        r = ublkd("mount", loc, mnt, *FRONTEND, "--registry-auth", "builder:wrong", check=False)
+        assert r.returncode != 0 and "HTTP 401" in r.stderr, r.stderr
+        ublkd("mount", loc, mnt, *FRONTEND, "--registry-auth", "builder:s3cret")
+        try:
+            assert list_dir(mnt) == list_tar(tarball)
+            pid = status_of(mnt)["server_pid"]
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert b"s3cret" not in cmdline
+        finally:
+            ublkd("umount", mnt)
     assert status() == []

@@ -534,3 +534,57 @@ fn oci_resolve(reg: &Registry, r: &Reference, timeout: Duration) -> Result<(Vec<
     );
     Ok((mbytes, config))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn packs_at(addr: std::net::SocketAddr, timeout: Duration) -> (RemotePacks, Arc<Counters>) {
+        let counters = Arc::new(Counters::default());
+        let store = Store::Http {
+            http: Http::new(counters.clone(), timeout),
+            base: format!("http://{addr}/"),
+        };
+        let packs = RemotePacks {
+            store: Arc::new(store),
+            paths: vec!["packs/p".into()],
+            timeout,
+        };
+        (packs, counters)
+    }
+
+    #[test]
+    fn a_silent_server_fails_the_read_at_the_deadline() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        // accept connections and never answer
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            for s in l.incoming() {
+                held.push(s);
+            }
+        });
+        let (packs, _) = packs_at(addr, Duration::from_millis(700));
+        let t = Instant::now();
+        let err = packs.read_at(0, 0, &mut [0u8; 4096]).unwrap_err();
+        let took = t.elapsed();
+        assert!(
+            took >= Duration::from_millis(600) && took < Duration::from_secs(3),
+            "{took:?}: {err}"
+        );
+    }
+
+    #[test]
+    fn a_refused_connection_is_retried_with_backoff_until_the_deadline() {
+        let addr = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let (packs, counters) = packs_at(addr, Duration::from_millis(800));
+        let t = Instant::now();
+        let err = packs.read_at(0, 0, &mut [0u8; 4096]).unwrap_err();
+        let took = t.elapsed();
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        let s = counters.snapshot();
+        assert!(s.fetch_requests >= 3 && s.fetch_errors == s.fetch_requests, "{s:?}");
+        assert!(err.to_string().contains("fetch timeout"), "{err}");
+    }
+}
