@@ -16,12 +16,17 @@ server away mid-read and return it.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import http.server
+import json
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,17 +173,123 @@ def nginx_serving(root: Path, workdir: Path) -> Iterator[Nginx]:
         server.stop()
 
 
+class TokenService:
+    """The token realm of docker-registry's `token` auth (Docker's token protocol): RS256
+    JWTs signed by a key whose self-signed certificate is the registry's root bundle and
+    travels in the `x5c` header. docker-registry verifies the tokens; this only mints
+    them (`GET /token?service=..&scope=..`, granting what is asked when the request has
+    the right basic credentials, or none are required). A thread of the test process."""
+
+    SERVICE = "test-registry"
+    ISSUER = "test-token-service"
+
+    def __init__(self, workdir: Path, basic_auth: tuple[str, str] | None) -> None:
+        self.key = workdir / "token.key"
+        self.cert = workdir / "token.crt"
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
+            + ["-subj", "/CN=token", "-keyout", str(self.key), "-out", str(self.cert)],
+            check=True,
+            capture_output=True,
+        )
+        der = subprocess.run(
+            ["openssl", "x509", "-in", str(self.cert), "-outform", "DER"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        self.x5c = base64.b64encode(der).decode()
+        self.basic_auth = basic_auth
+        self.requests: list[str] = []  # query strings of token requests
+        service = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                url = urllib.parse.urlparse(self.path)
+                service.requests.append(url.query)
+                want = service.basic_auth
+                got = self.headers.get("Authorization", "")
+                if want is not None and got != "Basic " + _b64(":".join(want).encode()):
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                q = urllib.parse.parse_qs(url.query)
+                access: list[dict[str, object]] = []
+                for scope in q.get("scope", []):
+                    kind, name, actions = scope.split(":")
+                    access.append({"type": kind, "name": name, "actions": actions.split(",")})
+                body = json.dumps({"token": service.mint(access)}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.realm = f"http://127.0.0.1:{self.httpd.server_address[1]}/token"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def mint(self, access: list[dict[str, object]]) -> str:
+        now = int(time.time())
+        header = {"typ": "JWT", "alg": "RS256", "x5c": [self.x5c]}
+        claims = {
+            "iss": self.ISSUER,
+            "sub": "test",
+            "aud": self.SERVICE,
+            "exp": now + 600,
+            "nbf": now - 10,
+            "iat": now,
+            "jti": f"{now}-{len(self.requests)}",
+            "access": access,
+        }
+        signing = f"{_b64(json.dumps(header).encode())}.{_b64(json.dumps(claims).encode())}"
+        sig = subprocess.run(
+            ["openssl", "dgst", "-sha256", "-sign", str(self.key)],
+            input=signing.encode(),
+            check=True,
+            capture_output=True,
+        ).stdout
+        return f"{signing}.{_b64(sig)}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join()
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+class Registry(ServerProcess):
+    """docker-registry; with token auth, `tokens` is its token service."""
+
+    tokens: TokenService | None = None
+
+
 @contextlib.contextmanager
 def docker_registry(
-    workdir: Path, basic_auth: tuple[str, str] | None = None
-) -> Iterator[ServerProcess]:
+    workdir: Path, basic_auth: tuple[str, str] | None = None, token_auth: bool = False
+) -> Iterator[Registry]:
     """Debian's docker-registry (the reference OCI distribution registry), plain HTTP; no
-    auth, or with `basic_auth` = (user, password) its htpasswd auth (a `Basic` challenge)."""
+    auth, or with `basic_auth` = (user, password) its htpasswd auth (a `Basic` challenge),
+    or with `token_auth` its token auth (a `Bearer` challenge naming a [TokenService],
+    which wants `basic_auth` if given)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     conf = workdir / "config.yml"
     auth = ""
-    if basic_auth is not None:
+    tokens = None
+    if token_auth:
+        tokens = TokenService(workdir, basic_auth)
+        auth = (
+            f"auth:\n  token: {{realm: {tokens.realm}, service: {tokens.SERVICE},"
+            f" issuer: {tokens.ISSUER}, rootcertbundle: {tokens.cert.resolve()}}}\n"
+        )
+    elif basic_auth is not None:
         users = workdir / "htpasswd"
         line = subprocess.run(
             ["htpasswd", "-nbB", *basic_auth], check=True, capture_output=True, text=True
@@ -195,9 +306,14 @@ http:
   addr: 127.0.0.1:{port}
 {auth}"""
     )
-    server = ServerProcess([DOCKER_REGISTRY, "serve", str(conf)], port, workdir, "registry")
-    server.start()
+    server = Registry([DOCKER_REGISTRY, "serve", str(conf)], port, workdir, "registry")
+    server.tokens = tokens
     try:
-        yield server
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
     finally:
-        server.stop()
+        if tokens is not None:
+            tokens.close()

@@ -17,6 +17,7 @@ import os
 import signal
 import tarfile
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -251,14 +252,12 @@ def test_corrupt_response_rejected_counted_never_cached(
 
 # --- OCI -------------------------------------------------------------------------------
 def push_artifact(
-    registry: str, repo: str, tag: str, bundle: Path, auth: tuple[str, str] | None = None
+    registry: str, repo: str, tag: str, bundle: Path, authorization: str | None = None
 ) -> str:
     """Upload `bundle` as the artifact of docs/remote.md; returns the manifest digest.
     A stand-in for `btrfs-ublk-image push` (branch `push`) until that lands on main."""
     base = f"http://{registry}/v2/{repo}"
-    headers = {}
-    if auth is not None:
-        headers["Authorization"] = "Basic " + base64.b64encode(":".join(auth).encode()).decode()
+    headers = {} if authorization is None else {"Authorization": authorization}
 
     def put_blob(data: bytes) -> str:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
@@ -355,7 +354,8 @@ def test_oci_registry_basic_auth(no_leftovers: Path, cache_dir: Path) -> None:
     mnt = tmp / "mnt"
     mnt.mkdir()
     with docker_registry(tmp / "registry", basic_auth=("builder", "s3cret")) as reg:
-        push_artifact(reg.address, "images/private", "v1", bundle, auth=("builder", "s3cret"))
+        basic = "Basic " + base64.b64encode(b"builder:s3cret").decode()
+        push_artifact(reg.address, "images/private", "v1", bundle, authorization=basic)
         loc = f"oci://{reg.address}/images/private:v1"
         r = ublkd("mount", loc, mnt, *FRONTEND, check=False)
         assert r.returncode != 0 and "asks for credentials" in r.stderr, r.stderr
@@ -369,4 +369,31 @@ def test_oci_registry_basic_auth(no_leftovers: Path, cache_dir: Path) -> None:
             assert b"s3cret" not in cmdline
         finally:
             ublkd("umount", mnt)
+    assert status() == []
+
+
+def test_oci_registry_bearer_token_auth(no_leftovers: Path, cache_dir: Path) -> None:
+    """docker-registry with token auth: a `Bearer realm=..,service=..,scope=..` challenge;
+    ublkd gets a token from the realm (with the basic credentials) and retries."""
+    tmp = no_leftovers
+    bundle, tarball, files = build_served_bundle(tmp)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    with docker_registry(tmp / "registry", basic_auth=("reader", "pw"), token_auth=True) as reg:
+        assert reg.tokens is not None
+        push = reg.tokens.mint(
+            [{"type": "repository", "name": "images/tok", "actions": ["pull", "push"]}]
+        )
+        push_artifact(reg.address, "images/tok", "v1", bundle, authorization=f"Bearer {push}")
+        loc = f"oci://{reg.address}/images/tok:v1"
+        r = ublkd("mount", loc, mnt, *FRONTEND, check=False)
+        assert r.returncode != 0 and "refused anonymous access" in r.stderr, r.stderr
+        ublkd("mount", loc, mnt, *FRONTEND, "--registry-auth", "reader:pw")
+        try:
+            assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
+            assert list_dir(mnt) == list_tar(tarball)
+        finally:
+            ublkd("umount", mnt)
+        scopes = [urllib.parse.parse_qs(q).get("scope") for q in reg.tokens.requests]
+        assert ["repository:images/tok:pull"] in scopes, scopes
     assert status() == []
