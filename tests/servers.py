@@ -108,7 +108,14 @@ class ServerProcess:
 
 
 class Nginx(ServerProcess):
-    """nginx serving `root` read-only (static files, byte ranges) on loopback."""
+    """nginx serving `root` read-only (static files, byte ranges) on loopback; with TLS,
+    `ca` is the certificate that signed its certificate (for 127.0.0.1)."""
+
+    ca: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.ca else 'http'}://{self.address}"
 
     def requests(self) -> list[AccessRecord]:
         """Every request logged so far (nginx writes the line when the response ends)."""
@@ -129,7 +136,37 @@ class Nginx(ServerProcess):
             time.sleep(0.2)
 
 
-def _nginx_conf(root: Path, workdir: Path, port: int) -> str:
+def make_tls_certs(workdir: Path) -> tuple[Path, Path, Path]:
+    """A test CA and a server certificate for 127.0.0.1 it signed -> (ca, cert, key)."""
+    ca, ca_key = workdir / "ca.crt", workdir / "ca.key"
+    cert, key, csr = workdir / "server.crt", workdir / "server.key", workdir / "server.csr"
+    ext = workdir / "server.ext"
+    ext.write_text(
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n"
+    )
+    for argv in (
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test CA"]
+        + ["-keyout", str(ca_key), "-out", str(ca)],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1"]
+        + ["-keyout", str(key), "-out", str(csr)],
+        ["x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key)]
+        + ["-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(cert)],
+    ):
+        subprocess.run(["openssl", *argv], check=True, capture_output=True)
+    return ca, cert, key
+
+
+def _nginx_conf(root: Path, workdir: Path, port: int, redirects: dict[str, str], tls: bool) -> str:
+    listen = (
+        f"{port} ssl;\n    ssl_certificate {workdir}/server.crt;\n"
+        f"    ssl_certificate_key {workdir}/server.key"
+        if tls
+        else str(port)
+    )
+    moves = "\n".join(
+        f"    location {src} {{ rewrite ^{src}(.*)$ {dst}$1 redirect; }}"
+        for src, dst in redirects.items()
+    )
     temps = "\n".join(
         f"  {k}_temp_path {workdir}/tmp-{k};"
         for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
@@ -148,24 +185,31 @@ http {{
   default_type application/octet-stream;
   sendfile on;
   server {{
-    listen 127.0.0.1:{port};
+    listen 127.0.0.1:{listen};
     root {root};
     location / {{ }}
+{moves}
   }}
 }}
 """
 
 
 @contextlib.contextmanager
-def nginx_serving(root: Path, workdir: Path) -> Iterator[Nginx]:
-    """nginx (Debian's nginx-light) serving the directory `root`; config and logs in `workdir`."""
+def nginx_serving(
+    root: Path, workdir: Path, redirects: dict[str, str] | None = None, tls: bool = False
+) -> Iterator[Nginx]:
+    """nginx (Debian's nginx-light) serving the directory `root`; config and logs in `workdir`.
+    `redirects`: URL prefix -> prefix it answers with a 302 to (e.g. "/moved/": "/b/").
+    `tls`: HTTPS with a certificate of a test CA (`server.ca`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    ca = make_tls_certs(workdir)[0] if tls else None
     conf = workdir / "nginx.conf"
-    conf.write_text(_nginx_conf(root.resolve(), workdir.resolve(), port))
+    conf.write_text(_nginx_conf(root.resolve(), workdir.resolve(), port, redirects or {}, tls))
     server = Nginx(
         [NGINX, "-c", str(conf), "-e", str(workdir / "error.log")], port, workdir, "nginx"
     )
+    server.ca = ca
     server.start()
     try:
         yield server

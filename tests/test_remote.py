@@ -163,6 +163,54 @@ def test_http_mount_tree_one_file_fetch_and_persistent_cache(
     assert status() == []
 
 
+def test_http_redirects_are_followed_keeping_the_range(no_leftovers: Path, cache_dir: Path) -> None:
+    """Every file of the bundle behind a 302 (as registries and CDNs redirect blob GETs):
+    the range request reaches the new location with its Range header."""
+    tmp = no_leftovers
+    bundle, _, files = build_served_bundle(tmp)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    moves = {"/moved/": f"/{bundle.name}/"}
+    with nginx_serving(bundle.parent, tmp / "nginx", redirects=moves) as web:
+        ublkd("mount", f"{web.url}/moved/manifest.json", mnt, *FRONTEND)
+        try:
+            web.clear_log()
+            assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
+            reqs = web.requests()
+            moved = [r for r in reqs if r.path.startswith("/moved/packs/")]
+            served = [r for r in reqs if r.path.startswith(f"/{bundle.name}/packs/")]
+            assert moved and all(r.status == 302 for r in moved), reqs
+            assert [r.range for r in served] == [r.range for r in moved], reqs
+            assert all(r.status == 206 for r in served), reqs
+        finally:
+            ublkd("umount", mnt)
+    assert status() == []
+
+
+def test_https_checks_the_certificate(
+    no_leftovers: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HTTPS (nginx with a certificate of a test CA): refused while the CA is unknown;
+    trusted through SSL_CERT_FILE (the system store otherwise), the bundle mounts."""
+    tmp = no_leftovers
+    bundle, _, files = build_served_bundle(tmp)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    with nginx_serving(bundle.parent, tmp / "nginx", tls=True) as web:
+        assert web.ca is not None and web.url.startswith("https://")
+        url = f"{web.url}/{bundle.name}/manifest.json"
+        r = ublkd("mount", url, mnt, *FRONTEND, "--fetch-timeout", "2", check=False)
+        assert r.returncode != 0 and url in r.stderr and "UnknownIssuer" in r.stderr, r.stderr
+        monkeypatch.setenv("SSL_CERT_FILE", str(web.ca))
+        ublkd("mount", url, mnt, *FRONTEND)
+        try:
+            assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
+            assert all(r.status in (200, 206) for r in web.requests())
+        finally:
+            ublkd("umount", mnt)
+    assert status() == []
+
+
 def test_http_server_gone_mid_read_eio_then_back_and_recover(
     no_leftovers: Path, cache_dir: Path
 ) -> None:
@@ -188,9 +236,10 @@ def test_http_server_gone_mid_read_eio_then_back_and_recover(
                     f.read()
                 elapsed = time.monotonic() - t0
             assert e.value.errno == errno.EIO
-            # the kernel may try a failed page again and btrfs reads in several bios:
-            # a few fetch timeouts, never a hang
-            assert timeout * 0.9 < elapsed < 8 * timeout, elapsed
+            print(f"EIO after {elapsed:.2f} s with --fetch-timeout {timeout}")
+            # once one fetch gave up (maybe a readahead that began before), the others
+            # fail fast: about one fetch timeout, not one per fetch the read needs
+            assert elapsed < 1.5 * timeout + 1, elapsed
             st = settled_status(mnt)
             assert isinstance(st["fetch_errors"], int) and st["fetch_errors"] > 0
             assert isinstance(st["read_errors"], int) and st["read_errors"] > 0

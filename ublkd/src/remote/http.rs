@@ -26,6 +26,12 @@ impl Failure {
 pub struct Http {
     agent: ureq::Agent,
     pub counters: Arc<Counters>,
+    /// Set when a fetch gave up on transient errors (the server is down or unreachable),
+    /// for one fetch timeout: meanwhile fetches make one attempt and fail at once instead
+    /// of each waiting out its own deadline (a read(2) that needs several fetches would
+    /// wait several timeouts). A success clears it.
+    down_until: std::sync::Mutex<Option<Instant>>,
+    fail_fast_for: Duration,
 }
 
 /// A `Range` header value for bytes `[start, end)`.
@@ -34,14 +40,27 @@ pub fn range_header(start: u64, end: u64) -> String {
 }
 
 /// An error from one request: connection problems, timeouts and server-side trouble
-/// (5xx, 408, 429) may pass; other statuses will not.
+/// (5xx, 408, 429) may pass; other statuses, bad URLs and certificates will not.
 pub fn classify(url: &str, e: ureq::Error) -> Failure {
     match e {
         ureq::Error::Status(code, _) if code >= 500 || code == 408 || code == 429 => {
             Failure::Transient(format!("{url}: HTTP {code}"))
         }
         ureq::Error::Status(code, r) => Failure::Permanent(format!("{url}: HTTP {code} {}", r.status_text())),
-        ureq::Error::Transport(t) => Failure::Transient(format!("{url}: {t}")),
+        ureq::Error::Transport(t) => {
+            use ureq::ErrorKind::*;
+            let msg = format!("{url}: {t}");
+            // a bad URL or a certificate the server will keep presenting: no use retrying
+            if matches!(
+                t.kind(),
+                InvalidUrl | UnknownScheme | TooManyRedirects | InsecureRequestHttpsOnly
+            ) || msg.contains("certificate")
+            {
+                Failure::Permanent(msg)
+            } else {
+                Failure::Transient(msg)
+            }
+        }
     }
 }
 
@@ -56,7 +75,12 @@ impl Http {
             .max_idle_connections_per_host(16)
             .user_agent(concat!("ublkd/", env!("CARGO_PKG_VERSION")))
             .build();
-        Http { agent, counters }
+        Http {
+            agent,
+            counters,
+            down_until: std::sync::Mutex::new(None),
+            fail_fast_for: read_timeout,
+        }
     }
 
     /// One GET (counted as a request; failed ones as fetch errors).
@@ -88,9 +112,11 @@ impl Http {
     ) -> Result<T, String> {
         let mut backoff = Duration::from_millis(50);
         let mut tries = 0u32;
+        let down = self.down_until.lock().unwrap().is_some_and(|t| Instant::now() < t);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
+                *self.down_until.lock().unwrap() = Some(Instant::now() + self.fail_fast_for);
                 return Err(format!("{what}: no answer within the fetch timeout"));
             }
             let t0 = Instant::now();
@@ -98,6 +124,7 @@ impl Http {
             match attempt(left) {
                 Ok(v) => {
                     self.counters.record_latency(t0.elapsed());
+                    *self.down_until.lock().unwrap() = None;
                     return Ok(v);
                 }
                 Err(f) => {
@@ -105,9 +132,13 @@ impl Http {
                     log::warn!("{what}: attempt {tries}: {}", f.message());
                     match f {
                         Failure::Permanent(m) => return Err(m),
+                        Failure::Transient(m) if down => {
+                            return Err(format!("{m} (failing fast: an earlier fetch timed out)"));
+                        }
                         Failure::Transient(m) => {
                             let left = deadline.saturating_duration_since(Instant::now());
                             if left <= backoff {
+                                *self.down_until.lock().unwrap() = Some(Instant::now() + self.fail_fast_for);
                                 return Err(format!("{m} (gave up after {tries} attempts: fetch timeout)"));
                             }
                             std::thread::sleep(backoff);

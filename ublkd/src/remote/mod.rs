@@ -586,5 +586,10 @@ mod tests {
         let s = counters.snapshot();
         assert!(s.fetch_requests >= 3 && s.fetch_errors == s.fetch_requests, "{s:?}");
         assert!(err.to_string().contains("fetch timeout"), "{err}");
+        // the server is down: the next fetch makes one attempt and fails at once
+        let t = Instant::now();
+        let err = packs.read_at(0, 0, &mut [0u8; 4096]).unwrap_err();
+        assert!(t.elapsed() < Duration::from_millis(300), "{:?}", t.elapsed());
+        assert!(err.to_string().contains("failing fast"), "{err}");
     }
 }
