@@ -446,3 +446,48 @@ def test_oci_registry_bearer_token_auth(no_leftovers: Path, cache_dir: Path) -> 
         scopes = [urllib.parse.parse_qs(q).get("scope") for q in reg.tokens.requests]
         assert ["repository:images/tok:pull"] in scopes, scopes
     assert status() == []
+
+
+def test_chunk_cache_is_bounded_and_rechecked_on_load(no_leftovers: Path, cache_dir: Path) -> None:
+    """--cache-size bounds the chunk files (least recently used go); an entry damaged on
+    disk is detected when loaded, counted, and fetched again; leftover temp files of a
+    torn write are removed when a server starts."""
+    tmp = no_leftovers
+    bundle, tarball, files = build_served_bundle(tmp)
+    data = (next((bundle / "packs").iterdir())).read_bytes()
+    bm = bmap.decode((bundle / "blockmap").read_bytes())
+    chunk = data.find(files["data/victim.bin"]) // CHUNK
+    digest = bm.packs[0].chunk_digests[chunk].hex()
+    chunks = cache_dir / image_hex(bundle) / "chunks"
+    entry = chunks / digest[:2] / digest
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    limit = 6 * CHUNK
+    with nginx_serving(bundle.parent, tmp / "nginx") as web:
+        url = f"{web.url}/{bundle.name}/manifest.json"
+        ublkd("mount", url, mnt, *FRONTEND, "--cache-size", str(limit))
+        try:
+            assert list_dir(mnt) == list_tar(tarball)  # 33 MiB through a 6 MiB cache
+            assert read_file(mnt / "data" / "victim.bin") == files["data/victim.bin"]
+            st = settled_status(mnt)
+            cached = sum(p.stat().st_size for p in chunks.glob("??/*"))
+            assert cached == st["disk_cache_bytes"] and 0 < cached <= limit, (cached, st)
+            assert entry.exists()
+        finally:
+            ublkd("umount", mnt)
+        raw = bytearray(entry.read_bytes())
+        raw[100] ^= 1
+        entry.write_bytes(bytes(raw))
+        (chunks / "tmp" / f"{digest}.1.0").write_bytes(b"torn")
+        web.clear_log()
+        ublkd("mount", url, mnt, *FRONTEND, "--cache-size", str(limit))
+        try:
+            assert not list((chunks / "tmp").iterdir())
+            assert read_file(mnt / "data" / "victim.bin") == files["data/victim.bin"]
+            st = settled_status(mnt)
+            assert st["disk_cache_corrupt"] == 1 and st["verify_failures"] == 0, st
+            assert any(r.range.startswith(f"bytes={chunk * CHUNK}-") for r in web.requests())
+            assert hashlib.sha256(entry.read_bytes()).hexdigest() == digest
+        finally:
+            ublkd("umount", mnt)
+    assert status() == []
