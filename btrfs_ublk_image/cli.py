@@ -47,6 +47,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             fill=fill,
             spec_sha256=spec.spec_sha256,
             progress=progress,
+            prefetch=spec.prefetch,
         )
     finally:
         progress.done()
