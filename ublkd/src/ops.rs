@@ -7,6 +7,7 @@ use crate::plumbing::{btrfs, loopdev, mount as mnt};
 use crate::server::Ready;
 use crate::state::{self, BundleState, LoopRecord, MountState, ServerRecord, SharedMount};
 use crate::stats::Snapshot;
+use crate::trace::{self, Trace};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader};
@@ -41,6 +42,13 @@ pub struct MountArgs {
     /// starts its server; later mounts share it).
     #[arg(long, default_value_t = 256)]
     pub cache_mb: u64,
+    /// Prefetch trace to apply (default: prefetch.trace beside manifest.json, if any);
+    /// its chunks are fetched in the background once the mount is up.
+    #[arg(long, value_name = "TRACE")]
+    pub prefetch: Option<PathBuf>,
+    /// Do not apply the bundle's prefetch.trace.
+    #[arg(long, conflicts_with = "prefetch")]
+    pub no_prefetch: bool,
 }
 
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -495,6 +503,8 @@ pub fn mount(args: MountArgs) -> Result<()> {
         mountpoint.display()
     );
     let bundle = Bundle::open(&args.bundle, args.expect_id.as_deref(), true)?;
+    // checked before anything is locked or attached: a trace for another image is refused
+    let prefetch = prefetch_trace(&args, &bundle)?;
     let mode = match (&args.rw, args.ephemeral) {
         (Some(_), _) => "rw",
         (None, true) => "ephemeral",
@@ -563,6 +573,7 @@ pub fn mount(args: MountArgs) -> Result<()> {
     st.save()?;
 
     // 1. the bundle's server (shared by all its mounts)
+    let had_server = b.server.as_ref().is_some_and(state::server_alive);
     let srv = ensure_server(&mut b, &bundle, args.frontend, kind, args.cache_mb, &id)?;
 
     let mp = mountpoint.clone();
@@ -588,8 +599,24 @@ pub fn mount(args: MountArgs) -> Result<()> {
     st.phase = "mounted".into();
     st.save()?;
     rb.disarm();
+    // the bundle's trace is applied by the mount that starts the server; an explicit
+    // --prefetch by any mount
+    let pf_note = match prefetch {
+        Some((whence, t)) if args.prefetch.is_some() || !had_server => match request_prefetch(&b, &srv, &t) {
+            Ok(()) => format!(
+                "; prefetching {} chunks ({} trace {whence}) in the background",
+                t.chunks.len(),
+                t.source
+            ),
+            Err(e) => {
+                eprintln!("ublkd: warning: prefetch {whence} not started: {e:#}");
+                String::new()
+            }
+        },
+        _ => String::new(),
+    };
     println!(
-        "mounted {} ({}) at {}: {}{}, frontend {}, server pid {} in {:.0} ms",
+        "mounted {} ({}) at {}: {}{}, frontend {}, server pid {} in {:.0} ms{pf_note}",
         bundle.dir.display(),
         bundle.image_id,
         mountpoint.display(),
@@ -598,6 +625,89 @@ pub fn mount(args: MountArgs) -> Result<()> {
         kind.as_str(),
         srv.pid,
         t0.elapsed().as_secs_f64() * 1000.0
+    );
+    Ok(())
+}
+
+/// The trace `mount` applies: `--prefetch`, else the bundle's prefetch.trace (unless
+/// `--no-prefetch`), checked against the bundle (image id, chunk size, chunk indices).
+fn prefetch_trace(args: &MountArgs, bundle: &Bundle) -> Result<Option<(String, Trace)>> {
+    let path = match (&args.prefetch, args.no_prefetch) {
+        (Some(p), _) => p.clone(),
+        (None, true) => return Ok(None),
+        (None, false) => {
+            let p = bundle.dir.join(trace::FILE_NAME);
+            if !p.exists() {
+                return Ok(None);
+            }
+            p
+        }
+    };
+    let whence = path.display().to_string();
+    let t = Trace::read(&path)?;
+    t.check_for(&bundle.image_id, &bundle.blockmap, &whence)?;
+    Ok(Some((whence, t)))
+}
+
+/// Hand a trace to the bundle's server: written into its directory, then SIGUSR1.
+fn request_prefetch(b: &BundleState, srv: &ServerRecord, t: &Trace) -> Result<()> {
+    ensure!(state::server_alive(srv), "the server (pid {}) is not running", srv.pid);
+    t.write(&b.dir().join(trace::FILE_NAME))?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(srv.pid), nix::sys::signal::Signal::SIGUSR1)
+        .with_context(|| format!("signal the server (pid {})", srv.pid))?;
+    Ok(())
+}
+
+/// `ublkd record MNT -o TRACE`: ask the mount's server for its access trace (SIGUSR2:
+/// it writes access.trace in its directory), wait for the new file, copy it to `out`.
+pub fn record(mountpoint: &Path, out: &Path) -> Result<()> {
+    let (st, _l) = lock_mount(mountpoint)?;
+    let b = BundleState::load(&st.bundle_key).context("no bundle state")?;
+    let srv = b.server.clone().context("no server recorded")?;
+    ensure!(
+        state::server_alive(&srv),
+        "{}: the server (pid {}) is not running",
+        st.mountpoint,
+        srv.pid
+    );
+    let path = b.dir().join(trace::ACCESS_FILE);
+    let ino = |p: &Path| {
+        std::fs::metadata(p)
+            .ok()
+            .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+    };
+    let before = ino(&path);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(srv.pid), nix::sys::signal::Signal::SIGUSR2)
+        .with_context(|| format!("signal the server (pid {})", srv.pid))?;
+    // the server writes a new file and renames it: a new inode
+    let t0 = Instant::now();
+    while ino(&path).is_none() || ino(&path) == before {
+        ensure!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the server (pid {}) wrote no {} within 10 s; its log ({}):\n{}",
+            srv.pid,
+            path.display(),
+            b.dir().join("server.log").display(),
+            server_log_tail(&b.dir())
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let t = Trace::read(&path)?;
+    ensure!(
+        t.image_id == b.image_id,
+        "{}: image id {} differs from the mount's {}",
+        path.display(),
+        t.image_id,
+        b.image_id
+    );
+    t.write(out).with_context(|| format!("write {}", out.display()))?;
+    println!(
+        "recorded {} chunks ({} MiB) of {} ({}) to {}",
+        t.chunks.len(),
+        (t.chunks.len() as u64 * t.chunk_size) >> 20,
+        st.mountpoint,
+        b.image_id,
+        out.display()
     );
     Ok(())
 }
@@ -955,6 +1065,23 @@ pub fn status(json: bool) -> Result<()> {
                 "  served   {} bytes in {} reads; {} chunks verified, {} verification failures, {} read errors, {} pack bytes read, {} cache hits",
                 e.stats.bytes_served, e.stats.reads, e.stats.chunks_verified, e.stats.verify_failures, e.stats.read_errors, e.stats.pack_bytes_read, e.stats.cache_hits
             );
+            let s = &e.stats;
+            println!("  demand   {} chunks loaded for device reads", s.demand_chunk_loads);
+            if s.prefetch_total > 0 {
+                println!(
+                    "  prefetch {}/{} chunks done ({}), {} fetched ({} bytes), {} errors",
+                    s.prefetch_done,
+                    s.prefetch_total,
+                    if s.prefetch_done < s.prefetch_total {
+                        "running"
+                    } else {
+                        "finished"
+                    },
+                    s.prefetch_chunks,
+                    s.prefetch_bytes,
+                    s.prefetch_errors
+                );
+            }
         }
         println!("  mounts   {}", mine.len());
         for e in &mine {

@@ -10,6 +10,7 @@ pub mod source;
 
 use crate::blockmap::Blockmap;
 use crate::stats::Counters;
+use crate::trace::AccessLog;
 use sha2::{Digest as _, Sha256};
 use source::PackSource;
 use std::collections::HashMap;
@@ -37,6 +38,15 @@ pub struct VerifiedChunks {
     capacity: usize,
     cache: Mutex<CacheInner>,
     pack_names: Vec<String>,
+    /// First demand access of each chunk (`ublkd record`); prefetches are not noted.
+    pub access: AccessLog,
+}
+
+/// Who asked for a chunk: loads are counted apart (`demand_chunk_loads`, `prefetch_*`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Why {
+    Demand,
+    Prefetch,
 }
 
 impl VerifiedChunks {
@@ -49,6 +59,7 @@ impl VerifiedChunks {
         pack_names: Vec<String>,
     ) -> VerifiedChunks {
         let capacity = (cache_bytes >> blockmap.chunk_shift).max(4) as usize;
+        let access = AccessLog::new(&blockmap);
         VerifiedChunks {
             blockmap,
             source,
@@ -59,7 +70,13 @@ impl VerifiedChunks {
                 tick: 0,
             }),
             pack_names,
+            access,
         }
+    }
+
+    /// How many chunks the cache holds (a prefetch longer than this would evict its start).
+    pub fn capacity_chunks(&self) -> usize {
+        self.capacity
     }
 
     /// Number of chunks currently cached (tests).
@@ -118,8 +135,18 @@ impl VerifiedChunks {
         Ok(Arc::new(buf))
     }
 
-    /// The verified bytes of chunk `chunk` of pack `pack`.
+    /// The verified bytes of chunk `chunk` of pack `pack`, for a device read.
     pub fn chunk(&self, pack: u32, chunk: u64) -> Result<Arc<Vec<u8>>, ChunkError> {
+        self.access.note(pack, chunk);
+        self.get(pack, chunk, Why::Demand)
+    }
+
+    /// Bring a chunk into the cache ahead of use, through the same verified path.
+    pub fn prefetch(&self, pack: u32, chunk: u64) -> Result<(), ChunkError> {
+        self.get(pack, chunk, Why::Prefetch).map(|_| ())
+    }
+
+    fn get(&self, pack: u32, chunk: u64, why: Why) -> Result<Arc<Vec<u8>>, ChunkError> {
         let key = (pack, chunk);
         let (slot, hit) = self.slot(key);
         let mut loaded_here = false;
@@ -129,8 +156,17 @@ impl VerifiedChunks {
                 self.load(pack, chunk)
             })
             .clone();
-        if hit && !loaded_here {
+        if hit && !loaded_here && why == Why::Demand {
             Counters::add(&self.counters.cache_hits, 1);
+        }
+        if let (true, Ok(data)) = (loaded_here, &res) {
+            match why {
+                Why::Demand => Counters::add(&self.counters.demand_chunk_loads, 1),
+                Why::Prefetch => {
+                    Counters::add(&self.counters.prefetch_chunks, 1);
+                    Counters::add(&self.counters.prefetch_bytes, data.len() as u64);
+                }
+            }
         }
         if let Err(e) = &res {
             if loaded_here {
