@@ -464,12 +464,31 @@ fn ensure_shared(b: &mut BundleState, bundle: &Bundle, srv: &ServerRecord) -> Re
     holds.push(m.file);
     scan_seed(&[&meta, &dev2], bundle)?;
     mnt::mount_btrfs(&meta, &path, &[&meta, &dev2], true, "")?;
-    // sprout onto a scratch device, then read-only: the image's fsid is free again for
-    // the devices of --rw mounts, and nothing can write to the shared mount
-    let rw_path = dir.join("seed-rw.img");
+    sh.phase = "mounted".into();
+    save(b, &sh)?;
+    drop(holds);
+    Ok(path)
+}
+
+/// Sprout the bundle's shared mount onto a scratch device and make it read-only again,
+/// unless that was done already. Until then the shared mount holds the image's fsid, and
+/// the kernel refuses another instance of the image's devices (EEXIST): every step that
+/// attaches such an instance (`--rw` mounts, a shared mount of another bundle with the
+/// same fsid) calls this first. Deferring it keeps ~100 ms (a transaction on the scratch
+/// device) off the first read-only mount.
+fn sprout_shared(b: &mut BundleState) -> Result<()> {
+    let Some(mut sh) = b.shared.clone() else {
+        return Ok(());
+    };
+    if sh.phase != "mounted" || sh.rw_loop.is_some() {
+        return Ok(());
+    }
+    let path = PathBuf::from(&sh.path);
+    let rw_path = b.dir().join("seed-rw.img");
     let _ = std::fs::remove_file(&rw_path);
     sh.rw_path = Some(rw_path.display().to_string());
-    save(b, &sh)?;
+    b.shared = Some(sh.clone());
+    b.save()?;
     let (rwf, _) = open_rw_file(&rw_path, SHARED_SCRATCH_SIZE)?;
     let rl = loopdev::attach(
         &rwf,
@@ -480,15 +499,47 @@ fn ensure_shared(b: &mut BundleState, bundle: &Bundle, srv: &ServerRecord) -> Re
         },
     )?;
     sh.rw_loop = Some(loop_record(&rl));
-    save(b, &sh)?;
-    let rw_dev = rl.path.clone();
-    holds.push(rl.file);
-    btrfs::add_device(&path, &rw_dev)?;
+    b.shared = Some(sh.clone());
+    b.save()?;
+    if let Err(e) = btrfs::add_device(&path, &rl.path) {
+        // leave it unsprouted and consistent, so a later attempt starts afresh
+        forget_and_detach(&[&sh.rw_loop])?;
+        let _ = std::fs::remove_file(&rw_path);
+        (sh.rw_loop, sh.rw_path) = (None, None);
+        b.shared = Some(sh);
+        b.save()?;
+        return Err(e).context("sprout the shared mount");
+    }
+    // ADD_DEV of a seed clears the superblock's read-only flag: nothing may write here
     mnt::remount_ro(&path)?;
-    sh.phase = "mounted".into();
-    save(b, &sh)?;
-    drop(holds);
-    Ok(path)
+    drop(rl.file);
+    Ok(())
+}
+
+/// Before attaching a new instance of this image's devices: sprout the unsprouted shared
+/// mounts of OTHER bundles with the same fsid (another image id of the same filesystem,
+/// e.g. the same tree built from a different spec file). Their locks are held until the
+/// returned guards drop, so none of them makes a new unsprouted mount meanwhile. Waits at
+/// most 30 s for each lock (two such bundles sprouting each other time out instead of
+/// deadlocking).
+fn claim_fsid(b: &BundleState) -> Result<Vec<state::Lock>> {
+    let mut held = Vec::new();
+    for other in BundleState::all() {
+        if other.key == b.key || other.fsid != b.fsid {
+            continue;
+        }
+        let lock = state::lock_timeout(
+            &BundleState::lock_path(&other.key),
+            Some(&BundleState::dir_of(&other.key)),
+            Duration::from_secs(30),
+        )
+        .with_context(|| format!("bundle {} has the same fsid {}: lock it", other.bundle, b.fsid))?;
+        if let Some(mut o) = BundleState::load(&other.key) {
+            sprout_shared(&mut o).with_context(|| format!("bundle {} (same fsid {})", o.bundle, o.fsid))?;
+        }
+        held.push(lock);
+    }
+    Ok(held)
 }
 
 pub fn mount(args: MountArgs) -> Result<()> {
@@ -575,6 +626,7 @@ pub fn mount(args: MountArgs) -> Result<()> {
     // 1. the bundle's server (shared by all its mounts)
     let had_server = b.server.as_ref().is_some_and(state::server_alive);
     let srv = ensure_server(&mut b, &bundle, args.frontend, kind, args.cache_mb, &id)?;
+    let _same_fsid = claim_fsid(&b)?;
 
     let mp = mountpoint.clone();
     let note = match mode {
@@ -594,7 +646,10 @@ pub fn mount(args: MountArgs) -> Result<()> {
             rb.push("umount", move || Ok(mnt::umount(&mp, false)?));
             format!(" (overlay over {}, upper {})", shared.display(), upper.display())
         }
-        _ => mount_rw(&args, &bundle, &srv, &mut st, &mut rb)?,
+        _ => {
+            sprout_shared(&mut b)?;
+            mount_rw(&args, &bundle, &srv, &mut st, &mut rb)?
+        }
     };
     st.phase = "mounted".into();
     st.save()?;
