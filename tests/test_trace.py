@@ -10,6 +10,7 @@ applied by a plain `ublkd mount`. Fuse frontend, private UBLKD_RUN_DIR, `no_left
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -29,6 +30,13 @@ from bundletools import DEBIAN_CACHE, prepare_debian_inputs
 pytestmark = pytest.mark.root
 
 COMMAND_FILES = ["data/c.bin", "etc/extent", "data/a.bin"]
+
+
+def fresh_seed() -> int:
+    """Content no other test run has: two runs (each with its own UBLKD_RUN_DIR) mounting
+    the same image at once would share one kernel btrfs instance (same fsid and device
+    uuids), and one run's reads would show up in the other's server counters."""
+    return int.from_bytes(os.urandom(3), "little")
 
 
 def wait_stats(
@@ -77,7 +85,7 @@ def loads(st: dict[str, object]) -> int:
 
 def test_recorded_trace_makes_the_command_need_no_demand_loads(no_leftovers: Path) -> None:
     tmp = no_leftovers
-    bundle, _, files = build_bundle(tmp, "rec", 21)
+    bundle, _, files = build_bundle(tmp, "rec", fresh_seed())
     manifest, image_id = read_manifest(str(bundle))
     mnt = tmp / "mnt"
     mnt.mkdir()
@@ -126,8 +134,8 @@ def test_recorded_trace_makes_the_command_need_no_demand_loads(no_leftovers: Pat
 
 def test_trace_for_another_image_is_refused_before_mounting(no_leftovers: Path) -> None:
     tmp = no_leftovers
-    a, _, _ = build_bundle(tmp, "a", 22)
-    b, _, _ = build_bundle(tmp, "b", 23)
+    a, _, _ = build_bundle(tmp, "a", fresh_seed())
+    b, _, _ = build_bundle(tmp, "b", fresh_seed())
     _, id_a = read_manifest(str(a))
     _, id_b = read_manifest(str(b))
     mnt = tmp / "mnt"
@@ -162,7 +170,7 @@ def test_build_time_prefetch_list_is_applied_by_mount(no_leftovers: Path) -> Non
     tmp = no_leftovers
     work = tmp / "src"
     work.mkdir()
-    files = make_tarball(work / "rootfs.tar", 24)
+    files = make_tarball(work / "rootfs.tar", fresh_seed())
     spec = work / "spec.yaml"
     spec.write_text(
         "version: 1\nname: pf\nlayers:\n  - tar: {path: rootfs.tar}\n"
@@ -199,7 +207,7 @@ def test_chroot_true_on_debian_with_recorded_trace(no_leftovers: Path) -> None:
     spec = tmp / "spec.yaml"
     spec.write_text(
         f"version: 1\nname: debian-trace\nlayers:\n  - tar: {{path: {DEBIAN_CACHE / 'rootfs.tar'}}}\n"
-        '  - files:\n      - {path: /etc/trace-test, content: "trace test\\n"}\n'
+        f'  - files:\n      - {{path: /etc/trace-test, content: "{os.urandom(8).hex()}"}}\n'
     )
     bundle = tmp / "debian.bundle"
     assert cli(["build", str(spec), "-o", str(bundle)]) == 0
