@@ -12,12 +12,14 @@ server away mid-read and return it.
 
     with docker_registry(tmp_path / "registry") as reg:
         reg.address      # "127.0.0.1:PORT" (plain HTTP)
+        reg.requests()   # parsed access log (method, path, status)
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -168,9 +170,29 @@ def nginx_serving(root: Path, workdir: Path) -> Iterator[Nginx]:
         server.stop()
 
 
+class Registry(ServerProcess):
+    """docker-registry; its access log (combined format) goes to its stdout, registry.out."""
+
+    _LINE = re.compile(r'"(\S+) (\S+) HTTP/[0-9.]+" (\d+) (\d+|-)')
+
+    def requests(self) -> list[AccessRecord]:
+        """Every request logged so far (the line is written when the response ends)."""
+        path = self.workdir / "registry.out"
+        out = []
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            if (m := self._LINE.search(line)) is not None and not line.startswith("time="):
+                sent = 0 if m.group(4) == "-" else int(m.group(4))
+                out.append(AccessRecord(m.group(1), m.group(2), int(m.group(3)), sent, "-"))
+        return out
+
+
 @contextlib.contextmanager
-def docker_registry(workdir: Path) -> Iterator[ServerProcess]:
-    """Debian's docker-registry (the reference OCI distribution registry), plain HTTP, no auth."""
+def docker_registry(workdir: Path, auth: str = "") -> Iterator[Registry]:
+    """Debian's docker-registry (the reference OCI distribution registry), plain HTTP.
+
+    `auth`: the config's `auth:` section as YAML flow text, e.g.
+    `{htpasswd: {realm: test, path: /x/htpasswd}}`; default none (anonymous push).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     conf = workdir / "config.yml"
@@ -183,8 +205,9 @@ storage:
 http:
   addr: 127.0.0.1:{port}
 """
+        + (f"auth: {auth}\n" if auth else "")
     )
-    server = ServerProcess([DOCKER_REGISTRY, "serve", str(conf)], port, workdir, "registry")
+    server = Registry([DOCKER_REGISTRY, "serve", str(conf)], port, workdir, "registry")
     server.start()
     try:
         yield server
