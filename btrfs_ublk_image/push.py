@@ -423,14 +423,14 @@ class Registry:
         registry's auth challenge answered once; an unexpected status is an ImageError."""
         url = path if "://" in path else f"{self.scheme}://{self.ref.registry}{path}"
         hdrs = dict(headers or {})
+        # credentials go to the registry only, never to another host an upload URL names
+        ours = urllib.parse.urlsplit(url).netloc == self.ref.registry
         for attempt in range(2):
-            if self._authorization is not None:
+            if self._authorization is not None and ours:
                 hdrs["Authorization"] = self._authorization
             resp = self._send(method, url, hdrs, body)
-            if resp.status == 401 and attempt == 0:
-                self._authenticate(resp)
-                continue
-            break
+            if not (resp.status == 401 and attempt == 0 and ours and self._authenticate(resp)):
+                break
         if resp.status not in ok:
             detail = _error_text(resp.body)
             hint = ""
@@ -446,20 +446,25 @@ class Registry:
             )
         return resp
 
-    def _authenticate(self, resp: Response) -> None:
+    def _authenticate(self, resp: Response) -> bool:
+        """Answer a 401's challenge; False when there is nothing new to try (no challenge,
+        Basic without credentials or with the ones just refused)."""
         header = resp.headers.get("WWW-Authenticate")
         if not header:
-            return
+            return False
         scheme, params = _parse_challenge(header)
         if scheme == "basic":
             if self.credentials is None:
-                return  # the 401 becomes the error, with the hint
+                return False  # the 401 becomes the error, with the hint
             token = base64.b64encode(":".join(self.credentials).encode()).decode()
+            if self._authorization == f"Basic {token}":
+                return False
             self._authorization = f"Basic {token}"
         elif scheme == "bearer":
             self._authorization = f"Bearer {self._bearer_token(params)}"
         else:
             raise ImageError(f"{self.where}: unsupported auth scheme in WWW-Authenticate: {header}")
+        return True
 
     def _bearer_token(self, params: dict[str, str]) -> str:
         realm = params.get("realm")

@@ -32,9 +32,9 @@ NGINX = "/usr/sbin/nginx"
 DOCKER_REGISTRY = "/usr/bin/docker-registry"
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -52,8 +52,11 @@ class AccessRecord:
 class ServerProcess:
     """A server child process on a fixed loopback port; stop/start keep the port."""
 
-    def __init__(self, argv: list[str], port: int, workdir: Path, name: str) -> None:
+    def __init__(
+        self, argv: list[str], port: int, workdir: Path, name: str, host: str = "127.0.0.1"
+    ) -> None:
         self.argv = argv
+        self.host = host
         self.port = port
         self.workdir = workdir
         self.name = name
@@ -61,7 +64,7 @@ class ServerProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -82,7 +85,7 @@ class ServerProcess:
                 raise RuntimeError(f"{self.name} exited at start:\n{out[-2000:]}")
             with (
                 contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), 0.2),
+                socket.create_connection((self.host, self.port), 0.2),
             ):
                 return
             time.sleep(0.05)
@@ -187,14 +190,17 @@ class Registry(ServerProcess):
 
 
 @contextlib.contextmanager
-def docker_registry(workdir: Path, auth: str = "") -> Iterator[Registry]:
+def docker_registry(
+    workdir: Path, auth: str = "", host: str = "127.0.0.1", tls: tuple[Path, Path] | None = None
+) -> Iterator[Registry]:
     """Debian's docker-registry (the reference OCI distribution registry), plain HTTP.
 
     `auth`: the config's `auth:` section as YAML flow text, e.g.
     `{htpasswd: {realm: test, path: /x/htpasswd}}`; default none (anonymous push).
+    `tls`: (certificate, key) PEM files: HTTPS only. `host`: the address to listen on.
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = free_port(host)
     conf = workdir / "config.yml"
     conf.write_text(
         f"""version: 0.1
@@ -203,11 +209,12 @@ storage:
   filesystem: {{rootdirectory: {workdir.resolve() / "storage"}}}
   delete: {{enabled: true}}
 http:
-  addr: 127.0.0.1:{port}
+  addr: {host}:{port}
 """
+        + (f"  tls: {{certificate: {tls[0]}, key: {tls[1]}}}\n" if tls else "")
         + (f"auth: {auth}\n" if auth else "")
     )
-    server = Registry([DOCKER_REGISTRY, "serve", str(conf)], port, workdir, "registry")
+    server = Registry([DOCKER_REGISTRY, "serve", str(conf)], port, workdir, "registry", host)
     server.start()
     try:
         yield server

@@ -499,3 +499,73 @@ def test_push_with_trace_beside_the_bundle(tmp_path: Path, registry: Registry) -
     assert [e["digest"] for e in index["manifests"]] == [trace_digest]
     # the trace is not part of the image: same image id as without it
     assert raw_manifest(ref)["config"]["digest"] == image_id
+
+
+# --- transport ------------------------------------------------------------------------------
+def test_references_and_the_scheme_they_get() -> None:
+    from btrfs_ublk_image.errors import ImageError
+    from btrfs_ublk_image.push import Registry as Client
+    from btrfs_ublk_image.push import parse_reference
+
+    for text, registry, repo, tag in [
+        ("reg.example/a/b:v1", "reg.example", "a/b", "v1"),
+        ("oci://reg.example:5000/app", "reg.example:5000", "app", "latest"),
+        ("[::1]:5000/app:x", "[::1]:5000", "app", "x"),
+    ]:
+        ref = parse_reference(text)
+        assert (ref.registry, ref.repo, ref.tag) == (registry, repo, tag)
+    scheme = {
+        text: Client(parse_reference(text)).scheme
+        for text in ("reg.example/a", "10.0.0.1:5000/a", "127.0.0.2:5000/a", "localhost/a")
+    }
+    assert scheme == {
+        "reg.example/a": "https",
+        "10.0.0.1:5000/a": "https",
+        "127.0.0.2:5000/a": "http",
+        "localhost/a": "http",
+    }
+    assert Client(parse_reference("[::1]:5000/a")).scheme == "http"
+    assert Client(parse_reference("reg.example/a"), plain_http=True).scheme == "http"
+    for bad in ("reg.example/a:b:c", "reg.example/a:-x", "reg.example/"):
+        with pytest.raises(ImageError, match="reg.example"):
+            parse_reference(bad)
+
+
+def _host_address() -> str | None:
+    """A non-loopback IPv4 address of this host (HTTPS is the default off loopback)."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        addr = line.split()[3].split("/")[0]
+        if not addr.startswith("127."):
+            return addr
+    return None
+
+
+def test_https_by_default_off_loopback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    host = _host_address()
+    if host is None:
+        pytest.skip("no non-loopback IPv4 address on this host")
+    bundle = build_bundle(tmp_path)
+    cert, key = tmp_path / "registry.pem", tmp_path / "registry.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
+        + ["-subj", "/CN=bui-registry", "-addext", f"subjectAltName=IP:{host}"]
+        + ["-keyout", str(key), "-out", str(cert)],
+        capture_output=True,
+        check=True,
+    )
+    with docker_registry(tmp_path / "registry", host=host, tls=(cert, key)) as reg:
+        ref = f"{reg.address}/images/app:v1"
+        untrusted = push("push", bundle, ref)  # the system CA store does not know our cert
+        assert untrusted.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr
+        assert reg.address in untrusted.stderr
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        plain = push("push", bundle, ref, "--plain-http")
+        assert plain.returncode == 1 and "HTTP 400" in plain.stderr, plain.stderr
+        r = ok(push("push", bundle, ref))
+        _, image_id = read_manifest(str(bundle))
+        assert f"image id: {image_id}" in r.stdout
+        # skopeo, verifying TLS against the same SSL_CERT_FILE, reads what we pushed
+        listed = skopeo("inspect", "--raw", f"docker://{ref}")
+        assert listed.returncode == 0, listed.stderr
+        assert json.loads(listed.stdout)["config"]["digest"] == image_id
