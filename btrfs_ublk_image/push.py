@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from btrfs_ublk_image import __version__
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.bundle import (
     BLOCKMAP,
@@ -377,6 +378,7 @@ class Registry:
         conn = self._connection(parts.netloc, parts.scheme)
         try:
             conn.putrequest(method, target, skip_accept_encoding=True)
+            conn.putheader("User-Agent", f"btrfs-ublk-image/{__version__}")
             if body is None:
                 size = 0
             elif isinstance(body, bytes):
@@ -406,6 +408,9 @@ class Registry:
             raise ImageError(
                 f"{self.where}: {method} {parts.scheme}://{parts.netloc}{parts.path}: {reason}"
             ) from None
+        except BaseException:  # e.g. a pack unreadable mid-upload: the request is half sent
+            self.close()
+            raise
         finally:
             if not shared:
                 conn.close()
