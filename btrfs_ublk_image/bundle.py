@@ -191,7 +191,11 @@ def read_bundle_file(path: str) -> bytes:
 def read_manifest(bundle: str) -> tuple[dict[str, Any], str]:
     """The manifest of ``bundle`` and its image id."""
     path = os.path.join(bundle, MANIFEST)
-    data = read_bundle_file(path)
+    return parse_manifest(read_bundle_file(path), path)
+
+
+def parse_manifest(data: bytes, path: str) -> tuple[dict[str, Any], str]:
+    """The manifest in ``data`` (the bytes of ``path``) and its image id."""
     try:
         manifest = json.loads(data)
     except ValueError as e:

@@ -23,6 +23,7 @@ APT_PACKAGES=(
   python3 python3-venv python3-pip
   curl ca-certificates
   nginx-light docker-registry         # remote packs: HTTP range server and OCI registry (tests, bench)
+  apache2-utils     # htpasswd -B: the bcrypt password file of the registry auth test (tests/test_push.py)
 )
 
 if [ -z "${SKIP_APT:-}" ]; then

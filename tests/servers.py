@@ -12,12 +12,14 @@ server away mid-read and return it.
 
     with docker_registry(tmp_path / "registry") as reg:
         reg.address      # "127.0.0.1:PORT" (plain HTTP)
+        reg.requests()   # parsed access log (method, path, status)
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -30,9 +32,9 @@ NGINX = "/usr/sbin/nginx"
 DOCKER_REGISTRY = "/usr/bin/docker-registry"
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -50,8 +52,11 @@ class AccessRecord:
 class ServerProcess:
     """A server child process on a fixed loopback port; stop/start keep the port."""
 
-    def __init__(self, argv: list[str], port: int, workdir: Path, name: str) -> None:
+    def __init__(
+        self, argv: list[str], port: int, workdir: Path, name: str, host: str = "127.0.0.1"
+    ) -> None:
         self.argv = argv
+        self.host = host
         self.port = port
         self.workdir = workdir
         self.name = name
@@ -59,7 +64,7 @@ class ServerProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -80,7 +85,7 @@ class ServerProcess:
                 raise RuntimeError(f"{self.name} exited at start:\n{out[-2000:]}")
             with (
                 contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), 0.2),
+                socket.create_connection((self.host, self.port), 0.2),
             ):
                 return
             time.sleep(0.05)
@@ -168,11 +173,34 @@ def nginx_serving(root: Path, workdir: Path) -> Iterator[Nginx]:
         server.stop()
 
 
+class Registry(ServerProcess):
+    """docker-registry; its access log (combined format) goes to its stdout, registry.out."""
+
+    _LINE = re.compile(r'"(\S+) (\S+) HTTP/[0-9.]+" (\d+) (\d+|-)')
+
+    def requests(self) -> list[AccessRecord]:
+        """Every request logged so far (the line is written when the response ends)."""
+        path = self.workdir / "registry.out"
+        out = []
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            if (m := self._LINE.search(line)) is not None and not line.startswith("time="):
+                sent = 0 if m.group(4) == "-" else int(m.group(4))
+                out.append(AccessRecord(m.group(1), m.group(2), int(m.group(3)), sent, "-"))
+        return out
+
+
 @contextlib.contextmanager
-def docker_registry(workdir: Path) -> Iterator[ServerProcess]:
-    """Debian's docker-registry (the reference OCI distribution registry), plain HTTP, no auth."""
+def docker_registry(
+    workdir: Path, auth: str = "", host: str = "127.0.0.1", tls: tuple[Path, Path] | None = None
+) -> Iterator[Registry]:
+    """Debian's docker-registry (the reference OCI distribution registry), plain HTTP.
+
+    `auth`: the config's `auth:` section as YAML flow text, e.g.
+    `{htpasswd: {realm: test, path: /x/htpasswd}}`; default none (anonymous push).
+    `tls`: (certificate, key) PEM files: HTTPS only. `host`: the address to listen on.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    port = free_port(host)
     conf = workdir / "config.yml"
     conf.write_text(
         f"""version: 0.1
@@ -181,10 +209,12 @@ storage:
   filesystem: {{rootdirectory: {workdir.resolve() / "storage"}}}
   delete: {{enabled: true}}
 http:
-  addr: 127.0.0.1:{port}
+  addr: {host}:{port}
 """
+        + (f"  tls: {{certificate: {tls[0]}, key: {tls[1]}}}\n" if tls else "")
+        + (f"auth: {auth}\n" if auth else "")
     )
-    server = ServerProcess([DOCKER_REGISTRY, "serve", str(conf)], port, workdir, "registry")
+    server = Registry([DOCKER_REGISTRY, "serve", str(conf)], port, workdir, "registry", host)
     server.start()
     try:
         yield server
