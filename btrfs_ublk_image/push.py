@@ -29,6 +29,7 @@ from typing import Any
 
 from btrfs_ublk_image import __version__
 from btrfs_ublk_image import blockmap as bmap
+from btrfs_ublk_image import trace as trace_format
 from btrfs_ublk_image.bundle import (
     BLOCKMAP,
     MANIFEST,
@@ -41,6 +42,7 @@ from btrfs_ublk_image.bundle import (
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.hashing import BackgroundSha256
 from btrfs_ublk_image.progress import Progress, human_bytes
+from btrfs_ublk_image.trace import Trace
 
 MT_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MT_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -54,9 +56,6 @@ MT_PACK = "application/vnd.btrfs-ublk-image.pack.v1"
 MT_TRACE = "application/vnd.btrfs-ublk-image.trace.v1+json"
 ANNOTATION_TITLE = "org.opencontainers.image.title"
 ANNOTATION_IMAGE_ID = "dev.btrfs-ublk-image.image-id"
-TRACE_FORMAT = "btrfs-ublk-image.trace"
-TRACE_FORMAT_VERSION = 1
-TRACE_FILE = "prefetch.trace"  # beside manifest.json in a bundle directory
 EMPTY_CONFIG = b"{}"  # the OCI 1.1 empty descriptor's blob, for the trace artifact
 AUTH_ENV = "BUI_REGISTRY_AUTH"
 
@@ -204,33 +203,16 @@ def _encode(obj: dict[str, Any]) -> bytes:
 
 
 # --- traces -------------------------------------------------------------------------------
-def read_trace(path: str) -> tuple[bytes, dict[str, Any]]:
-    """A trace file's bytes and JSON, checked for the trace format (docs/remote.md)."""
+def read_trace(path: str) -> tuple[bytes, Trace]:
+    """A trace file's bytes (uploaded as they are) and its parsed, checked form."""
     data = read_bundle_file(path)
-    try:
-        trace = json.loads(data)
-    except ValueError as e:
-        raise ImageError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(trace, dict) or trace.get("format") != TRACE_FORMAT:
-        raise ImageError(f"{path}: not a btrfs-ublk-image trace (format {TRACE_FORMAT!r})")
-    if trace.get("format_version") != TRACE_FORMAT_VERSION:
-        raise ImageError(f"{path}: unsupported trace format_version {trace.get('format_version')}")
-    iid = trace.get("image_id")
-    if not isinstance(iid, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", iid):
-        raise ImageError(f"{path}: image_id {iid!r} is not sha256:<hex>")
-    chunks = trace.get("chunks")
-    if not isinstance(chunks, list) or not all(
-        isinstance(c, list) and len(c) == 2 and all(type(x) is int and x >= 0 for x in c)
-        for c in chunks
-    ):
-        raise ImageError(f"{path}: chunks must be a list of [pack_index, chunk_index]")
-    return data, trace
+    return data, trace_format.decode(data, path)
 
 
-def check_trace_for(path: str, trace: dict[str, Any], image_id: str) -> None:
-    if trace["image_id"] != image_id:
+def check_trace_for(path: str, trace: Trace, image_id: str) -> None:
+    if trace.image_id != image_id:
         raise ImageError(
-            f"{path}: trace is for image {trace['image_id']}, not {image_id}"
+            f"{path}: trace was made for image {trace.image_id}, not {image_id}"
             " (a trace applies only to the image it was made for)"
         )
 
@@ -595,8 +577,8 @@ def push_bundle(
     progress = progress or Progress("verifying", force=False)
     progress.phase("verifying")
     b = verify_bundle(bundle, progress)
-    if trace is None and os.path.exists(os.path.join(b.path, TRACE_FILE)):
-        trace = os.path.join(b.path, TRACE_FILE)
+    if trace is None and os.path.exists(os.path.join(b.path, trace_format.FILE_NAME)):
+        trace = os.path.join(b.path, trace_format.FILE_NAME)
     trace_data = None
     if trace is not None:
         trace_data, parsed = read_trace(trace)
@@ -655,7 +637,7 @@ def push_trace(
 def _attach_trace(reg: Registry, data: bytes, subject: dict[str, Any], image_id: str) -> str:
     """Upload the trace artifact and list it in the subject's referrers index (tag
     sha256-<hex>), keeping every other referrer there."""
-    trace = bytes_blob(data, MT_TRACE, TRACE_FILE)
+    trace = bytes_blob(data, MT_TRACE, trace_format.FILE_NAME)
     empty = bytes_blob(EMPTY_CONFIG, MT_OCI_EMPTY)
     reg.put_blob(empty)
     reg.put_blob(trace)

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 from servers import Registry, docker_registry
 
+from btrfs_ublk_image import trace as trace_format
 from btrfs_ublk_image.bundle import BLOCKMAP, MANIFEST, META_IMG, read_manifest
 from btrfs_ublk_image.cli import main as cli
 from btrfs_ublk_image.push import (
@@ -33,7 +34,6 @@ from btrfs_ublk_image.push import (
     ARTIFACT_TRACE,
     MT_OCI_INDEX,
     MT_OCI_MANIFEST,
-    TRACE_FILE,
     referrers_tag,
 )
 
@@ -103,18 +103,8 @@ def blob_uploads(reg: Registry) -> list[str]:
 
 
 def write_trace(path: Path, image_id: str, chunks: list[list[int]]) -> Path:
-    path.write_text(
-        json.dumps(
-            {
-                "format": "btrfs-ublk-image.trace",
-                "format_version": 1,
-                "image_id": image_id,
-                "chunk_size": CHUNK,
-                "source": "record",
-                "chunks": chunks,
-            }
-        )
-    )
+    refs = tuple((c[0], c[1]) for c in chunks)
+    trace_format.write(str(path), trace_format.Trace(image_id, CHUNK, "record", refs))
     return path
 
 
@@ -474,7 +464,7 @@ def test_trace_for_another_image_is_refused(tmp_path: Path, registry: Registry) 
     # push --trace checks before uploading anything, as does a prefetch.trace in the bundle
     r = push("push", other, f"{registry.address}/images/other:v1", "--trace", wrong.parent / "x")
     assert r.returncode == 1 and "cannot read" in r.stderr
-    write_trace(bundle / TRACE_FILE, other_id, [[0, 0]])
+    write_trace(bundle / trace_format.FILE_NAME, other_id, [[0, 0]])
     r = push("push", bundle, f"{registry.address}/images/app:v2")
     assert r.returncode == 1 and other_id in r.stderr, r.stderr
     assert not any(x.method in ("PUT", "POST") for x in registry.requests()[before:])
@@ -482,13 +472,13 @@ def test_trace_for_another_image_is_refused(tmp_path: Path, registry: Registry) 
     bad = tmp_path / "bad.trace"
     bad.write_text('{"format": "something else"}')
     r = push("push-trace", bad, ref)
-    assert r.returncode == 1 and "not a btrfs-ublk-image trace" in r.stderr
+    assert r.returncode == 1 and "not a trace" in r.stderr
 
 
 def test_push_with_trace_beside_the_bundle(tmp_path: Path, registry: Registry) -> None:
     bundle = build_bundle(tmp_path)
     _, image_id = read_manifest(str(bundle))
-    write_trace(bundle / TRACE_FILE, image_id, [[0, 1], [0, 0]])
+    write_trace(bundle / trace_format.FILE_NAME, image_id, [[0, 1], [0, 0]])
     ref = f"{registry.address}/images/app:v1"
     r = ok(push("push", bundle, ref))
     bundle_digest = r.stdout.splitlines()[0].split()[-1]
