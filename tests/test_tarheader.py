@@ -31,7 +31,7 @@ unit = pytest.mark.unit
 
 def ours(data: bytes) -> list[tuple[Any, ...]]:
     reader = TarReader(io.BytesIO(data))
-    out = []
+    out: list[tuple[Any, ...]] = []
     while True:
         try:
             m = reader.next()

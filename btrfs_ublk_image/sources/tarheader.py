@@ -31,6 +31,7 @@ from typing import Protocol
 
 BLOCK = 512
 READ_SIZE = 1 << 20
+LARGE_READ = 64 << 10  # reads this large may come back short (and uncopied)
 MAX_EXTENSION = 16 << 20  # a long name or PAX header larger than this is refused
 MAX_CHAIN = 64  # extension headers in a row before a member's own header
 
@@ -291,10 +292,21 @@ class TarReader:
         return out
 
     def read(self, n: int = -1, /) -> bytes:
-        """Stream bytes (the caller reads at most the current member's data)."""
+        """Up to ``n`` stream bytes (the caller reads at most the current member's data):
+        exactly ``n`` for small reads, possibly fewer (but some) for large ones."""
         if n < 0:
             raise ValueError("TarReader.read needs a size")
-        return self._take(n)
+        avail = len(self._buf) - self._off
+        if n <= avail or n < LARGE_READ:
+            return self._take(n)
+        # a large member's data: what is buffered, or one raw read, without copying
+        if avail:
+            out = self._buf[self._off :] if self._off else self._buf
+            self._buf, self._off = b"", 0
+        else:
+            out = self.raw.read(n)
+        self.pos += len(out)
+        return out
 
     def _skip(self, n: int) -> int:
         """Skip ``n`` bytes; returns how many were there."""
