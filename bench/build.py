@@ -42,6 +42,8 @@ from bench.report import (
     mount_table,
     randread_section,
     randread_table,
+    remote_section,
+    remote_table,
     update_doc,
 )
 
@@ -50,7 +52,7 @@ DEFAULT_WORKDIR = Path("/var/tmp/btrfs-ublk-image-bench")
 FULL = inp.InputParams(files=100_000, large_bytes=2 << 30, large_count=4)
 QUICK = inp.InputParams(files=10_000, large_bytes=256 << 20, large_count=4)
 GiB = 1 << 30
-SECTIONS = ("build", "mount", "randread", "laziness", "vm")
+SECTIONS = ("build", "mount", "randread", "laziness", "vm", "remote")
 
 
 @dataclass
@@ -448,11 +450,16 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
             )
         )
         failed += [f"randread_vm {k}" for k in doc["randread_vm"].get("errors", {})]
+    if "remote" in doc:
+        print("\nRemote cold start over nginx (Debian image):\n")
+        print(remote_table(doc["remote"]))
+        if args.update_docs:
+            update_doc(path, "remote", remote_section(doc))
     if "randread" in doc and args.update_docs:
         update_doc(path, "randread", randread_section(doc))
     for name, why in doc.get("runtime_skipped", {}).items():
         print(f"skipped {name}: {why}")
-    if args.update_docs and any(k in doc for k in ("mount", "laziness", "randread")):
+    if args.update_docs and any(k in doc for k in ("mount", "laziness", "randread", "remote")):
         _log(f"{path}: runtime sections updated")
     return failed
 

@@ -66,6 +66,22 @@ class Ublkd:
     ) -> None:
         _run(self.mount_cmd(bundle, mnt, frontend, cache_mb), self.env)
 
+    def run(self, args: list[str]) -> str:
+        """`ublkd ARGS...` with this state directory; its stdout."""
+        return _run([self.bin, *args], self.env)
+
+    def wait_prefetch(self, mnt: Path, timeout_s: float = 600.0) -> dict[str, Any]:
+        """The mount's status once its prefetch has done every chunk of the trace."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = self.status(mnt)
+            total = int(st.get("prefetch_total", 0))
+            if total and int(st.get("prefetch_done", 0)) >= total:
+                return st
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{mnt}: prefetch not done after {timeout_s} s: {st}")
+            time.sleep(0.05)
+
     def umount(self, mnt: Path) -> None:
         _run([self.bin, "umount", str(mnt)], self.env)
 

@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import re
+import statistics
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -279,6 +280,48 @@ def laziness_table(lz: dict[str, Any]) -> str:
             f" | {human(s['pack_bytes_read'])} | {amp} |"
         )
     return "\n".join(rows) + "\n"
+
+
+def _cell(text: str) -> str:
+    """Text for a markdown table cell (a shell pipeline's `|` would end the cell)."""
+    return text.replace("|", "\\|")
+
+
+def remote_table(rm: dict[str, Any]) -> str:
+    """Medians of the cold starts over nginx; ratios to the zstd tarball download."""
+    base_name = "curl | zstd -d | tar -x"
+
+    def med(runs: list[dict[str, Any]], key: str) -> float:
+        return float(statistics.median(r[key] for r in runs))
+
+    base = med(rm["runs"][base_name], "to_command_done_s") if base_name in rm["runs"] else 0.0
+    rows = [
+        f"| how | ready (s) | `{rm['command']}` done (s) | prefetch done (s) | requests"
+        f" | bytes moved | speed-up vs `{_cell(base_name)}` |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, runs in rm["runs"].items():
+        done = med(runs, "to_command_done_s")
+        pre = [r["to_prefetch_done_s"] for r in runs if r.get("to_prefetch_done_s") is not None]
+        rows.append(
+            f"| {_cell(name)} | {med(runs, 'mount_s'):.2f} | {done:.2f}"
+            f" | {f'{statistics.median(pre):.2f}' if pre else ''}"
+            f" | {int(med(runs, 'requests')):,} | {human(med(runs, 'bytes'))}"
+            f" | {f'{base / done:.1f}x' if base and done else ''} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def remote_section(doc: dict[str, Any]) -> str:
+    rm = doc["remote"]
+    return (
+        f"Run `{doc.get('command', 'bench/run')}` on {machine_line(doc['machine'])}.\n\n"
+        f"The Debian image (bundle {human(rm['bundle_bytes'])}, tarball {human(rm['tar_bytes'])})"
+        " served by nginx on loopback; every run cold (empty ublkd cache, page cache dropped);"
+        f" medians of {len(next(iter(rm['runs'].values())))} runs. Bytes and requests from"
+        " nginx's access log. *ready*: the mount is up / the tarball is extracted.\n\n"
+        + remote_table(rm)
+    )
 
 
 def mount_section(doc: dict[str, Any]) -> str:

@@ -41,6 +41,7 @@ from bench.mounts import (
     squashfuse_mounted,
     umount,
 )
+from bench.remote import measure_remote
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_DEBIAN = ROOT / "specs" / "golden" / "debian"
@@ -453,7 +454,7 @@ def run_runtime(
     skipped: dict[str, str] = {}
     with _scratch(workdir) as base:
         images: list[Image] = []
-        if sections & {"mount", "laziness"}:
+        if sections & {"mount", "laziness", "remote"}:
             tar, why = debian_inputs(log)
             if tar is None:
                 skipped["debian"] = why
@@ -490,6 +491,9 @@ def run_runtime(
         if "laziness" in sections and "debian" in by:
             deb = by["debian"]
             doc["laziness"] = measure_laziness(deb, ublkd, closest_file(deb.tree, MiB))
+        if "remote" in sections and "debian" in by:
+            deb = by["debian"]
+            doc["remote"] = measure_remote(deb.bundle, deb.tar, base / "remote", ublkd, repeats)
         if "randread" in sections and "synthetic" in by:
             syn = by["synthetic"]
             doc["randread"] = measure_randread(syn, ublkd, "large/blob-0.bin", jobs, runtime_s, log)

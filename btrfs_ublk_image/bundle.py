@@ -12,11 +12,11 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from btrfs_ublk_image import __version__
+from btrfs_ublk_image import __version__, trace
 from btrfs_ublk_image.blockmap import BlockMap, PackEntry, Range
 from btrfs_ublk_image.btrfs import ondisk
 from btrfs_ublk_image.btrfs.writer import ImageLayout, WriterOptions, inline_max, write_image
@@ -70,6 +70,7 @@ def write_bundle(
     spec_sha256: str,
     progress: Progress | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    prefetch: Sequence[str] = (),
 ) -> BuildResult:
     out_dir = os.path.abspath(out_dir)
     if os.path.lexists(out_dir):
@@ -81,7 +82,7 @@ def write_bundle(
         raise ImageError(f"{parent}: no such directory")
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
     try:
-        result = _write_into(tmp, name, opts, fill, spec_sha256, progress, chunk_size)
+        result = _write_into(tmp, name, opts, fill, spec_sha256, progress, chunk_size, prefetch)
         os.chmod(tmp, 0o755)
         os.rename(tmp, out_dir)
     except BaseException:
@@ -98,6 +99,7 @@ def _write_into(
     spec_sha256: str,
     progress: Progress | None,
     chunk_size: int,
+    prefetch: Sequence[str],
 ) -> tuple[str, dict[str, Any], ImageLayout]:
     packs_dir = os.path.join(tmp, PACKS)
     os.mkdir(packs_dir)
@@ -166,7 +168,15 @@ def _write_into(
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return image_id(data), manifest, layout
+    iid = image_id(data)
+    if prefetch:
+        # beside the manifest, not listed in it: the image id does not depend on it
+        chunks = trace.chunks_of_files(tree, prefetch, chunk_size)
+        trace.write(
+            os.path.join(tmp, trace.FILE_NAME),
+            trace.Trace(iid, chunk_size, "build", tuple(chunks)),
+        )
+    return iid, manifest, layout
 
 
 def read_bundle_file(path: str) -> bytes:
@@ -181,7 +191,11 @@ def read_bundle_file(path: str) -> bytes:
 def read_manifest(bundle: str) -> tuple[dict[str, Any], str]:
     """The manifest of ``bundle`` and its image id."""
     path = os.path.join(bundle, MANIFEST)
-    data = read_bundle_file(path)
+    return parse_manifest(read_bundle_file(path), path)
+
+
+def parse_manifest(data: bytes, path: str) -> tuple[dict[str, Any], str]:
+    """The manifest in ``data`` (the bytes of ``path``) and its image id."""
     try:
         manifest = json.loads(data)
     except ValueError as e:

@@ -1,9 +1,11 @@
-"""Command line: ``btrfs-ublk-image build | schema | inspect | ls | manifest | diff``."""
+"""Command line: ``btrfs-ublk-image build | schema | inspect | ls | manifest | diff | push |
+push-trace``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +49,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             fill=fill,
             spec_sha256=spec.spec_sha256,
             progress=progress,
+            prefetch=spec.prefetch,
         )
     finally:
         progress.done()
@@ -128,6 +131,65 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 1 if lines else 0
 
 
+def _registry_credentials(args: argparse.Namespace) -> tuple[str, str] | None:
+    from btrfs_ublk_image.push import AUTH_ENV, parse_auth
+
+    if args.auth is not None:
+        return parse_auth(args.auth, "--auth")
+    return parse_auth(os.environ.get(AUTH_ENV), AUTH_ENV)
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from btrfs_ublk_image.push import push_bundle, summary
+
+    progress = Progress("verifying", force=args.progress)
+    try:
+        pushed = push_bundle(
+            args.bundle,
+            args.reference,
+            plain_http=args.plain_http,
+            credentials=_registry_credentials(args),
+            trace=args.trace,
+            progress=progress,
+        )
+    finally:
+        progress.done()
+    print(f"{args.reference}: manifest {pushed.manifest_digest}")
+    print(f"image id: {pushed.image_id}")
+    if pushed.trace_digest is not None:
+        print(f"trace: {pushed.trace_digest}")
+    print(f"{summary(pushed)}, {progress.elapsed():.1f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_push_trace(args: argparse.Namespace) -> int:
+    from btrfs_ublk_image.push import push_trace
+
+    trace_digest, manifest_digest, image_id = push_trace(
+        args.trace,
+        args.reference,
+        plain_http=args.plain_http,
+        credentials=_registry_credentials(args),
+    )
+    print(f"{args.reference}: trace {trace_digest} attached to manifest {manifest_digest}")
+    print(f"image id: {image_id}")
+    return 0
+
+
+def _registry_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--plain-http",
+        action="store_true",
+        help="speak plain HTTP to the registry (default: HTTPS, except for loopback hosts)",
+    )
+    p.add_argument(
+        "--auth",
+        metavar="USER:PASS",
+        help="registry credentials (Basic, or for the Bearer token service); default: env"
+        " BUI_REGISTRY_AUTH, else anonymous",
+    )
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
@@ -185,6 +247,39 @@ def parser() -> argparse.ArgumentParser:
     df.add_argument("a", metavar="A")
     df.add_argument("b", metavar="B")
     df.set_defaults(func=cmd_diff)
+
+    pu = sub.add_parser(
+        "push",
+        help="upload a bundle to an OCI registry as an artifact (docs/remote.md)",
+        description="Verify BUNDLE (every file against manifest.json, every pack chunk against"
+        " the blockmap), then upload it to an OCI distribution registry as the artifact"
+        " described in docs/remote.md, skipping blobs the registry already has, and tag it."
+        " A trace (--trace, or prefetch.trace in BUNDLE) is attached as a referrer. Prints the"
+        " manifest digest and the image id. Mount it with `ublkd mount oci://REFERENCE ...`.",
+    )
+    pu.add_argument("bundle", metavar="BUNDLE")
+    pu.add_argument(
+        "reference", metavar="REGISTRY/REPO[:TAG]", help="e.g. registry.example:5000/images/app:v1"
+    )
+    pu.add_argument("--trace", metavar="TRACE", help="prefetch trace to attach (see push-trace)")
+    _registry_options(pu)
+    pu.add_argument(
+        "--progress", action="store_true", help="show progress even when stderr is not a terminal"
+    )
+    pu.set_defaults(func=cmd_push)
+
+    pt = sub.add_parser(
+        "push-trace",
+        help="attach a prefetch trace to a pushed bundle (OCI referrer)",
+        description="Attach TRACE to the bundle pushed as REGISTRY/REPO:TAG: an artifact whose"
+        " subject is the bundle's manifest, listed under the referrers tag sha256-<hex>"
+        " (other referrers are kept). The image id stays the same. A trace made for"
+        " another image is refused.",
+    )
+    pt.add_argument("trace", metavar="TRACE", help="trace file (btrfs-ublk-image.trace)")
+    pt.add_argument("reference", metavar="REGISTRY/REPO[:TAG]")
+    _registry_options(pt)
+    pt.set_defaults(func=cmd_push_trace)
     return p
 
 

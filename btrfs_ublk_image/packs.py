@@ -7,7 +7,9 @@ run over it: the content's CRC-32C (deduplication: a copy whose CRC and size
 match earlier content is compared byte by byte, then rolled back and the first
 ``Blob`` returned) and the pack's chunk digests (sha256 of every ``chunk_size``
 bytes of the pack, which ublkd checks before serving a byte). So the content
-is hashed with sha256 once.
+is hashed with sha256 once: by a worker thread (on the second core) that reads
+each chunk back from the page cache once every byte of it is final (no later
+rollback can touch it).
 
 A pack's id is sha256 over its chunk digests, so verifying every chunk verifies
 the pack; the file is stored as ``packs/<id hex>``.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol
 
@@ -67,9 +71,8 @@ class PackWriter:
         # deduplication: (crc32c, size) -> blobs; a match is confirmed byte by byte, so the
         # content is hashed only once with sha256 (for the chunk digests)
         self._by_key: dict[tuple[int, int], list[Blob]] = {}
-        self._chunk_digests: list[bytes] = []
-        self._chunk = hashlib.sha256()  # digest of the chunk being filled
-        self._chunk_fill = 0
+        self._hasher = _ChunkHasher(self._file.fileno(), chunk_size)
+        self._submitted = 0  # chunks handed to the hasher (all of them final)
         self.bytes_in = 0  # content bytes offered, before dedup
         self.bytes_deduped = 0
 
@@ -99,7 +102,6 @@ class PackWriter:
         self, pieces: list[bytes] | _Reader, size: int, where: str, dedupe: bool = True
     ) -> Content:
         start = self._size
-        saved = (self._chunk.copy(), self._chunk_fill, len(self._chunk_digests))
         crc = 0
         written = 0
         for piece in pieces:
@@ -119,14 +121,21 @@ class PackWriter:
                     self._file.truncate(start)
                     self._file.seek(start)
                     self._size = start
-                    self._chunk, self._chunk_fill = saved[0], saved[1]
-                    del self._chunk_digests[saved[2] :]
                     self.bytes_deduped += size
                     return old
         blob = Blob(crc32c=crc, size=size, pack=0, offset=start)
         if dedupe:
             self._by_key.setdefault(key, []).append(blob)
+        if self._size >= (self._submitted + 1) * self.chunk_size:
+            self._submit(self._size // self.chunk_size)
         return blob
+
+    def _submit(self, upto: int) -> None:
+        """Hand chunks [submitted, upto) to the hasher: every byte of them is final."""
+        self._file.flush()
+        for index in range(self._submitted, upto):
+            self._hasher.submit(index * self.chunk_size)
+        self._submitted = upto
 
     def _same_bytes(self, a: int, b: int, size: int) -> bool:
         """Compare two ranges of the pack (just written: in the page cache)."""
@@ -143,40 +152,69 @@ class PackWriter:
     def _write(self, data: bytes) -> None:
         self._file.write(data)
         self._size += len(data)
-        if self._chunk_fill + len(data) < self.chunk_size:  # the common case: inside one chunk
-            self._chunk.update(data)
-            self._chunk_fill += len(data)
-            return
-        view = memoryview(data)
-        while view:
-            take = min(len(view), self.chunk_size - self._chunk_fill)
-            self._chunk.update(view[:take])
-            self._chunk_fill += take
-            view = view[take:]
-            if self._chunk_fill == self.chunk_size:
-                self._chunk_digests.append(self._chunk.digest())
-                self._chunk = hashlib.sha256()
-                self._chunk_fill = 0
 
     def finish(self) -> list[PackInfo]:
         """Close the pack and name it by its id. Returns [] when nothing was packed."""
-        if self._chunk_fill:
-            self._chunk_digests.append(self._chunk.digest())
-            self._chunk_fill = 0
-        self._file.flush()
+        self._submit(-(-self._size // self.chunk_size))  # the last chunk may be short
+        digests = self._hasher.finish()
         os.fsync(self._file.fileno())
         self._file.close()
         if self._size == 0:
             os.unlink(self._path)
             return []
-        pack_id = hashlib.sha256(b"".join(self._chunk_digests)).digest()
+        pack_id = hashlib.sha256(b"".join(digests)).digest()
         final = os.path.join(self.directory, pack_id.hex())
         os.rename(self._path, final)
-        return [PackInfo(pack_id, self._size, list(self._chunk_digests), final)]
+        return [PackInfo(pack_id, self._size, digests, final)]
 
     def abort(self) -> None:
+        self._hasher.stop()
         if not self._file.closed:
             self._file.close()
+
+
+class _ChunkHasher:
+    """sha256 of pack chunks, in order, on a worker thread that reads them back (from the
+    page cache) with ``pread``; hashlib and pread release the GIL, so the main thread
+    goes on parsing. At most ``depth`` chunks wait."""
+
+    def __init__(self, fd: int, chunk_size: int, depth: int = 32) -> None:
+        self.fd = fd
+        self.chunk_size = chunk_size
+        self.digests: list[bytes] = []
+        self._queue: queue.Queue[int | None] = queue.Queue(maxsize=depth)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, offset: int) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="pack-sha256", daemon=True)
+            self._thread.start()
+        self._queue.put(offset)
+
+    def _run(self) -> None:
+        while (offset := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # drain: the error is raised by finish
+            try:
+                data = os.pread(self.fd, self.chunk_size, offset)
+                if not data:
+                    raise OSError(f"pack chunk at {offset} is missing")
+                self.digests.append(hashlib.sha256(data).digest())
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                self._error = e
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def finish(self) -> list[bytes]:
+        self.stop()
+        if self._error is not None:
+            raise self._error
+        return self.digests
 
 
 class _Reader:

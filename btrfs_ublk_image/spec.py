@@ -7,6 +7,7 @@ A spec is a YAML mapping::
     btrfs: {inline_limit: 2048, fsid: null, label: ""}   # optional
     source_date_epoch: null                               # optional
     remove: ["/usr/share/doc/**"]                         # optional
+    prefetch: ["/usr/bin/*", "/etc/**"]                   # optional: prefetch.trace
     layers:
       - tar: {path: rootfs.tar.zst, exclude: ["/var/cache/**"], uid: 0, gid: 0}
       - oci: {path: ./debian-oci, ref: bookworm}
@@ -366,6 +367,13 @@ class Spec(_Model):
     remove: list[Glob] = Field(
         default_factory=list,
         description="Entries (with everything under them) removed after all layers are applied",
+    )
+    prefetch: list[Glob] = Field(
+        default_factory=list,
+        description="Files to fetch first when the image is mounted lazily: build writes"
+        " prefetch.trace (beside manifest.json, not part of the image id) listing the pack"
+        " chunks of the files these globs select (a directory: everything under it), in this"
+        " order; each glob must match something",
     )
 
     _sha256: str | None = PrivateAttr(default=None)

@@ -23,7 +23,7 @@ APT_PACKAGES=(
   python3 python3-venv python3-pip
   curl ca-certificates
   nginx-light docker-registry         # remote packs: HTTP range server and OCI registry (tests, bench)
-  apache2-utils                       # htpasswd: docker-registry's basic auth (tests/test_remote.py)
+  apache2-utils     # htpasswd -B: bcrypt password files of the registry auth tests (test_push, test_remote)
 )
 
 if [ -z "${SKIP_APT:-}" ]; then

@@ -12,32 +12,33 @@ server away mid-read and return it.
 
     with docker_registry(tmp_path / "registry") as reg:
         reg.address      # "127.0.0.1:PORT" (plain HTTP)
+        reg.requests()   # parsed access log (method, path, status)
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import http.server
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import threading
 import time
-import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 NGINX = "/usr/sbin/nginx"
 DOCKER_REGISTRY = "/usr/bin/docker-registry"
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
@@ -55,8 +56,11 @@ class AccessRecord:
 class ServerProcess:
     """A server child process on a fixed loopback port; stop/start keep the port."""
 
-    def __init__(self, argv: list[str], port: int, workdir: Path, name: str) -> None:
+    def __init__(
+        self, argv: list[str], port: int, workdir: Path, name: str, host: str = "127.0.0.1"
+    ) -> None:
         self.argv = argv
+        self.host = host
         self.port = port
         self.workdir = workdir
         self.name = name
@@ -64,7 +68,7 @@ class ServerProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
@@ -85,7 +89,7 @@ class ServerProcess:
                 raise RuntimeError(f"{self.name} exited at start:\n{out[-2000:]}")
             with (
                 contextlib.suppress(OSError),
-                socket.create_connection(("127.0.0.1", self.port), 0.2),
+                socket.create_connection((self.host, self.port), 0.2),
             ):
                 return
             time.sleep(0.05)
@@ -217,51 +221,103 @@ def nginx_serving(
         server.stop()
 
 
+class Registry(ServerProcess):
+    """docker-registry; its access log (combined format) goes to its stdout, registry.out."""
+
+    _LINE = re.compile(r'"(\S+) (\S+) HTTP/[0-9.]+" (\d+) (\d+|-)')
+
+    def requests(self) -> list[AccessRecord]:
+        """Every request logged so far (the line is written when the response ends)."""
+        path = self.workdir / "registry.out"
+        out = []
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            if (m := self._LINE.search(line)) is not None and not line.startswith("time="):
+                sent = 0 if m.group(4) == "-" else int(m.group(4))
+                out.append(AccessRecord(m.group(1), m.group(2), int(m.group(3)), sent, "-"))
+        return out
+
+
+@contextlib.contextmanager
+def docker_registry(
+    workdir: Path, auth: str = "", host: str = "127.0.0.1", tls: tuple[Path, Path] | None = None
+) -> Iterator[Registry]:
+    """Debian's docker-registry (the reference OCI distribution registry), plain HTTP.
+
+    `auth`: the config's `auth:` section as YAML flow text, e.g.
+    `{htpasswd: {realm: test, path: /x/htpasswd}}`; default none (anonymous push).
+    `tls`: (certificate, key) PEM files: HTTPS only. `host`: the address to listen on.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port(host)
+    conf = workdir / "config.yml"
+    conf.write_text(
+        f"""version: 0.1
+log: {{level: warn}}
+storage:
+  filesystem: {{rootdirectory: {workdir.resolve() / "storage"}}}
+  delete: {{enabled: true}}
+http:
+  addr: {host}:{port}
+"""
+        + (f"  tls: {{certificate: {tls[0]}, key: {tls[1]}}}\n" if tls else "")
+        + (f"auth: {auth}\n" if auth else "")
+    )
+    server = Registry([DOCKER_REGISTRY, "serve", str(conf)], port, workdir, "registry", host)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def htpasswd_auth(workdir: Path, user: str, password: str) -> str:
+    """docker_registry's `auth` for htpasswd (Basic) auth with one user (bcrypt file in workdir)."""
+    htpasswd = workdir / "htpasswd"
+    r = subprocess.run(
+        ["htpasswd", "-Bbn", user, password], capture_output=True, text=True, check=True
+    )
+    htpasswd.write_text(r.stdout)
+    return f"{{htpasswd: {{realm: bui-test, path: {htpasswd}}}}}"
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
 class TokenService:
-    """The token realm of docker-registry's `token` auth (Docker's token protocol): RS256
-    JWTs signed by a key whose self-signed certificate is the registry's root bundle and
-    travels in the `x5c` header. docker-registry verifies the tokens; this only mints
-    them (`GET /token?service=..&scope=..`, granting what is asked when the request has
-    the right basic credentials, or none are required). A thread of the test process."""
+    """A Docker token service (the registry's `auth: token`): checks Basic credentials and
+    issues an RS256 JWT signed by openssl with a self-signed key the registry trusts."""
 
-    SERVICE = "test-registry"
-    ISSUER = "test-token-service"
-
-    def __init__(self, workdir: Path, basic_auth: tuple[str, str] | None) -> None:
+    def __init__(self, workdir: Path, user: str, password: str) -> None:
         self.key = workdir / "token.key"
-        self.cert = workdir / "token.crt"
+        self.cert = workdir / "token.pem"
         subprocess.run(
             ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"]
-            + ["-subj", "/CN=token", "-keyout", str(self.key), "-out", str(self.cert)],
-            check=True,
+            + ["-subj", "/CN=bui-token", "-keyout", self.key, "-out", self.cert],
             capture_output=True,
+            check=True,
         )
         der = subprocess.run(
-            ["openssl", "x509", "-in", str(self.cert), "-outform", "DER"],
-            check=True,
+            ["openssl", "x509", "-in", self.cert, "-outform", "DER"],
             capture_output=True,
+            check=True,
         ).stdout
         self.x5c = base64.b64encode(der).decode()
-        self.basic_auth = basic_auth
-        self.requests: list[str] = []  # query strings of token requests
+        self.basic = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        self.scopes: list[list[str]] = []  # the scopes each token request asked for
         service = self
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                url = urllib.parse.urlparse(self.path)
-                service.requests.append(url.query)
-                want = service.basic_auth
-                got = self.headers.get("Authorization", "")
-                if want is not None and got != "Basic " + _b64(":".join(want).encode()):
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                from urllib.parse import parse_qs, urlsplit
+
+                query = parse_qs(urlsplit(self.path).query)
+                service.scopes.append(query.get("scope", []))
+                if self.headers.get("Authorization") != service.basic:
                     self.send_response(401)
                     self.end_headers()
                     return
-                q = urllib.parse.parse_qs(url.query)
-                access: list[dict[str, object]] = []
-                for scope in q.get("scope", []):
-                    kind, name, actions = scope.split(":")
-                    access.append({"type": kind, "name": name, "actions": actions.split(",")})
-                body = json.dumps({"token": service.mint(access)}).encode()
+                body = json.dumps({"token": service.token(query)}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
@@ -271,93 +327,44 @@ class TokenService:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.realm = f"http://127.0.0.1:{self.httpd.server_address[1]}/token"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.realm = f"http://127.0.0.1:{self.server.server_address[1]}/token"
 
-    def mint(self, access: list[dict[str, object]]) -> str:
+    def token(self, query: dict[str, list[str]]) -> str:
+        access: list[dict[str, object]] = []
+        for scope in query.get("scope", []):
+            kind, name, actions = scope.split(":")
+            access.append({"type": kind, "name": name, "actions": actions.split(",")})
         now = int(time.time())
         header = {"typ": "JWT", "alg": "RS256", "x5c": [self.x5c]}
         claims = {
-            "iss": self.ISSUER,
-            "sub": "test",
-            "aud": self.SERVICE,
-            "exp": now + 600,
+            "iss": "bui-test-issuer",
+            "sub": "pusher",
+            "aud": query["service"][0],
+            "exp": now + 300,
             "nbf": now - 10,
             "iat": now,
-            "jti": f"{now}-{len(self.requests)}",
+            "jti": os.urandom(8).hex(),
             "access": access,
         }
-        signing = f"{_b64(json.dumps(header).encode())}.{_b64(json.dumps(claims).encode())}"
-        sig = subprocess.run(
-            ["openssl", "dgst", "-sha256", "-sign", str(self.key)],
-            input=signing.encode(),
-            check=True,
-            capture_output=True,
-        ).stdout
-        return f"{signing}.{_b64(sig)}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join()
-
-
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-class Registry(ServerProcess):
-    """docker-registry; with token auth, `tokens` is its token service."""
-
-    tokens: TokenService | None = None
-
-
-@contextlib.contextmanager
-def docker_registry(
-    workdir: Path, basic_auth: tuple[str, str] | None = None, token_auth: bool = False
-) -> Iterator[Registry]:
-    """Debian's docker-registry (the reference OCI distribution registry), plain HTTP; no
-    auth, or with `basic_auth` = (user, password) its htpasswd auth (a `Basic` challenge),
-    or with `token_auth` its token auth (a `Bearer` challenge naming a [TokenService],
-    which wants `basic_auth` if given)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    conf = workdir / "config.yml"
-    auth = ""
-    tokens = None
-    if token_auth:
-        tokens = TokenService(workdir, basic_auth)
-        auth = (
-            f"auth:\n  token: {{realm: {tokens.realm}, service: {tokens.SERVICE},"
-            f" issuer: {tokens.ISSUER}, rootcertbundle: {tokens.cert.resolve()}}}\n"
+        signing_input = (
+            f"{_b64url(json.dumps(header).encode())}.{_b64url(json.dumps(claims).encode())}"
         )
-    elif basic_auth is not None:
-        users = workdir / "htpasswd"
-        line = subprocess.run(
-            ["htpasswd", "-nbB", *basic_auth], check=True, capture_output=True, text=True
+        signature = subprocess.run(
+            ["openssl", "dgst", "-sha256", "-sign", str(self.key)],
+            input=signing_input.encode(),
+            capture_output=True,
+            check=True,
         ).stdout
-        users.write_text(line)
-        auth = f"auth:\n  htpasswd: {{realm: test, path: {users.resolve()}}}\n"
-    conf.write_text(
-        f"""version: 0.1
-log: {{level: warn}}
-storage:
-  filesystem: {{rootdirectory: {workdir.resolve() / "storage"}}}
-  delete: {{enabled: true}}
-http:
-  addr: 127.0.0.1:{port}
-{auth}"""
-    )
-    server = Registry([DOCKER_REGISTRY, "serve", str(conf)], port, workdir, "registry")
-    server.tokens = tokens
-    try:
-        server.start()
+        return f"{signing_input}.{_b64url(signature)}"
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[TokenService]:
+        thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        thread.start()
         try:
-            yield server
+            yield self
         finally:
-            server.stop()
-    finally:
-        if tokens is not None:
-            tokens.close()
+            self.server.shutdown()
+            self.server.server_close()
+            thread.join()

@@ -22,6 +22,7 @@ from bench.report import (  # noqa: E402
     mount_table,
     randread_section,
     randread_table,
+    remote_section,
 )
 from bench.runtime import vm_script  # noqa: E402
 
@@ -159,6 +160,29 @@ def test_runtime_tables_and_sections() -> None:
 
     lz = laziness_section(doc)
     assert "| read /x | 1 | 1.0 MiB | 2 | 2.0 MiB | 2.00x |" in lz
+
+
+def test_remote_section_medians_and_ratio() -> None:
+    def run(done: float, prefetch: float | None, reqs: int, sent: int) -> dict[str, Any]:
+        return {"mount_s": 0.1, "to_command_done_s": done, "to_prefetch_done_s": prefetch,
+                "requests": reqs, "bytes": sent}  # fmt: skip
+
+    doc = _doc()
+    doc["remote"] = {
+        "command": "chroot MNT /bin/true",
+        "bundle_bytes": 200 << 20,
+        "tar_bytes": 180 << 20,
+        "runs": {
+            "ours (no prefetch)": [run(0.5, None, 12, 10 << 20), run(0.7, None, 14, 10 << 20)],
+            "ours (recorded trace)": [run(0.4, 0.45, 3, 10 << 20)] * 2,
+            "curl | zstd -d | tar -x": [run(2.4, None, 1, 60 << 20)] * 2,
+        },
+    }
+    sec = remote_section(doc)
+    # medians: 0.6 s and 13 requests for the first row; 2.4 / 0.6 = 4.0x
+    assert "| ours (no prefetch) | 0.10 | 0.60 |  | 13 | 10.0 MiB | 4.0x |" in sec, sec
+    assert "| ours (recorded trace) | 0.10 | 0.40 | 0.45 | 3 | 10.0 MiB | 6.0x |" in sec, sec
+    assert "| curl \\| zstd -d \\| tar -x | 0.10 | 2.40 |  | 1 | 60.0 MiB | 1.0x |" in sec, sec
 
 
 def test_from_json_renders_runtime_sections(

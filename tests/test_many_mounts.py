@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -170,6 +171,53 @@ def test_ublk_many_mounts_of_one_bundle(tmp_path: Path) -> None:
     subprocess.run(["modprobe", "ublk_drv"], check=False)
     many_mounts(tmp_path, ["ro", "ro", "ephemeral", "ephemeral", "rw"], "ublk", workers=3)
     assert not list(Path("/dev").glob("ublkb*"))
+
+
+def _shared_scratch(bundle_name: str) -> bool:
+    """Is the shared mount of the bundle called `bundle_name` sprouted (has a scratch device)?"""
+    entries = [e for e in status() if e["name"] == bundle_name and e["mode"] == "ro"]
+    assert entries, f"no read-only mount of {bundle_name}"
+    return any(str(d).startswith("scratch") for d in entries[0]["devices"])  # type: ignore[attr-defined]
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_shared_mount_sprouts_only_when_an_instance_needs_the_fsid(tmp_path: Path) -> None:
+    """A read-only mount leaves the image unsprouted (faster first mount); a later --rw
+    mount of the same image, or a mount of ANOTHER image with the same filesystem (same
+    tree from a different spec file: another image id, the same fsid), sprouts it first,
+    so the kernel accepts the new device instances."""
+    bundle, tarball, _ = build_bundle(tmp_path, "lazy", 5)
+    expected = list_tar(tarball)
+    # the same tree from a spec that differs by one comment: another image id, same fsid
+    spec2 = tmp_path / "src-lazy" / "spec-copy.yaml"
+    spec2.write_text("# a copy\n" + (tmp_path / "src-lazy" / "spec.yaml").read_text())
+    twin = tmp_path / "twin.bundle"
+    assert cli(["build", str(spec2), "-o", str(twin)]) == 0
+    m1 = json.loads((bundle / "manifest.json").read_text())
+    m2 = json.loads((twin / "manifest.json").read_text())
+    assert (
+        m1["fsid"] == m2["fsid"]
+        and (bundle / "manifest.json").read_bytes() != (twin / "manifest.json").read_bytes()
+    )
+
+    mnts = {n: tmp_path / n for n in ("ro", "twin-ro", "rw")}
+    for m in mnts.values():
+        m.mkdir()
+    try:
+        _mount(bundle, mnts["ro"], "ro", tmp_path, "fuse")
+        assert not _shared_scratch("lazy")
+        _mount(twin, mnts["twin-ro"], "ro", tmp_path, "fuse")  # sprouts the first one
+        assert _shared_scratch("lazy")
+        assert list_dir(mnts["twin-ro"]) == expected
+        _mount(bundle, mnts["rw"], "rw", tmp_path, "fuse")
+        (mnts["rw"] / "written-by-rw").write_text("x")
+        for m in mnts.values():
+            assert _unchanged(list_dir(m)) == _unchanged(expected), m
+        assert _write_errno(mnts["ro"] / "etc" / "hostname") == errno.EROFS
+    finally:
+        for m in mnts.values():
+            ublkd("umount", m, check=False)
+    assert status() == []
 
 
 assert UBLKD is not None

@@ -7,13 +7,17 @@ a tree takes; ``serialize`` takes the addresses and emits the blocks.
 
 Leaves are packed once into ``Leaf`` payloads (the block minus its header,
 which holds the address). The fs tree, by far the largest, is packed while its
-items are generated (``LeafPacker``), so its items never sit in memory as a list.
+items are generated (``LeafPacker``), so its items never sit in memory as a list,
+and its payloads wait in a spill file (not in memory) until their addresses and
+the fsid are known.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from btrfs_ublk_image.btrfs import ondisk as d
 
@@ -60,14 +64,18 @@ def block_levels(sizes: Sequence[int]) -> list[int]:
 class Leaf:
     first_key: d.Key
     nritems: int
-    payload: bytes  # everything after the header
+    payload: bytes  # everything after the header (b"" while spilled)
+    spilled_at: int = -1  # offset of the payload in the packer's spill file
 
 
 class LeafPacker:
-    """Packs sorted items into leaves as they arrive (same split as ``split_leaves``)."""
+    """Packs sorted items into leaves as they arrive (same split as ``split_leaves``);
+    with ``spill``, the payloads go to that file (see ``unspill``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, spill: BinaryIO | None = None) -> None:
         self.leaves: list[Leaf] = []
+        self.spill = spill
+        self._spill_pos = 0
         self._items: list[tuple[d.Key, bytes]] = []
         self._used = 0
 
@@ -83,13 +91,33 @@ class LeafPacker:
     def _flush(self) -> None:
         items = self._items
         first = items[0][0] if items else EMPTY_KEY
-        self.leaves.append(Leaf(first, len(items), d.pack_leaf_payload(items)))
+        payload = d.pack_leaf_payload(items)
+        if self.spill is None:
+            self.leaves.append(Leaf(first, len(items), payload))
+        else:
+            self.spill.write(payload)
+            self.leaves.append(Leaf(first, len(items), b"", self._spill_pos))
+            self._spill_pos += len(payload)
         self._items, self._used = [], 0
 
     def finish(self) -> list[Leaf]:
         if self._items or not self.leaves:
             self._flush()
         return self.leaves
+
+
+def unspill(leaves: Sequence[Leaf], spill: BinaryIO) -> Iterator[Leaf]:
+    """The leaves with their payloads read back from the spill file, one at a time."""
+    spill.flush()
+    fd = spill.fileno()
+    for leaf in leaves:
+        if leaf.spilled_at < 0:
+            yield leaf
+            continue
+        payload = os.pread(fd, d.LEAF_DATA_SIZE, leaf.spilled_at)
+        if len(payload) != d.LEAF_DATA_SIZE:
+            raise OSError(f"leaf spill file: short read at {leaf.spilled_at}")
+        yield Leaf(leaf.first_key, leaf.nritems, payload)
 
 
 def pack_leaves(items: Sequence[tuple[d.Key, bytes]]) -> list[Leaf]:
@@ -110,7 +138,7 @@ BlockSink = Callable[[int, bytes], None]  # (bytenr, 16 KiB block)
 
 
 def serialize(
-    leaves: Sequence[Leaf],
+    leaves: Iterable[Leaf],
     addresses: Iterator[int],
     owner: int,
     generation: int,

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import uuid
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.btrfs.layout import (
@@ -40,6 +43,7 @@ from btrfs_ublk_image.btrfs.treeblocks import (
     levels_for_leaves,
     pack_leaves,
     serialize,
+    unspill,
 )
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.tree import Blob, FileType, Inode, Tree
@@ -215,15 +219,18 @@ def _group_by_hash(entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
 @dataclass(slots=True)
 class _FsTree:
     leaves: list[Leaf]  # packed as generated: the items never sit in memory as a list
+    # (their payloads spilled to a file when the writer gives one)
     digest: bytes  # sha256 over every item (key + data): the content the fsid derives from
     extent_refs: dict[int, list[tuple[int, int]]]  # extent logical -> [(ino, file offset)]
     extent_len: dict[int, int]
     stats: dict[str, int]
 
 
-def _fs_tree_items(table: list[_Numbered], placer: _DataPlacer, imax: int) -> _FsTree:
+def _fs_tree_items(
+    table: list[_Numbered], placer: _DataPlacer, imax: int, spill: BinaryIO | None = None
+) -> _FsTree:
     gen = GENERATION
-    packer = LeafPacker()
+    packer = LeafPacker(spill)
     items_hash = hashlib.sha256()
     pack_key = d.pack_disk_key
 
@@ -653,11 +660,18 @@ def _assign(
 
 def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
     """Write ``meta.img`` (device 1) for ``tree``; return device 2's layout."""
+    # the fs tree's leaf payloads wait on disk (unnamed, next to meta.img), not in memory
+    with tempfile.TemporaryFile(dir=os.path.dirname(meta_path) or ".") as spill:
+        return _write_image(tree, meta_path, opts, spill)
+
+
+def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: BinaryIO) -> ImageLayout:
     imax = inline_max(opts)
     table = _number(tree)
     sys_chunk = system_chunk()
     placer = _DataPlacer(sys_chunk.end)
-    fs = _fs_tree_items(table, placer, imax)
+    fs = _fs_tree_items(table, placer, imax, spill)
+    del table  # the numbering is in the items now
     data_chunks = placer.finish()
     data_used = {c.logical: 0 for c in data_chunks}
     for logical, length in fs.extent_len.items():
@@ -738,7 +752,7 @@ def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
             f.seek(physical(bytenr))
             f.write(block)
 
-        def tree_blocks(tree_id: int, leaves: list[Leaf]) -> TreeInfo:
+        def tree_blocks(tree_id: int, leaves: Iterable[Leaf]) -> TreeInfo:
             addrs = addr_of[tree_id]
             info, n = serialize(
                 leaves, iter(addrs), tree_id, GENERATION, ids.fsid, ids.chunk_tree_uuid, sink
@@ -747,7 +761,7 @@ def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
                 raise AssertionError(f"tree {tree_id}: planned {len(addrs)} blocks, built {n}")
             return info
 
-        infos = {d.FS_TREE_OBJECTID: tree_blocks(d.FS_TREE_OBJECTID, fs.leaves)}
+        infos = {d.FS_TREE_OBJECTID: tree_blocks(d.FS_TREE_OBJECTID, unspill(fs.leaves, spill))}
         for tree_id, tree_items in items.items():
             infos[tree_id] = tree_blocks(tree_id, pack_leaves(tree_items))
         nblocks = {t: len(addr_of[t]) for t in _META_TREES}

@@ -2,15 +2,13 @@
 
 Compression (none, gzip, zstd, xz, bzip2) is detected from the first bytes, not
 the file name. The raw file passes through a hashing reader (the source digest
-costs no second read), then a decompressor, then ``tarfile`` in stream mode
-(``r|``), which handles ustar, GNU (long names, sparse) and PAX headers.
+costs no second read), then a decompressor, then our forward-only tar reader
+(``tarheader``: ustar, GNU long names and sparse files, PAX headers), which hands
+each member's data straight to the pack writer.
 
-``tarfile``'s header parser is the bottleneck for archives of many small
-files, so ``_FastTarInfo`` replaces its per-block parsing (``frombuf``) with one
-``struct`` unpack; everything else (PAX, GNU long names, sparse maps) is
-tarfile's own code. Strictness added on top of tarfile: a corrupt header or a
-missing end-of-archive marker is an error (tarfile silently stops there), and a
-truncated zstd stream is an error (``zstandard``'s stream reader stops quietly).
+Strictness: a corrupt header or a missing end-of-archive marker is an error (tar
+tools often stop there silently), and so is a truncated zstd stream
+(``zstandard``'s stream reader stops quietly).
 """
 
 from __future__ import annotations
@@ -22,8 +20,6 @@ import gzip
 import hashlib
 import lzma
 import os
-import struct
-import tarfile
 import urllib.parse
 import zlib
 from collections.abc import Callable, Mapping
@@ -37,16 +33,25 @@ from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.hashing import BackgroundSha256
 from btrfs_ublk_image.sources.base import WHITEOUT, LayerContext, SourceRecord
 from btrfs_ublk_image.sources.globs import normalize, selector
+from btrfs_ublk_image.sources.tarheader import (
+    BLKTYPE,
+    BLOCK,
+    CHRTYPE,
+    DIRTYPE,
+    FIFOTYPE,
+    LNKTYPE,
+    READ_SIZE,
+    SYMTYPE,
+    HeaderProblem,
+    MemberError,
+    SparseData,
+    TarFormatError,
+    TarReader,
+    checksum_ok,
+)
 from btrfs_ublk_image.spec import TarLayer
 from btrfs_ublk_image.tree import FileType, Inode, split_path
 
-BLOCK = 512
-# tarfile's header exceptions (not in its __all__, nor in typeshed)
-_InvalidHeaderError: type[Exception] = vars(tarfile)["InvalidHeaderError"]
-_EmptyHeaderError: type[Exception] = vars(tarfile)["EmptyHeaderError"]
-_TruncatedHeaderError: type[Exception] = vars(tarfile)["TruncatedHeaderError"]
-_EOFHeaderError: type[Exception] = vars(tarfile)["EOFHeaderError"]
-READ_SIZE = 1 << 20
 ZSTD_READ_SIZE = 1 << 14  # compressed bytes per decompress call: bounds a call's output
 
 # magic bytes -> compression name
@@ -77,23 +82,9 @@ def detect_compression(head: bytes) -> str | None:
             return name
     if len(head) >= BLOCK:
         block = head[:BLOCK]
-        if block == bytes(BLOCK) or _header_checksum_ok(block):
+        if block == bytes(BLOCK) or checksum_ok(block):
             return "none"
     return None
-
-
-def _header_checksum_ok(block: bytes) -> bool:
-    """The header checksum, as unsigned or (old Sun/NeXT tars) signed byte sum."""
-    try:
-        chk = _nti(block[148:156])
-    except _InvalidHeaderError:
-        return False
-    field = block[148:156]
-    unsigned = 256 + sum(block) - sum(field)
-    if chk == unsigned:
-        return True
-    high = sum(1 for b in block if b >= 128) - sum(1 for b in field if b >= 128)
-    return chk == unsigned - 256 * high
 
 
 class _HashingReader:
@@ -235,176 +226,6 @@ def _decompressor(kind: str, raw: _HashingReader) -> _Readable:
     raise AssertionError(kind)
 
 
-# ---- a faster tarfile header parser -----------------------------------------------------
-
-_HDR = struct.Struct("100s8s8s8s12s12s8sc100s6s2s32s32s8s8s155s")
-_ZERO_BLOCK = bytes(BLOCK)
-_DEV_TYPES = (tarfile.CHRTYPE, tarfile.BLKTYPE)
-_NUL_TO_SPACE = bytes.maketrans(b"\0", b" ")
-
-
-def _nts(s: bytes, encoding: str, errors: str) -> str:
-    p = s.find(b"\0")
-    if p != -1:
-        s = s[:p]
-    return s.decode(encoding, errors)
-
-
-def _nti(s: bytes) -> int:
-    first = s[0]
-    if first == 0o200 or first == 0o377:  # GNU base-256
-        n = int.from_bytes(s[1:], "big")
-        return n - 256 ** (len(s) - 1) if first == 0o377 else n
-    p = s.find(b"\0")
-    if p != -1:
-        s = s[:p]
-    try:
-        return int(s.strip() or b"0", 8)
-    except ValueError:
-        raise _InvalidHeaderError("invalid header") from None
-
-
-class _FastTarInfo(tarfile.TarInfo):
-    __slots__ = ()
-
-    @classmethod
-    def frombuf(cls, buf: bytes | bytearray, encoding: str, errors: str) -> _FastTarInfo:
-        if len(buf) != BLOCK:
-            if not buf:
-                raise _EmptyHeaderError("empty header")
-            raise _TruncatedHeaderError("truncated header")
-        if buf == _ZERO_BLOCK:
-            raise _EOFHeaderError("end of file header")
-        buf = bytes(buf)
-        (name, _mode, _uid, _gid, _size, _mtime, chksum, typ, linkname, _magic, _version, uname,
-         gname, devmajor, devminor, prefix) = _HDR.unpack_from(buf)  # fmt: skip
-        # the six numeric fields in one go (NUL and space padding both become spaces);
-        # base-256, empty or odd fields take the careful path
-        nums = buf[100:156].translate(_NUL_TO_SPACE)
-        try:
-            mode, uid, gid = int(nums[0:8], 8), int(nums[8:16], 8), int(nums[16:24], 8)
-            size, mtime, chk = int(nums[24:36], 8), int(nums[36:48], 8), int(nums[48:56], 8)
-        except ValueError:
-            mode, uid, gid = _nti(buf[100:108]), _nti(buf[108:116]), _nti(buf[116:124])
-            size, mtime, chk = _nti(buf[124:136]), _nti(buf[136:148]), _nti(chksum)
-        if chk != 256 + sum(buf) - sum(chksum) and not _header_checksum_ok(buf):
-            raise _InvalidHeaderError("bad checksum")
-        obj = cls()
-        obj.name = _nts(name, encoding, errors)
-        obj.mode = mode
-        obj.uid = uid
-        obj.gid = gid
-        obj.size = size
-        obj.mtime = mtime
-        obj.chksum = chk
-        obj.type = typ
-        obj.linkname = _nts(linkname, encoding, errors) if linkname[0] else ""
-        obj.uname = _nts(uname, encoding, errors) if uname[0] else ""
-        obj.gname = _nts(gname, encoding, errors) if gname[0] else ""
-        if typ in _DEV_TYPES:
-            obj.devmajor = _nti(devmajor)
-            obj.devminor = _nti(devminor)
-        if typ == tarfile.AREGTYPE and obj.name.endswith("/"):
-            obj.type = tarfile.DIRTYPE  # old V7 directory
-        if typ == tarfile.GNUTYPE_SPARSE:
-            pos = 386
-            structs = []
-            for _ in range(4):
-                try:
-                    offset = _nti(buf[pos : pos + 12])
-                    numbytes = _nti(buf[pos + 12 : pos + 24])
-                except ValueError:
-                    break
-                structs.append((offset, numbytes))
-                pos += 24
-            obj._sparse_structs = (structs, bool(buf[482]), _nti(buf[483:495]))  # type: ignore[attr-defined]
-        if obj.type == tarfile.DIRTYPE:
-            obj.name = obj.name.rstrip("/")
-        if prefix[0] and obj.type not in tarfile.GNU_TYPES:
-            obj.name = _nts(prefix, encoding, errors) + "/" + obj.name
-        return obj
-
-    @classmethod
-    def fromtarfile(cls, tarfile_: tarfile.TarFile) -> _FastTarInfo:
-        try:
-            return super().fromtarfile(tarfile_)
-        except tarfile.HeaderError as e:
-            if isinstance(tarfile_, _TarFile):
-                tarfile_.header_error = e
-            raise
-
-
-class _ForwardReader:
-    """``read``/``tell``/``seek`` over a non-seekable stream: seeks only go forward (or back
-    within the current buffer), which is all tarfile needs to read members in order."""
-
-    def __init__(self, raw: _Readable) -> None:
-        self.raw = raw
-        self.buf = b""
-        self.off = 0  # read position in buf
-        self.pos = 0  # stream position of buf[off]
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int = -1) -> bytes:
-        if n < 0:
-            out = self.buf[self.off :] + b"".join(iter(lambda: self.raw.read(READ_SIZE), b""))
-            self.buf, self.off = b"", 0
-            self.pos += len(out)
-            return out
-        avail = len(self.buf) - self.off
-        if n <= avail:
-            out = self.buf[self.off : self.off + n]
-            self.off += n
-            self.pos += n
-            return out
-        parts = [self.buf[self.off :]] if avail else []
-        need = n - avail
-        self.buf, self.off = b"", 0
-        while need > 0:
-            chunk = self.raw.read(max(need, READ_SIZE))
-            if not chunk:
-                break
-            if len(chunk) <= need:
-                parts.append(chunk)
-                need -= len(chunk)
-            else:
-                parts.append(chunk[:need])
-                self.buf, self.off = chunk, need
-                need = 0
-        out = parts[0] if len(parts) == 1 else b"".join(parts)
-        self.pos += len(out)
-        return out
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        if whence != 0:
-            raise OSError("tar stream: only absolute seeks are supported")
-        if pos < self.pos:
-            back = self.pos - pos
-            if back > self.off:
-                raise OSError("tar stream: cannot seek backwards")
-            self.off -= back
-            self.pos = pos
-            return pos
-        while self.pos < pos:
-            if not self.read(min(pos - self.pos, READ_SIZE)):
-                break  # tarfile notices the end on its next read
-        return self.pos
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-
-class _TarFile(tarfile.TarFile):
-    tarinfo = _FastTarInfo
-    header_error: Exception | None = None  # the last header problem (tarfile hides some)
-    last_name: str | None = None  # the member being read (for errors)
-
-
 # ---- members -> tree --------------------------------------------------------------------
 
 
@@ -532,29 +353,24 @@ def read_tar(
             None,
             f"unknown compression or not a tar archive (first bytes: {head[:8].hex(' ')})",
         )
-    tf: _TarFile | None = None
+    reader: TarReader | None = None
     diff: _DigestStream | None = None
     try:
         stream = _decompressor(kind, raw)
         if opts.diff_id and kind != "none":
             stream = diff = _DigestStream(stream)
-        # mode "r" over a forward-only reader: tarfile's own stream mode ("r|") refills a
-        # 10 KiB buffer and re-joins it on every read, which dominated the build time
-        tf = _TarFile(
-            fileobj=cast(BinaryIO, _ForwardReader(stream)),
-            mode="r",
-            encoding="utf-8",
-            errors="surrogateescape",
-        )
-        _read_members(tf, tar_path, ctx, opts)
+        reader = TarReader(stream)
+        _read_members(reader, tar_path, ctx, opts)
         # validate the compressed stream's end and hash every remaining byte
         while stream.read(READ_SIZE):
             pass
         raw.drain()
     except SourceError:
         raise
+    except MemberError as e:
+        raise _fail(tar_path, e.name, str(e)) from None
     except (
-        tarfile.TarError,
+        TarFormatError,
         EOFError,
         OSError,
         zlib.error,
@@ -566,41 +382,54 @@ def read_tar(
         what = "corrupt or truncated archive"
         if kind != "none":
             what += f" ({kind})"
-        last = tf.last_name if tf is not None else None
+        last = reader.last_name if reader is not None else None
         at = f" at or after member {last!r}" if last is not None else ""
         raise _fail(tar_path, None, f"{what}{at}: {e}") from None
     except (ValueError, OverflowError) as e:
-        raise _fail(tar_path, tf.last_name if tf is not None else None, str(e)) from None
+        raise _fail(tar_path, reader.last_name if reader is not None else None, str(e)) from None
     raw_digest = "sha256:" + raw.hash.hexdigest()
     uncompressed = raw_digest if diff is None else "sha256:" + diff.hash.hexdigest()
     return TarDigests(raw_digest, uncompressed, kind)
 
 
 def _read_members(
-    tf: _TarFile, tar_path: Path | str, ctx: LayerContext, opts: TarOptions
-) -> str | None:
-    """Returns the last member's name (for errors after it)."""
+    reader: TarReader, tar_path: Path | str, ctx: LayerContext, opts: TarOptions
+) -> None:
     rename, keep, whiteouts = opts.rename, opts.keep, opts.whiteouts
     own_uid, own_gid = opts.uid, opts.gid
     place = ctx.place
     packs = ctx.packs
     progress = ctx.progress
-    data_stream = cast(BinaryIO, tf.fileobj)
     last: str | None = None
-    members: list[tarfile.TarInfo] = vars(tf)["members"]
     while True:
         try:
-            m = tf.next()
-        except tarfile.ReadError as e:
-            if opts.lenient_end and last is not None and str(e) == "unexpected end of data":
-                return last  # the stream ends right after the last member's (complete) data
-            after = f" after member {last!r}" if last is not None else ""
-            raise _fail(tar_path, None, f"corrupt or truncated archive{after}: {e}") from None
-        members.clear()  # tarfile keeps every member otherwise
-        if m is None:
-            break
+            m = reader.next()
+        except HeaderProblem as e:  # where a member's first header should be
+            if e.kind == "end":
+                return
+            if last is None:
+                raise TarFormatError("empty file" if e.kind == "empty" else str(e)) from None
+            if opts.lenient_end and e.kind == "empty":
+                return  # the stream ends right after the last member's (padded) data
+            if e.kind == "empty":
+                msg = "truncated archive: it ends without an end-of-archive marker"
+            elif e.kind == "truncated":
+                msg = "truncated archive: it ends inside a header"
+            else:
+                msg = f"corrupt archive: invalid header ({e})"
+            raise _fail(tar_path, None, f"{msg} after member {last!r}") from None
+        except MemberError:
+            raise
+        except TarFormatError as e:
+            if last is None:
+                raise
+            if opts.lenient_end and str(e) == "unexpected end of data":
+                return  # the stream ends right after the last member's (complete) data
+            raise _fail(
+                tar_path, None, f"corrupt or truncated archive after member {last!r}: {e}"
+            ) from None
         name = m.name
-        last = tf.last_name = name
+        last = reader.last_name = name
         bname = name.encode("utf-8", "surrogateescape")
         if rename is not None:
             renamed = rename(bname)
@@ -619,15 +448,15 @@ def _read_members(
                 progress.add_file()
             continue
         t = m.type
-        pax = m.pax_headers
-        if t in tarfile.REGULAR_TYPES or t not in tarfile.SUPPORTED_TYPES:
+        pax = m.pax
+        if m.is_regular:
             inode = Inode(FileType.REG)
-        elif t == tarfile.DIRTYPE:
+        elif t == DIRTYPE:
             inode = Inode(FileType.DIR)
-        elif t == tarfile.SYMTYPE:
+        elif t == SYMTYPE:
             inode = Inode(FileType.SYMLINK)
             inode.target = m.linkname.encode("utf-8", "surrogateescape")
-        elif t == tarfile.LNKTYPE:
+        elif t == LNKTYPE:
             target: bytes | None = m.linkname.encode("utf-8", "surrogateescape")
             if rename is not None and target is not None:
                 target = rename(target)
@@ -648,16 +477,16 @@ def _read_members(
             if progress is not None:
                 progress.add_file()
             continue
-        elif t == tarfile.CHRTYPE:
+        elif t == CHRTYPE:
             inode = Inode(FileType.CHR, rdev=os.makedev(m.devmajor, m.devminor))
-        elif t == tarfile.BLKTYPE:
+        elif t == BLKTYPE:
             inode = Inode(FileType.BLK, rdev=os.makedev(m.devmajor, m.devminor))
-        elif t == tarfile.FIFOTYPE:
+        elif t == FIFOTYPE:
             inode = Inode(FileType.FIFO)
-        else:  # pragma: no cover - SUPPORTED_TYPES is covered above
+        else:  # pragma: no cover - the reader resolves every other type
             raise _fail(tar_path, name, f"unsupported member type {t!r}")
         # a symlink's mode is always 0777 on Linux (symlink(2) ignores the umask and the mode)
-        inode.mode = 0o777 if t == tarfile.SYMTYPE else m.mode & 0o7777
+        inode.mode = 0o777 if t == SYMTYPE else m.mode & 0o7777
         uid = m.uid if own_uid is None else own_uid
         gid = m.gid if own_gid is None else own_gid
         if not (0 <= uid <= 0xFFFFFFFF and 0 <= gid <= 0xFFFFFFFF):
@@ -666,7 +495,7 @@ def _read_members(
         if pax:
             try:
                 mt = pax.get("mtime")
-                inode.mtime_ns = parse_pax_time(mt) if mt is not None else int(m.mtime) * 10**9
+                inode.mtime_ns = parse_pax_time(mt) if mt is not None else m.mtime * 10**9
                 at = pax.get("atime")
                 if at is not None:
                     inode.atime_ns = parse_pax_time(at)
@@ -677,30 +506,17 @@ def _read_members(
             except ValueError as e:
                 raise _fail(tar_path, name, str(e)) from None
         else:
-            inode.mtime_ns = int(m.mtime) * 1_000_000_000
+            inode.mtime_ns = m.mtime * 1_000_000_000
         if inode.type == FileType.REG:
             where = f"{tar_path}: member {name!r}"
-            if m.issparse():
-                fobj = tf.extractfile(m)
-                assert fobj is not None
-                inode.content = packs.put_stream(cast(BinaryIO, fobj), m.size, where)
+            if m.sparse is not None:
+                inode.content = packs.put_stream(
+                    cast(BinaryIO, SparseData(reader, m)), m.size, where
+                )
             else:
-                inode.content = packs.put_stream(data_stream, m.size, where)
+                inode.content = packs.put_stream(cast(BinaryIO, reader), m.size, where)
             place(bname, inode, where)
         else:
             place(bname, inode, f"{tar_path}: member {name!r}")
         if progress is not None:
             progress.add_file()
-    err = tf.header_error
-    if opts.lenient_end and (err is None or isinstance(err, _EmptyHeaderError)):
-        return last
-    if not isinstance(err, _EOFHeaderError):
-        after = f" after member {last!r}" if last is not None else ""
-        if err is None or isinstance(err, _EmptyHeaderError):
-            msg = "truncated archive: it ends without an end-of-archive marker"
-        elif isinstance(err, _TruncatedHeaderError):
-            msg = "truncated archive: it ends inside a header"
-        else:
-            msg = f"corrupt archive: invalid header ({err})"
-        raise _fail(tar_path, None, msg + after)
-    return last

@@ -10,6 +10,7 @@ mod remote;
 mod server;
 mod state;
 mod stats;
+mod trace;
 mod verify;
 
 use clap::{Parser, Subcommand};
@@ -42,6 +43,14 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Write the pack chunks a mount's server has read on demand since it started, in
+    /// first-access order, as a prefetch trace (source "record").
+    Record {
+        mountpoint: PathBuf,
+        /// Where to write the trace (e.g. BUNDLE/prefetch.trace).
+        #[arg(short, long)]
+        output: PathBuf,
+    },
     /// Restart a dead server and reattach device 2 without unmounting.
     Recover { mountpoint: PathBuf },
     /// Run the device-2 server in the foreground (what `mount` starts).
@@ -58,6 +67,7 @@ fn main() {
         Cmd::Umount { mountpoint, lazy } => ops::umount(&mountpoint, lazy),
         Cmd::Status { json } => ops::status(json),
         Cmd::Recover { mountpoint } => ops::recover(&mountpoint),
+        Cmd::Record { mountpoint, output } => ops::record(&mountpoint, &output),
         Cmd::Serve(a) => server::serve(a),
     };
     if let Err(e) = res {

@@ -8,6 +8,7 @@ use crate::remote::{self, RemoteArgs};
 use crate::server::Ready;
 use crate::state::{self, BundleState, LoopRecord, MountState, ServerRecord, SharedMount};
 use crate::stats::Snapshot;
+use crate::trace::{self, Trace};
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader};
@@ -48,6 +49,13 @@ pub struct MountArgs {
     pub registry_auth: Option<String>,
     #[command(flatten)]
     pub remote: RemoteArgs,
+    /// Prefetch trace to apply (default: prefetch.trace beside manifest.json, if any);
+    /// its chunks are fetched in the background once the mount is up.
+    #[arg(long, value_name = "TRACE")]
+    pub prefetch: Option<PathBuf>,
+    /// Do not apply the bundle's prefetch.trace.
+    #[arg(long, conflicts_with = "prefetch")]
+    pub no_prefetch: bool,
 }
 
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -451,12 +459,31 @@ fn ensure_shared(b: &mut BundleState, bundle: &Bundle, srv: &ServerRecord) -> Re
     holds.push(m.file);
     scan_seed(&[&meta, &dev2], bundle)?;
     mnt::mount_btrfs(&meta, &path, &[&meta, &dev2], true, "")?;
-    // sprout onto a scratch device, then read-only: the image's fsid is free again for
-    // the devices of --rw mounts, and nothing can write to the shared mount
-    let rw_path = dir.join("seed-rw.img");
+    sh.phase = "mounted".into();
+    save(b, &sh)?;
+    drop(holds);
+    Ok(path)
+}
+
+/// Sprout the bundle's shared mount onto a scratch device and make it read-only again,
+/// unless that was done already. Until then the shared mount holds the image's fsid, and
+/// the kernel refuses another instance of the image's devices (EEXIST): every step that
+/// attaches such an instance (`--rw` mounts, a shared mount of another bundle with the
+/// same fsid) calls this first. Deferring it keeps ~100 ms (a transaction on the scratch
+/// device) off the first read-only mount.
+fn sprout_shared(b: &mut BundleState) -> Result<()> {
+    let Some(mut sh) = b.shared.clone() else {
+        return Ok(());
+    };
+    if sh.phase != "mounted" || sh.rw_loop.is_some() {
+        return Ok(());
+    }
+    let path = PathBuf::from(&sh.path);
+    let rw_path = b.dir().join("seed-rw.img");
     let _ = std::fs::remove_file(&rw_path);
     sh.rw_path = Some(rw_path.display().to_string());
-    save(b, &sh)?;
+    b.shared = Some(sh.clone());
+    b.save()?;
     let (rwf, _) = open_rw_file(&rw_path, SHARED_SCRATCH_SIZE)?;
     let rl = loopdev::attach(
         &rwf,
@@ -467,15 +494,47 @@ fn ensure_shared(b: &mut BundleState, bundle: &Bundle, srv: &ServerRecord) -> Re
         },
     )?;
     sh.rw_loop = Some(loop_record(&rl));
-    save(b, &sh)?;
-    let rw_dev = rl.path.clone();
-    holds.push(rl.file);
-    btrfs::add_device(&path, &rw_dev)?;
+    b.shared = Some(sh.clone());
+    b.save()?;
+    if let Err(e) = btrfs::add_device(&path, &rl.path) {
+        // leave it unsprouted and consistent, so a later attempt starts afresh
+        forget_and_detach(&[&sh.rw_loop])?;
+        let _ = std::fs::remove_file(&rw_path);
+        (sh.rw_loop, sh.rw_path) = (None, None);
+        b.shared = Some(sh);
+        b.save()?;
+        return Err(e).context("sprout the shared mount");
+    }
+    // ADD_DEV of a seed clears the superblock's read-only flag: nothing may write here
     mnt::remount_ro(&path)?;
-    sh.phase = "mounted".into();
-    save(b, &sh)?;
-    drop(holds);
-    Ok(path)
+    drop(rl.file);
+    Ok(())
+}
+
+/// Before attaching a new instance of this image's devices: sprout the unsprouted shared
+/// mounts of OTHER bundles with the same fsid (another image id of the same filesystem,
+/// e.g. the same tree built from a different spec file). Their locks are held until the
+/// returned guards drop, so none of them makes a new unsprouted mount meanwhile. Waits at
+/// most 30 s for each lock (two such bundles sprouting each other time out instead of
+/// deadlocking).
+fn claim_fsid(b: &BundleState) -> Result<Vec<state::Lock>> {
+    let mut held = Vec::new();
+    for other in BundleState::all() {
+        if other.key == b.key || other.fsid != b.fsid {
+            continue;
+        }
+        let lock = state::lock_timeout(
+            &BundleState::lock_path(&other.key),
+            Some(&BundleState::dir_of(&other.key)),
+            Duration::from_secs(30),
+        )
+        .with_context(|| format!("bundle {} has the same fsid {}: lock it", other.bundle, b.fsid))?;
+        if let Some(mut o) = BundleState::load(&other.key) {
+            sprout_shared(&mut o).with_context(|| format!("bundle {} (same fsid {})", o.bundle, o.fsid))?;
+        }
+        held.push(lock);
+    }
+    Ok(held)
 }
 
 pub fn mount(args: MountArgs) -> Result<()> {
@@ -494,6 +553,8 @@ pub fn mount(args: MountArgs) -> Result<()> {
         std::env::set_var(remote::AUTH_ENV, a);
     }
     let (bundle, location) = remote::open_bundle(&args.bundle, &args.remote, args.expect_id.as_deref())?;
+    // checked before anything is locked or attached: a trace for another image is refused
+    let prefetch = prefetch_trace(&args, &bundle)?;
     let mode = match (&args.rw, args.ephemeral) {
         (Some(_), _) => "rw",
         (None, true) => "ephemeral",
@@ -570,7 +631,9 @@ pub fn mount(args: MountArgs) -> Result<()> {
     st.save()?;
 
     // 1. the bundle's server (shared by all its mounts)
+    let had_server = b.server.as_ref().is_some_and(state::server_alive);
     let srv = ensure_server(&mut b, args.frontend, kind, args.cache_mb, &id)?;
+    let _same_fsid = claim_fsid(&b)?;
 
     let mp = mountpoint.clone();
     let note = match mode {
@@ -590,13 +653,32 @@ pub fn mount(args: MountArgs) -> Result<()> {
             rb.push("umount", move || Ok(mnt::umount(&mp, false)?));
             format!(" (overlay over {}, upper {})", shared.display(), upper.display())
         }
-        _ => mount_rw(&args, &bundle, &srv, &mut st, &mut rb)?,
+        _ => {
+            sprout_shared(&mut b)?;
+            mount_rw(&args, &bundle, &srv, &mut st, &mut rb)?
+        }
     };
     st.phase = "mounted".into();
     st.save()?;
     rb.disarm();
+    // the bundle's trace is applied by the mount that starts the server; an explicit
+    // --prefetch by any mount
+    let pf_note = match prefetch {
+        Some((whence, t)) if args.prefetch.is_some() || !had_server => match request_prefetch(&b, &srv, &t) {
+            Ok(()) => format!(
+                "; prefetching {} chunks ({} trace {whence}) in the background",
+                t.chunks.len(),
+                t.source
+            ),
+            Err(e) => {
+                eprintln!("ublkd: warning: prefetch {whence} not started: {e:#}");
+                String::new()
+            }
+        },
+        _ => String::new(),
+    };
     println!(
-        "mounted {} ({}) at {}: {}{}, frontend {}, server pid {} in {:.0} ms",
+        "mounted {} ({}) at {}: {}{}, frontend {}, server pid {} in {:.0} ms{pf_note}",
         location,
         bundle.image_id,
         mountpoint.display(),
@@ -605,6 +687,89 @@ pub fn mount(args: MountArgs) -> Result<()> {
         kind.as_str(),
         srv.pid,
         t0.elapsed().as_secs_f64() * 1000.0
+    );
+    Ok(())
+}
+
+/// The trace `mount` applies: `--prefetch`, else the bundle's prefetch.trace (unless
+/// `--no-prefetch`), checked against the bundle (image id, chunk size, chunk indices).
+fn prefetch_trace(args: &MountArgs, bundle: &Bundle) -> Result<Option<(String, Trace)>> {
+    let path = match (&args.prefetch, args.no_prefetch) {
+        (Some(p), _) => p.clone(),
+        (None, true) => return Ok(None),
+        (None, false) => {
+            let p = bundle.dir.join(trace::FILE_NAME);
+            if !p.exists() {
+                return Ok(None);
+            }
+            p
+        }
+    };
+    let whence = path.display().to_string();
+    let t = Trace::read(&path)?;
+    t.check_for(&bundle.image_id, &bundle.blockmap, &whence)?;
+    Ok(Some((whence, t)))
+}
+
+/// Hand a trace to the bundle's server: written into its directory, then SIGUSR1.
+fn request_prefetch(b: &BundleState, srv: &ServerRecord, t: &Trace) -> Result<()> {
+    ensure!(state::server_alive(srv), "the server (pid {}) is not running", srv.pid);
+    t.write(&b.dir().join(trace::FILE_NAME))?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(srv.pid), nix::sys::signal::Signal::SIGUSR1)
+        .with_context(|| format!("signal the server (pid {})", srv.pid))?;
+    Ok(())
+}
+
+/// `ublkd record MNT -o TRACE`: ask the mount's server for its access trace (SIGUSR2:
+/// it writes access.trace in its directory), wait for the new file, copy it to `out`.
+pub fn record(mountpoint: &Path, out: &Path) -> Result<()> {
+    let (st, _l) = lock_mount(mountpoint)?;
+    let b = BundleState::load(&st.bundle_key).context("no bundle state")?;
+    let srv = b.server.clone().context("no server recorded")?;
+    ensure!(
+        state::server_alive(&srv),
+        "{}: the server (pid {}) is not running",
+        st.mountpoint,
+        srv.pid
+    );
+    let path = b.dir().join(trace::ACCESS_FILE);
+    let ino = |p: &Path| {
+        std::fs::metadata(p)
+            .ok()
+            .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+    };
+    let before = ino(&path);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(srv.pid), nix::sys::signal::Signal::SIGUSR2)
+        .with_context(|| format!("signal the server (pid {})", srv.pid))?;
+    // the server writes a new file and renames it: a new inode
+    let t0 = Instant::now();
+    while ino(&path).is_none() || ino(&path) == before {
+        ensure!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the server (pid {}) wrote no {} within 10 s; its log ({}):\n{}",
+            srv.pid,
+            path.display(),
+            b.dir().join("server.log").display(),
+            server_log_tail(&b.dir())
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let t = Trace::read(&path)?;
+    ensure!(
+        t.image_id == b.image_id,
+        "{}: image id {} differs from the mount's {}",
+        path.display(),
+        t.image_id,
+        b.image_id
+    );
+    t.write(out).with_context(|| format!("write {}", out.display()))?;
+    println!(
+        "recorded {} chunks ({} MiB) of {} ({}) to {}",
+        t.chunks.len(),
+        (t.chunks.len() as u64 * t.chunk_size) >> 20,
+        st.mountpoint,
+        b.image_id,
+        out.display()
     );
     Ok(())
 }
@@ -976,6 +1141,23 @@ pub fn status(json: bool) -> Result<()> {
                     s.disk_cache_corrupt,
                     s.disk_cache_bytes,
                     s.readahead_chunks
+                );
+            }
+            let s = &e.stats;
+            println!("  demand   {} chunks loaded for device reads", s.demand_chunk_loads);
+            if s.prefetch_total > 0 {
+                println!(
+                    "  prefetch {}/{} chunks done ({}), {} fetched ({} bytes), {} errors",
+                    s.prefetch_done,
+                    s.prefetch_total,
+                    if s.prefetch_done < s.prefetch_total {
+                        "running"
+                    } else {
+                        "finished"
+                    },
+                    s.prefetch_chunks,
+                    s.prefetch_bytes,
+                    s.prefetch_errors
                 );
             }
         }

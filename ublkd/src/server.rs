@@ -12,6 +12,7 @@ use crate::frontend::{self, Kind};
 use crate::remote::{self, Opened, RemoteArgs};
 use crate::state::write_atomic;
 use crate::stats::Counters;
+use crate::trace;
 use crate::verify::VerifiedChunks;
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::{SigSet, Signal};
@@ -19,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
@@ -115,7 +117,14 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     }
     // signals are taken synchronously by one thread; block them before any thread starts
     let mut set = SigSet::empty();
-    for s in [Signal::SIGTERM, Signal::SIGINT, Signal::SIGHUP] {
+    // SIGUSR1: start the prefetch `mount` left in --dir; SIGUSR2: write the access trace
+    for s in [
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+        Signal::SIGUSR1,
+        Signal::SIGUSR2,
+    ] {
         set.add(s);
     }
     set.thread_block().context("block signals")?;
@@ -141,9 +150,26 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let (tx, rx) = mpsc::channel::<Event>();
     {
         let tx = tx.clone();
+        let (dev, dir, image_id) = (dev.clone(), args.dir.clone(), image_id.clone());
+        let prefetching = Arc::new(AtomicBool::new(false));
         std::thread::Builder::new().name("signals".into()).spawn(move || loop {
-            if let Ok(sig) = set.wait() {
-                let _ = tx.send(Event::Signal(sig));
+            let res = match set.wait() {
+                Ok(Signal::SIGUSR1) => dir
+                    .as_deref()
+                    .context("no --dir to read a prefetch request from")
+                    .and_then(|d| trace::start_requested(&dev, d, &image_id, &prefetching)),
+                Ok(Signal::SIGUSR2) => dir
+                    .as_deref()
+                    .context("no --dir to write the access trace into")
+                    .and_then(|d| write_access_trace(&dev, d, &image_id)),
+                Ok(sig) => {
+                    let _ = tx.send(Event::Signal(sig));
+                    Ok(())
+                }
+                Err(_) => Ok(()),
+            };
+            if let Err(e) = res {
+                log::error!("{e:#}");
             }
         })?;
     }
@@ -259,6 +285,20 @@ fn isolate_mount_namespace() -> Result<()> {
             let _ = crate::plumbing::mount::umount(Path::new(&m.mount_point), true);
         }
     }
+    Ok(())
+}
+
+/// `ublkd record`: the chunks read on demand since the server started, first access
+/// first, as a trace (source "record") in `<dir>/access.trace`.
+fn write_access_trace(dev: &Device2, dir: &Path, image_id: &str) -> Result<()> {
+    let chunks = dev.chunks.access.snapshot();
+    let n = chunks.len();
+    let t = trace::Trace::new(image_id, dev.chunks.blockmap().chunk_size(), "record", chunks);
+    t.write(&dir.join(trace::ACCESS_FILE))?;
+    log::info!(
+        "access trace: {n} chunks written to {}",
+        dir.join(trace::ACCESS_FILE).display()
+    );
     Ok(())
 }
 

@@ -225,6 +225,15 @@ impl Drop for Lock {
 /// holder (see [`Lock`]): after locking, the inode at the path must still be the one
 /// locked, otherwise try again on the new file.
 pub fn lock(path: &Path, gone_with: Option<&Path>) -> Result<Lock> {
+    lock_until(path, gone_with, None)
+}
+
+/// [`lock`], giving up with an error after `wait`.
+pub fn lock_timeout(path: &Path, gone_with: Option<&Path>, wait: std::time::Duration) -> Result<Lock> {
+    lock_until(path, gone_with, Some(std::time::Instant::now() + wait))
+}
+
+fn lock_until(path: &Path, gone_with: Option<&Path>, deadline: Option<std::time::Instant>) -> Result<Lock> {
     use std::os::unix::fs::MetadataExt;
     loop {
         if let Some(parent) = path.parent() {
@@ -237,9 +246,26 @@ pub fn lock(path: &Path, gone_with: Option<&Path>) -> Result<Lock> {
             .write(true)
             .open(path)
             .with_context(|| format!("{}: open", path.display()))?;
+        let op = if deadline.is_some() {
+            libc::LOCK_EX | libc::LOCK_NB
+        } else {
+            libc::LOCK_EX
+        };
         // SAFETY: flock on an fd we own.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(std::io::Error::last_os_error()).with_context(|| format!("{}: flock", path.display()));
+        if unsafe { libc::flock(f.as_raw_fd(), op) } != 0 {
+            let err = std::io::Error::last_os_error();
+            match deadline {
+                Some(d) if err.raw_os_error() == Some(libc::EWOULDBLOCK) => {
+                    anyhow::ensure!(
+                        std::time::Instant::now() < d,
+                        "{}: still locked by another ublkd after waiting",
+                        path.display()
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                    continue;
+                }
+                _ => return Err(err).with_context(|| format!("{}: flock", path.display())),
+            }
         }
         let held = f.metadata()?;
         match std::fs::metadata(path) {

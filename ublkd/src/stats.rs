@@ -26,6 +26,13 @@ pub struct Counters {
     pub fetch_latency_us_total: AtomicU64,
     pub fetch_latency_us_max: AtomicU64,
     pub readahead_chunks: AtomicU64,
+    // prefetch (src/trace.rs): chunks loaded on demand vs by the prefetcher
+    pub demand_chunk_loads: AtomicU64,
+    pub prefetch_total: AtomicU64,
+    pub prefetch_done: AtomicU64,
+    pub prefetch_chunks: AtomicU64,
+    pub prefetch_bytes: AtomicU64,
+    pub prefetch_errors: AtomicU64,
 }
 
 /// What `stats.json` holds. Counters of remote packs (`fetch_*`, `disk_cache_*`) stay 0
@@ -59,6 +66,15 @@ pub struct Snapshot {
     pub fetch_latency_us_max: u64,
     /// chunks fetched ahead of demand (sequential readahead)
     pub readahead_chunks: u64,
+    /// Pack chunks loaded (read + verified) for device reads.
+    pub demand_chunk_loads: u64,
+    /// Chunks of the running/last prefetch trace, and how many of them are done.
+    pub prefetch_total: u64,
+    pub prefetch_done: u64,
+    /// Chunks (and their bytes) the prefetcher loaded itself (the rest were cached already).
+    pub prefetch_chunks: u64,
+    pub prefetch_bytes: u64,
+    pub prefetch_errors: u64,
 }
 
 impl Counters {
@@ -96,6 +112,12 @@ impl Counters {
             fetch_latency_us_mean: self.fetch_latency_us_total.load(Relaxed).checked_div(ok).unwrap_or(0),
             fetch_latency_us_max: self.fetch_latency_us_max.load(Relaxed),
             readahead_chunks: self.readahead_chunks.load(Relaxed),
+            demand_chunk_loads: self.demand_chunk_loads.load(Relaxed),
+            prefetch_total: self.prefetch_total.load(Relaxed),
+            prefetch_done: self.prefetch_done.load(Relaxed),
+            prefetch_chunks: self.prefetch_chunks.load(Relaxed),
+            prefetch_bytes: self.prefetch_bytes.load(Relaxed),
+            prefetch_errors: self.prefetch_errors.load(Relaxed),
         }
     }
 }

@@ -16,6 +16,7 @@ pub mod source;
 use crate::blockmap::Blockmap;
 use crate::remote::cache::DiskCache;
 use crate::stats::Counters;
+use crate::trace::AccessLog;
 use sha2::{Digest as _, Sha256};
 use source::PackSource;
 use std::collections::HashMap;
@@ -163,6 +164,17 @@ impl Pool {
 pub struct VerifiedChunks {
     core: Arc<Core>,
     pool: Option<Pool>,
+    /// First demand access of each chunk (`ublkd record`); prefetches are not noted.
+    pub access: AccessLog,
+}
+
+/// Who asked for chunks: loads are counted apart (`demand_chunk_loads`, `prefetch_*`,
+/// `readahead_chunks`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Why {
+    Demand,
+    Prefetch,
+    Readahead,
 }
 
 impl Core {
@@ -246,6 +258,25 @@ impl Core {
         slot.fill(Err(e));
     }
 
+    /// [`Core::fill`], then count the chunks loaded by `why`.
+    fn fill_for(&self, pack: u32, owned: Vec<(u64, Arc<Slot>)>, why: Why) {
+        let slots: Vec<Arc<Slot>> = owned.iter().map(|(_, s)| s.clone()).collect();
+        self.fill(pack, owned);
+        for s in slots {
+            if let Some(Ok(data)) = &*s.val.lock().unwrap() {
+                let c = &self.counters;
+                match why {
+                    Why::Demand => Counters::add(&c.demand_chunk_loads, 1),
+                    Why::Prefetch => {
+                        Counters::add(&c.prefetch_chunks, 1);
+                        Counters::add(&c.prefetch_bytes, data.len() as u64);
+                    }
+                    Why::Readahead => Counters::add(&c.readahead_chunks, 1),
+                }
+            }
+        }
+    }
+
     /// Load claimed chunks of one pack: from the persistent cache where it has them, the
     /// rest from the source, one read per run of adjacent chunks; verify; fill the slots.
     fn fill(&self, pack: u32, mut owned: Vec<(u64, Arc<Slot>)>) {
@@ -302,15 +333,12 @@ impl Core {
     }
 
     /// Fetch the chunks `chunks` of `pack` that neither cache holds, in this thread, as
-    /// one source read per run of adjacent chunks (readahead, prefetching). Returns how
-    /// many were fetched.
-    fn fetch_missing(&self, pack: u32, chunks: std::ops::Range<u64>) -> u64 {
+    /// one source read per run of adjacent chunks (readahead, prefetching).
+    fn fetch_missing(&self, pack: u32, chunks: std::ops::Range<u64>, why: Why) {
         let owned = self.claim(pack, chunks, true);
-        let n = owned.len() as u64;
-        if n > 0 {
-            self.fill(pack, owned);
+        if !owned.is_empty() {
+            self.fill_for(pack, owned, why);
         }
-        n
     }
 
     /// Record a read of chunks `[first, last]` of `pack`; the length of the sequential
@@ -338,6 +366,7 @@ impl VerifiedChunks {
         pack_names: Vec<String>,
     ) -> VerifiedChunks {
         let capacity = (cache_bytes >> blockmap.chunk_shift).max(4) as usize;
+        let access = AccessLog::new(&blockmap);
         VerifiedChunks {
             core: Arc::new(Core {
                 blockmap,
@@ -353,6 +382,7 @@ impl VerifiedChunks {
                 streaks: Mutex::new(HashMap::new()),
             }),
             pool: None,
+            access,
         }
     }
 
@@ -367,6 +397,12 @@ impl VerifiedChunks {
         self
     }
 
+    /// How many chunks the memory cache holds (a prefetch longer than this would evict its
+    /// start).
+    pub fn capacity_chunks(&self) -> usize {
+        self.core.capacity
+    }
+
     /// Number of chunks currently cached (tests).
     #[cfg(test)]
     pub fn cache_len(&self) -> usize {
@@ -377,13 +413,25 @@ impl VerifiedChunks {
         &self.core.blockmap
     }
 
-    /// The verified bytes of chunk `chunk` of pack `pack`.
+    /// The verified bytes of chunk `chunk` of pack `pack`, for a device read.
     pub fn chunk(&self, pack: u32, chunk: u64) -> Result<Arc<Vec<u8>>, ChunkError> {
+        self.access.note(pack, chunk);
+        self.get(pack, chunk, Why::Demand)
+    }
+
+    /// Bring a chunk into the cache ahead of use, through the same verified path.
+    pub fn prefetch(&self, pack: u32, chunk: u64) -> Result<(), ChunkError> {
+        self.get(pack, chunk, Why::Prefetch).map(|_| ())
+    }
+
+    fn get(&self, pack: u32, chunk: u64, why: Why) -> Result<Arc<Vec<u8>>, ChunkError> {
         let (slot, owned) = self.core.slot((pack, chunk));
         if owned {
-            Counters::add(&self.core.counters.cache_misses, 1);
-            self.core.fill(pack, vec![(chunk, slot.clone())]);
-        } else {
+            if why == Why::Demand {
+                Counters::add(&self.core.counters.cache_misses, 1);
+            }
+            self.core.fill_for(pack, vec![(chunk, slot.clone())], why);
+        } else if why == Why::Demand {
             Counters::add(&self.core.counters.cache_hits, 1);
         }
         slot.wait(self.core.fetching.wait_limit)
@@ -411,10 +459,7 @@ impl VerifiedChunks {
             }
         }
         let core = self.core.clone();
-        pool.try_run(move || {
-            let n = core.fetch_missing(pack, range);
-            Counters::add(&core.counters.readahead_chunks, n);
-        });
+        pool.try_run(move || core.fetch_missing(pack, range, Why::Readahead));
     }
 
     /// Copy verified pack bytes `[pack_offset, pack_offset + out.len())` into `out`.
@@ -429,7 +474,7 @@ impl VerifiedChunks {
             let owned = self.core.claim(pack, first..last + 1, false);
             if !owned.is_empty() {
                 Counters::add(&self.core.counters.cache_misses, owned.len() as u64);
-                self.core.fill(pack, owned);
+                self.core.fill_for(pack, owned, Why::Demand);
             }
         }
         self.readahead(pack, first, last);

@@ -1,0 +1,678 @@
+"""Push a bundle (and prefetch traces) to an OCI distribution registry.
+
+The bundle becomes one OCI artifact (format: docs/remote.md, "OCI artifact"): an image
+manifest whose config blob is manifest.json (so the config digest IS the image id) and
+whose layers are meta.img, the blockmap and every pack, each blob addressed by the
+sha256 of the file. A trace is a second artifact whose `subject` is the bundle manifest,
+listed in the OCI 1.1 referrers tag schema fallback (tag `sha256-<hex>`), since
+docker-registry 2.8 has no referrers API.
+
+The bundle is verified completely before the first request, so a corrupt bundle uploads
+nothing; the registry checks every blob's digest again when the upload completes. Blobs
+the registry already has (HEAD) are not uploaded again.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.client
+import ipaddress
+import json
+import os
+import re
+import ssl
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from btrfs_ublk_image import __version__
+from btrfs_ublk_image import blockmap as bmap
+from btrfs_ublk_image import trace as trace_format
+from btrfs_ublk_image.bundle import (
+    BLOCKMAP,
+    MANIFEST,
+    META_IMG,
+    PACKS,
+    file_sha256,
+    parse_manifest,
+    read_bundle_file,
+)
+from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.hashing import BackgroundSha256
+from btrfs_ublk_image.progress import Progress, human_bytes
+from btrfs_ublk_image.trace import Trace
+
+MT_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MT_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+MT_OCI_EMPTY = "application/vnd.oci.empty.v1+json"
+ARTIFACT_BUNDLE = "application/vnd.btrfs-ublk-image.bundle.v1"
+ARTIFACT_TRACE = "application/vnd.btrfs-ublk-image.trace.v1"
+MT_CONFIG = "application/vnd.btrfs-ublk-image.manifest.v1+json"
+MT_META = "application/vnd.btrfs-ublk-image.meta.v1"
+MT_BLOCKMAP = "application/vnd.btrfs-ublk-image.blockmap.v1"
+MT_PACK = "application/vnd.btrfs-ublk-image.pack.v1"
+MT_TRACE = "application/vnd.btrfs-ublk-image.trace.v1+json"
+ANNOTATION_TITLE = "org.opencontainers.image.title"
+ANNOTATION_IMAGE_ID = "dev.btrfs-ublk-image.image-id"
+EMPTY_CONFIG = b"{}"  # the OCI 1.1 empty descriptor's blob, for the trace artifact
+AUTH_ENV = "BUI_REGISTRY_AUTH"
+
+_REPO_RE = re.compile(
+    r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*)*"
+)
+_TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_IO_BLOCK = 1 << 20
+_TIMEOUT = 300.0  # seconds without progress on one connection before we give up
+
+
+# --- the bundle, verified -----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Blob:
+    """One file of the bundle as an OCI blob."""
+
+    path: str | None  # file to stream from, or None: ``data`` holds the bytes
+    data: bytes | None
+    media_type: str
+    digest: str  # "sha256:<hex>" of the bytes
+    size: int
+    title: str | None = None  # bundle-relative path (layer annotation)
+
+    def descriptor(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
+        if self.title is not None:
+            d["annotations"] = {ANNOTATION_TITLE: self.title}
+        return d
+
+
+def bytes_blob(data: bytes, media_type: str, title: str | None = None) -> Blob:
+    return Blob(
+        None, data, media_type, "sha256:" + hashlib.sha256(data).hexdigest(), len(data), title
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedBundle:
+    path: str
+    image_id: str
+    config: Blob  # manifest.json
+    layers: list[Blob]  # meta.img, blockmap, packs in manifest order
+
+
+def _checked_file(bundle: str, rel: str, entry: Any) -> Blob:
+    """meta.img or blockmap, checked against the manifest's `files` entry."""
+    path = os.path.join(bundle, rel)
+    if not isinstance(entry, dict) or "sha256" not in entry or "size" not in entry:
+        raise ImageError(f"{os.path.join(bundle, MANIFEST)}: no files entry for {rel}")
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise ImageError(f"{path}: cannot read: {e.strerror}") from None
+    if size != entry["size"]:
+        raise ImageError(f"{path}: {size} bytes, the manifest says {entry['size']}")
+    digest = file_sha256(path)
+    if digest != entry["sha256"]:
+        raise ImageError(f"{path}: sha256 {digest} differs from the manifest's {entry['sha256']}")
+    return Blob(path, None, MT_META if rel == META_IMG else MT_BLOCKMAP, digest, size, rel)
+
+
+def _checked_pack(
+    bundle: str,
+    rel: str,
+    pack: dict[str, Any],
+    entry: bmap.PackEntry,
+    chunk_size: int,
+    progress: Progress,
+) -> Blob:
+    """A pack, its chunk digests checked against the blockmap and its id against the
+    manifest; returns its blob (digest = sha256 of the whole file), hashed in the same pass."""
+    path = os.path.join(bundle, rel)
+    if pack.get("id") != "sha256:" + entry.id.hex():
+        raise ImageError(f"{path}: the manifest's pack id differs from the blockmap's")
+    whole = BackgroundSha256()
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        with open(path, "rb") as f:
+            while data := f.read(chunk_size):
+                whole.update(data)
+                chunks.append(hashlib.sha256(data).digest())
+                size += len(data)
+                progress.add_bytes(len(data))
+    except OSError as e:
+        raise ImageError(f"{path}: cannot read: {e.strerror}") from None
+    if size != pack.get("size") or size != entry.size:
+        raise ImageError(f"{path}: {size} bytes, the manifest says {pack.get('size')}")
+    for i, (got, want) in enumerate(zip(chunks, entry.chunk_digests, strict=True)):
+        if got != want:
+            raise ImageError(
+                f"{path}: chunk {i} (bytes {i * chunk_size}..) does not match its digest"
+                " in the blockmap (corrupt pack)"
+            )
+    if hashlib.sha256(b"".join(chunks)).digest() != entry.id:
+        raise ImageError(f"{path}: pack id does not match its chunk digests")
+    progress.add_file()
+    return Blob(path, None, MT_PACK, "sha256:" + whole.hexdigest(), size, rel)
+
+
+def verify_bundle(bundle: str, progress: Progress | None = None) -> VerifiedBundle:
+    """Every file of ``bundle`` checked against manifest.json (and the packs' chunks against
+    the blockmap), so what is pushed is exactly the image its id names."""
+    bundle = os.path.abspath(bundle)
+    progress = progress or Progress("verifying", force=False)
+    manifest_path = os.path.join(bundle, MANIFEST)
+    data = read_bundle_file(manifest_path)
+    manifest, image_id = parse_manifest(data, manifest_path)
+    files = manifest.get("files") or {}
+    meta = _checked_file(bundle, META_IMG, files.get(META_IMG))
+    bm_blob = _checked_file(bundle, BLOCKMAP, files.get(BLOCKMAP))
+    assert bm_blob.path is not None
+    bm = bmap.decode(read_bundle_file(bm_blob.path), bm_blob.path)
+    if file_sha256(bm_blob.path) != bm_blob.digest:  # changed between the two reads
+        raise ImageError(f"{bm_blob.path}: changed while being read")
+    packs = manifest.get("packs")
+    if not isinstance(packs, list) or len(packs) != len(bm.packs):
+        raise ImageError(f"{manifest_path}: its packs do not match the blockmap's")
+    layers = [meta, bm_blob]
+    for pack, entry in zip(packs, bm.packs, strict=True):
+        rel = pack.get("path") if isinstance(pack, dict) else None
+        if not isinstance(rel, str) or not re.fullmatch(PACKS + r"/[0-9a-f]{64}", rel):
+            raise ImageError(f"{manifest_path}: pack path {rel!r} is not packs/<hex>")
+        layers.append(_checked_pack(bundle, rel, pack, entry, bm.chunk_size, progress))
+    config = bytes_blob(data, MT_CONFIG)
+    assert config.digest == image_id
+    return VerifiedBundle(bundle, image_id, config, layers)
+
+
+def bundle_manifest(b: VerifiedBundle) -> bytes:
+    """The OCI image manifest of a bundle (deterministic: same bundle, same digest)."""
+    m = {
+        "schemaVersion": 2,
+        "mediaType": MT_OCI_MANIFEST,
+        "artifactType": ARTIFACT_BUNDLE,
+        "config": b.config.descriptor(),
+        "layers": [layer.descriptor() for layer in b.layers],
+        "annotations": {ANNOTATION_IMAGE_ID: b.image_id},
+    }
+    return _encode(m)
+
+
+def _encode(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+# --- traces -------------------------------------------------------------------------------
+def read_trace(path: str) -> tuple[bytes, Trace]:
+    """A trace file's bytes (uploaded as they are) and its parsed, checked form."""
+    data = read_bundle_file(path)
+    return data, trace_format.decode(data, path)
+
+
+def check_trace_for(path: str, trace: Trace, image_id: str) -> None:
+    if trace.image_id != image_id:
+        raise ImageError(
+            f"{path}: trace was made for image {trace.image_id}, not {image_id}"
+            " (a trace applies only to the image it was made for)"
+        )
+
+
+def trace_manifest(trace: Blob, empty: Blob, subject: dict[str, Any], image_id: str) -> bytes:
+    m = {
+        "schemaVersion": 2,
+        "mediaType": MT_OCI_MANIFEST,
+        "artifactType": ARTIFACT_TRACE,
+        "config": empty.descriptor() | {"data": base64.b64encode(EMPTY_CONFIG).decode()},
+        "layers": [trace.descriptor()],
+        "subject": subject,
+        "annotations": {ANNOTATION_IMAGE_ID: image_id},
+    }
+    return _encode(m)
+
+
+def referrers_tag(digest: str) -> str:
+    """The OCI 1.1 referrers tag schema: sha256:<hex> -> sha256-<hex>."""
+    return digest.replace(":", "-", 1)
+
+
+# --- references and the registry ----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Reference:
+    registry: str  # host[:port]
+    repo: str
+    tag: str
+
+    def __str__(self) -> str:
+        return f"{self.registry}/{self.repo}:{self.tag}"
+
+
+def parse_reference(text: str) -> Reference:
+    """REGISTRY[:PORT]/REPO[:TAG] (tag default `latest`; an `oci://` prefix is accepted)."""
+    ref = text.removeprefix("oci://")
+    registry, slash, rest = ref.partition("/")
+    if not slash or not registry or not rest:
+        raise ImageError(f"{text}: not REGISTRY/REPO[:TAG]")
+    if "@" in rest:
+        raise ImageError(f"{text}: push needs a tag, not a digest")
+    repo, _, tag = rest.rpartition(":") if ":" in rest else (rest, "", "latest")
+    if not _REPO_RE.fullmatch(repo):
+        raise ImageError(f"{text}: {repo!r} is not a valid repository name (lowercase a-z0-9._-/)")
+    if not _TAG_RE.fullmatch(tag):
+        raise ImageError(f"{text}: {tag!r} is not a valid tag")
+    return Reference(registry, repo, tag)
+
+
+def is_loopback(registry: str) -> bool:
+    """127.0.0.0/8, [::1] or localhost, with or without a port."""
+    if registry.startswith("["):
+        name = registry[1 : registry.find("]")]
+    else:
+        name = registry.rsplit(":", 1)[0]
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_auth(text: str | None, where: str) -> tuple[str, str] | None:
+    if not text:
+        return None
+    user, colon, password = text.partition(":")
+    if not colon or not user:
+        raise ImageError(f"{where}: credentials must be USER:PASS")
+    return user, password
+
+
+@dataclass
+class Response:
+    status: int
+    headers: http.client.HTTPMessage
+    body: bytes
+
+
+def _error_text(body: bytes) -> str:
+    """The registry's `errors` body as one line, else the start of the body."""
+    try:
+        errs = json.loads(body).get("errors")
+        return "; ".join(
+            f"{e.get('code', '?')}: {e.get('message', '')}"
+            + (f" ({json.dumps(e['detail'])})" if e.get("detail") else "")
+            for e in errs
+        )
+    except (ValueError, AttributeError, TypeError):
+        return body[:300].decode(errors="replace").strip()
+
+
+def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
+    """`Bearer realm="..",service="..",scope=".."` -> ("bearer", {..})."""
+    scheme, _, rest = header.strip().partition(" ")
+    params = {
+        m.group(1).lower(): m.group(2) if m.group(2) is not None else m.group(3)
+        for m in re.finditer(r'([A-Za-z]+)=(?:"([^"]*)"|([^,\s]*))', rest)
+    }
+    return scheme.lower(), params
+
+
+Body = bytes | Blob | None
+
+
+@dataclass
+class Registry:
+    """A client of one repository of an OCI distribution registry (the v2 HTTP API)."""
+
+    ref: Reference
+    plain_http: bool = False
+    credentials: tuple[str, str] | None = None
+    progress: Progress | None = None
+    _conn: http.client.HTTPConnection | None = None
+    _authorization: str | None = None
+    uploaded: list[Blob] = field(default_factory=list)
+    skipped: list[Blob] = field(default_factory=list)
+
+    @property
+    def where(self) -> str:
+        return f"{self.ref.registry}/{self.ref.repo}"
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.plain_http or is_loopback(self.ref.registry) else "https"
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _connection(self, netloc: str, scheme: str) -> http.client.HTTPConnection:
+        """The kept-alive connection to the registry, or a new one for another host (a
+        token realm), closed by the caller."""
+        if netloc != self.ref.registry or scheme != self.scheme:
+            return _new_connection(netloc, scheme)
+        if self._conn is None:
+            self._conn = _new_connection(netloc, scheme)
+        return self._conn
+
+    def _send(self, method: str, url: str, headers: dict[str, str], body: Body) -> Response:
+        parts = urllib.parse.urlsplit(url)
+        target = parts.path + (f"?{parts.query}" if parts.query else "")
+        shared = parts.netloc == self.ref.registry and parts.scheme == self.scheme
+        conn = self._connection(parts.netloc, parts.scheme)
+        try:
+            conn.putrequest(method, target, skip_accept_encoding=True)
+            conn.putheader("User-Agent", f"btrfs-ublk-image/{__version__}")
+            if body is None:
+                size = 0
+            elif isinstance(body, bytes):
+                size = len(body)
+            else:
+                size = body.size
+            if body is not None or method in ("PUT", "POST", "PATCH"):
+                conn.putheader("Content-Length", str(size))
+            for k, v in headers.items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            if isinstance(body, bytes):
+                conn.send(body)
+            elif isinstance(body, Blob):
+                for block in _blob_blocks(body):
+                    conn.send(block)
+                    if self.progress is not None:
+                        self.progress.add_bytes(len(block))
+            resp = conn.getresponse()
+            data = resp.read()
+            return Response(resp.status, resp.headers, data)
+        except (OSError, http.client.HTTPException) as e:
+            self.close()
+            reason = (
+                e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
+            )
+            raise ImageError(
+                f"{self.where}: {method} {parts.scheme}://{parts.netloc}{parts.path}: {reason}"
+            ) from None
+        except BaseException:  # e.g. a pack unreadable mid-upload: the request is half sent
+            self.close()
+            raise
+        finally:
+            if not shared:
+                conn.close()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: dict[str, str] | None = None,
+        body: Body = None,
+        ok: tuple[int, ...] = (200,),
+    ) -> Response:
+        """One API request (`path` under /v2/<repo>/ or an absolute upload URL), with the
+        registry's auth challenge answered once; an unexpected status is an ImageError."""
+        url = path if "://" in path else f"{self.scheme}://{self.ref.registry}{path}"
+        hdrs = dict(headers or {})
+        # credentials go to the registry only, never to another host an upload URL names
+        ours = urllib.parse.urlsplit(url).netloc == self.ref.registry
+        for attempt in range(2):
+            if self._authorization is not None and ours:
+                hdrs["Authorization"] = self._authorization
+            resp = self._send(method, url, hdrs, body)
+            if not (resp.status == 401 and attempt == 0 and ours and self._authenticate(resp)):
+                break
+        if resp.status not in ok:
+            detail = _error_text(resp.body)
+            hint = ""
+            if resp.status == 401:
+                hint = (
+                    " (credentials refused)"
+                    if self.credentials
+                    else f" (the registry needs credentials: --auth USER:PASS or {AUTH_ENV})"
+                )
+            raise ImageError(
+                f"{self.where}: {method} {urllib.parse.urlsplit(url).path}: HTTP {resp.status}"
+                f"{hint}" + (f": {detail}" if detail else "")
+            )
+        return resp
+
+    def _authenticate(self, resp: Response) -> bool:
+        """Answer a 401's challenge; False when there is nothing new to try (no challenge,
+        Basic without credentials or with the ones just refused)."""
+        header = resp.headers.get("WWW-Authenticate")
+        if not header:
+            return False
+        scheme, params = _parse_challenge(header)
+        if scheme == "basic":
+            if self.credentials is None:
+                return False  # the 401 becomes the error, with the hint
+            token = base64.b64encode(":".join(self.credentials).encode()).decode()
+            if self._authorization == f"Basic {token}":
+                return False
+            self._authorization = f"Basic {token}"
+        elif scheme == "bearer":
+            self._authorization = f"Bearer {self._bearer_token(params)}"
+        else:
+            raise ImageError(f"{self.where}: unsupported auth scheme in WWW-Authenticate: {header}")
+        return True
+
+    def _bearer_token(self, params: dict[str, str]) -> str:
+        realm = params.get("realm")
+        if not realm or urllib.parse.urlsplit(realm).scheme not in ("http", "https"):
+            raise ImageError(f"{self.where}: Bearer challenge without a usable realm: {params}")
+        query = [("service", params["service"])] if "service" in params else []
+        scopes = {params["scope"]} if "scope" in params else set()
+        scopes.add(f"repository:{self.ref.repo}:pull,push")
+        query += [("scope", s) for s in sorted(scopes)]
+        url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query)
+        headers = {}
+        if self.credentials is not None:
+            basic = base64.b64encode(":".join(self.credentials).encode()).decode()
+            headers["Authorization"] = f"Basic {basic}"
+        resp = self._send("GET", url, headers, None)
+        if resp.status != 200:
+            hint = (
+                ""
+                if self.credentials
+                else f" (no credentials given: --auth USER:PASS or {AUTH_ENV})"
+            )
+            raise ImageError(
+                f"{self.where}: token from {realm}: HTTP {resp.status}{hint}: {_error_text(resp.body)}"
+            )
+        try:
+            answer = json.loads(resp.body)
+            token = answer.get("token") or answer.get("access_token")
+        except (ValueError, AttributeError):
+            token = None
+        if not isinstance(token, str) or not token:
+            raise ImageError(f"{self.where}: token from {realm}: no token in the answer")
+        return token
+
+    # --- the distribution API ---------------------------------------------------------
+    def has_blob(self, digest: str) -> bool:
+        resp = self.request("HEAD", f"/v2/{self.ref.repo}/blobs/{digest}", ok=(200, 404))
+        return resp.status == 200
+
+    def put_blob(self, blob: Blob) -> None:
+        """Upload unless the registry has it: POST a session, then one monolithic PUT."""
+        if self.has_blob(blob.digest):
+            self.skipped.append(blob)
+            return
+        start = self.request("POST", f"/v2/{self.ref.repo}/blobs/uploads/", ok=(202,))
+        location = start.headers.get("Location")
+        if not location:
+            raise ImageError(f"{self.where}: upload started without a Location header")
+        location = urllib.parse.urljoin(f"{self.scheme}://{self.ref.registry}/", location)
+        sep = "&" if urllib.parse.urlsplit(location).query else "?"
+        url = f"{location}{sep}digest={urllib.parse.quote(blob.digest)}"
+        body: Body = blob.data if blob.data is not None else blob
+        self.request(
+            "PUT", url, headers={"Content-Type": "application/octet-stream"}, body=body, ok=(201,)
+        )
+        self.uploaded.append(blob)
+        if self.progress is not None:
+            self.progress.add_file()
+
+    def put_manifest(self, reference: str, data: bytes, media_type: str) -> str:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        resp = self.request(
+            "PUT",
+            f"/v2/{self.ref.repo}/manifests/{reference}",
+            headers={"Content-Type": media_type},
+            body=data,
+            ok=(201,),
+        )
+        echoed = resp.headers.get("Docker-Content-Digest")
+        if echoed and echoed != digest:
+            raise ImageError(f"{self.where}: registry stored manifest {echoed}, we sent {digest}")
+        return digest
+
+    def get_manifest(self, reference: str, accept: str) -> bytes | None:
+        """The manifest bytes, None if the registry has no such manifest."""
+        resp = self.request(
+            "GET",
+            f"/v2/{self.ref.repo}/manifests/{reference}",
+            headers={"Accept": accept},
+            ok=(200, 404),
+        )
+        return resp.body if resp.status == 200 else None
+
+
+def _new_connection(netloc: str, scheme: str) -> http.client.HTTPConnection:
+    if scheme == "https":
+        ctx = ssl.create_default_context()
+        return http.client.HTTPSConnection(netloc, timeout=_TIMEOUT, context=ctx)
+    return http.client.HTTPConnection(netloc, timeout=_TIMEOUT)
+
+
+def _blob_blocks(blob: Blob) -> Iterator[bytes]:
+    assert blob.path is not None
+    try:
+        with open(blob.path, "rb") as f:
+            while block := f.read(_IO_BLOCK):
+                yield block
+    except OSError as e:
+        raise ImageError(f"{blob.path}: cannot read: {e.strerror}") from None
+
+
+# --- the commands -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Pushed:
+    manifest_digest: str
+    image_id: str
+    uploaded: list[Blob]
+    skipped: list[Blob]
+    trace_digest: str | None = None
+
+
+def push_bundle(
+    bundle: str,
+    reference: str,
+    *,
+    plain_http: bool = False,
+    credentials: tuple[str, str] | None = None,
+    trace: str | None = None,
+    progress: Progress | None = None,
+) -> Pushed:
+    """Verify ``bundle``, upload its blobs and tag its manifest as ``reference``; attach
+    ``trace`` (or the bundle's prefetch.trace) as a referrer."""
+    ref = parse_reference(reference)
+    progress = progress or Progress("verifying", force=False)
+    progress.phase("verifying")
+    b = verify_bundle(bundle, progress)
+    if trace is None and os.path.exists(os.path.join(b.path, trace_format.FILE_NAME)):
+        trace = os.path.join(b.path, trace_format.FILE_NAME)
+    trace_data = None
+    if trace is not None:
+        trace_data, parsed = read_trace(trace)
+        check_trace_for(trace, parsed, b.image_id)
+    manifest = bundle_manifest(b)
+    reg = Registry(ref, plain_http=plain_http, credentials=credentials, progress=progress)
+    try:
+        progress.files = progress.bytes = 0
+        progress.phase(f"pushing to {ref}")
+        for blob in [b.config, *b.layers]:
+            reg.put_blob(blob)
+        digest = reg.put_manifest(ref.tag, manifest, MT_OCI_MANIFEST)
+        subject = {"mediaType": MT_OCI_MANIFEST, "digest": digest, "size": len(manifest)}
+        trace_digest = None
+        if trace_data is not None:
+            trace_digest = _attach_trace(reg, trace_data, subject, b.image_id)
+    finally:
+        reg.close()
+    return Pushed(digest, b.image_id, reg.uploaded, reg.skipped, trace_digest)
+
+
+def push_trace(
+    trace: str,
+    reference: str,
+    *,
+    plain_http: bool = False,
+    credentials: tuple[str, str] | None = None,
+) -> tuple[str, str, str]:
+    """Attach ``trace`` to the bundle pushed as ``reference``: -> (trace manifest digest,
+    bundle manifest digest, image id)."""
+    ref = parse_reference(reference)
+    data, parsed = read_trace(trace)
+    reg = Registry(ref, plain_http=plain_http, credentials=credentials)
+    try:
+        raw = reg.get_manifest(ref.tag, MT_OCI_MANIFEST)
+        if raw is None:
+            raise ImageError(f"{ref}: no such manifest in the registry (push the bundle first)")
+        try:
+            m = json.loads(raw)
+            image_id = m["config"]["digest"]
+            artifact = m.get("artifactType")
+        except (ValueError, KeyError, TypeError):
+            raise ImageError(f"{ref}: not an OCI image manifest") from None
+        if artifact != ARTIFACT_BUNDLE:
+            raise ImageError(
+                f"{ref}: artifactType {artifact!r}, not a pushed bundle ({ARTIFACT_BUNDLE})"
+            )
+        check_trace_for(trace, parsed, image_id)
+        digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+        subject = {"mediaType": MT_OCI_MANIFEST, "digest": digest, "size": len(raw)}
+        return _attach_trace(reg, data, subject, image_id), digest, image_id
+    finally:
+        reg.close()
+
+
+def _attach_trace(reg: Registry, data: bytes, subject: dict[str, Any], image_id: str) -> str:
+    """Upload the trace artifact and list it in the subject's referrers index (tag
+    sha256-<hex>), keeping every other referrer there."""
+    trace = bytes_blob(data, MT_TRACE, trace_format.FILE_NAME)
+    empty = bytes_blob(EMPTY_CONFIG, MT_OCI_EMPTY)
+    reg.put_blob(empty)
+    reg.put_blob(trace)
+    manifest = trace_manifest(trace, empty, subject, image_id)
+    digest = reg.put_manifest(digest_ref(manifest), manifest, MT_OCI_MANIFEST)
+    tag = referrers_tag(subject["digest"])
+    old = reg.get_manifest(tag, MT_OCI_INDEX)
+    referrers: list[dict[str, Any]] = []
+    if old is not None:
+        try:
+            index = json.loads(old)
+            referrers = list(index["manifests"])
+        except (ValueError, KeyError, TypeError):
+            raise ImageError(
+                f"{reg.where}:{tag}: not an image index (referrers tag schema)"
+            ) from None
+    entry = {
+        "mediaType": MT_OCI_MANIFEST,
+        "digest": digest,
+        "size": len(manifest),
+        "artifactType": ARTIFACT_TRACE,
+        "annotations": {ANNOTATION_IMAGE_ID: image_id},
+    }
+    # the newest trace goes last (ublkd uses the last one); other referrers stay as they are
+    referrers = [r for r in referrers if not (isinstance(r, dict) and r.get("digest") == digest)]
+    referrers.append(entry)
+    index_bytes = _encode({"schemaVersion": 2, "mediaType": MT_OCI_INDEX, "manifests": referrers})
+    reg.put_manifest(tag, index_bytes, MT_OCI_INDEX)
+    return digest
+
+
+def digest_ref(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def summary(p: Pushed) -> str:
+    up = sum(b.size for b in p.uploaded)
+    return f"{len(p.uploaded)} blobs uploaded ({human_bytes(up)}), {len(p.skipped)} already there"
