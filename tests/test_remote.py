@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from servers import AccessRecord, TokenService, docker_registry, htpasswd_auth, nginx_serving
-from test_push import ok, push
+from test_push import ok, push, write_trace
 from test_ublkd import CHUNK, no_leftovers, read_file, status, status_of, ublkd
 
 from btrfs_ublk_image import blockmap as bmap
@@ -113,15 +113,16 @@ def test_http_mount_tree_one_file_fetch_and_persistent_cache(
         r = ublkd("mount", url, mnt, *FRONTEND)
         assert url in r.stdout
         try:
-            # manifest.json, meta.img and blockmap; of the packs only what mount(2)
-            # reads: device 2's superblock (one chunk)
+            # manifest.json, the optional trace (none: 404), meta.img and blockmap; of
+            # the packs only what mount(2) reads: device 2's superblock (one chunk)
             reqs = web.requests()
-            assert [r.path.rsplit("/", 1)[1] for r in reqs[:3]] == [
-                "manifest.json",
-                "meta.img",
-                "blockmap",
+            assert [(r.path.rsplit("/", 1)[1], r.status) for r in reqs[:4]] == [
+                ("manifest.json", 200),
+                ("prefetch.trace", 404),
+                ("meta.img", 200),
+                ("blockmap", 200),
             ]
-            assert pack_bytes(reqs) <= CHUNK and len(reqs) <= 4, reqs
+            assert pack_bytes(reqs) <= CHUNK and len(reqs) <= 5, reqs
             boot = [r for r in reqs if "/packs/" in r.path]
             img = cache_dir / image_hex(bundle)
             assert (img / "meta.img").read_bytes() == (bundle / "meta.img").read_bytes()
@@ -150,7 +151,7 @@ def test_http_mount_tree_one_file_fetch_and_persistent_cache(
             assert list_dir(mnt) == list_tar(tarball)
             reqs = web.requests()
             assert pack_bytes(reqs) == 0, reqs
-            assert [r.path.rsplit("/", 1)[1] for r in reqs] == ["manifest.json"]
+            assert [r.path.rsplit("/", 1)[1] for r in reqs] == ["manifest.json", "prefetch.trace"]
             st = settled_status(mnt)
             assert isinstance(st["disk_cache_hits"], int) and st["disk_cache_hits"] >= 30
             assert st["fetch_bytes"] == 0 and st["disk_cache_corrupt"] == 0
@@ -204,7 +205,11 @@ def test_https_checks_the_certificate(
         ublkd("mount", url, mnt, *FRONTEND)
         try:
             assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
-            assert all(r.status in (200, 206) for r in web.requests())
+            # (prefetch.trace: 404, there is none)
+            assert all(r.status in (200, 206, 404) for r in web.requests())
+            assert [r.path for r in web.requests() if r.status == 404] == [
+                f"/{bundle.name}/prefetch.trace"
+            ]
         finally:
             ublkd("umount", mnt)
     assert status() == []
@@ -400,10 +405,9 @@ def test_chunk_cache_is_bounded_and_rechecked_on_load(no_leftovers: Path, cache_
     bundle, tarball, files = build_served_bundle(tmp)
     data = (next((bundle / "packs").iterdir())).read_bytes()
     bm = bmap.decode((bundle / "blockmap").read_bytes())
-    chunk = data.find(files["data/victim.bin"]) // CHUNK
-    digest = bm.packs[0].chunk_digests[chunk].hex()
+    index = {d.hex(): i for i, d in enumerate(bm.packs[0].chunk_digests)}
+    where = {name: data.find(content) for name, content in files.items() if len(content) > 4096}
     chunks = cache_dir / image_hex(bundle) / "chunks"
-    entry = chunks / digest[:2] / digest
     mnt = tmp / "mnt"
     mnt.mkdir()
     limit = 6 * CHUNK
@@ -412,26 +416,89 @@ def test_chunk_cache_is_bounded_and_rechecked_on_load(no_leftovers: Path, cache_
         ublkd("mount", url, mnt, *FRONTEND, "--cache-size", str(limit))
         try:
             assert list_dir(mnt) == list_tar(tarball)  # 33 MiB through a 6 MiB cache
-            assert read_file(mnt / "data" / "victim.bin") == files["data/victim.bin"]
             st = settled_status(mnt)
             cached = sum(p.stat().st_size for p in chunks.glob("??/*"))
             assert cached == st["disk_cache_bytes"] and 0 < cached <= limit, (cached, st)
-            assert entry.exists()
         finally:
             ublkd("umount", mnt)
+        # damage a cached chunk that holds the start of a file (which one is cached
+        # depends on readahead timing)
+        starts = {at // CHUNK: name for name, at in where.items()}
+        entry, chunk, name = next(
+            (p, index[p.name], starts[index[p.name]])
+            for p in sorted(chunks.glob("??/*"))
+            if index[p.name] in starts
+        )
         raw = bytearray(entry.read_bytes())
         raw[100] ^= 1
         entry.write_bytes(bytes(raw))
-        (chunks / "tmp" / f"{digest}.1.0").write_bytes(b"torn")
+        (chunks / "tmp" / f"{entry.name}.1.0").write_bytes(b"torn")
         web.clear_log()
         ublkd("mount", url, mnt, *FRONTEND, "--cache-size", str(limit))
         try:
             assert not list((chunks / "tmp").iterdir())
-            assert read_file(mnt / "data" / "victim.bin") == files["data/victim.bin"]
+            assert read_file(mnt / name) == files[name]
             st = settled_status(mnt)
             assert st["disk_cache_corrupt"] == 1 and st["verify_failures"] == 0, st
             assert any(r.range.startswith(f"bytes={chunk * CHUNK}-") for r in web.requests())
-            assert hashlib.sha256(entry.read_bytes()).hexdigest() == digest
+            assert hashlib.sha256(entry.read_bytes()).hexdigest() == entry.name
+        finally:
+            ublkd("umount", mnt)
+    assert status() == []
+
+
+def wait_prefetch(mnt: Path) -> dict[str, object]:
+    """The mount's status once its server's prefetch is done."""
+    deadline = time.monotonic() + 60
+    while True:
+        st = status_of(mnt)
+        total, done = st["prefetch_total"], st["prefetch_done"]
+        assert isinstance(total, int) and isinstance(done, int)
+        if (total and done >= total) or time.monotonic() > deadline:
+            return settled_status(mnt)
+        time.sleep(0.1)
+
+
+def test_prefetch_trace_beside_the_manifest_and_as_a_referrer(
+    no_leftovers: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A remote bundle's trace is found where docs/remote.md says (`prefetch.trace` beside
+    the manifest's URL; for oci://, the last trace referrer of the bundle manifest) and
+    applied: the traced file is then read without any fetch."""
+    tmp = no_leftovers
+    bundle, _, files = build_served_bundle(tmp)
+    pack = next((bundle / "packs").iterdir()).read_bytes()
+    at, want = pack.find(files["data/one.bin"]), files["data/one.bin"]
+    chunks = [[0, c] for c in range(at // CHUNK, (at + len(want) - 1) // CHUNK + 1)]
+    image_id = "sha256:" + image_hex(bundle)
+    write_trace(bundle / "prefetch.trace", image_id, chunks)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    with nginx_serving(bundle.parent, tmp / "nginx") as web:
+        r = ublkd("mount", f"{web.url}/{bundle.name}/manifest.json", mnt, *FRONTEND)
+        assert f"prefetching {len(chunks)} chunks" in r.stdout, r.stdout
+        try:
+            before = wait_prefetch(mnt)
+            assert before["prefetch_done"] == len(chunks) and before["prefetch_errors"] == 0
+            web.clear_log()
+            assert read_file(mnt / "data" / "one.bin") == want
+            assert pack_bytes(web.requests()) == 0, web.requests()
+        finally:
+            ublkd("umount", mnt)
+    # the same through a registry (push attaches the bundle's prefetch.trace), cold cache
+    monkeypatch.setenv("UBLKD_CACHE_DIR", str(tmp / "cache2"))
+    with docker_registry(tmp / "registry") as reg:
+        ok(push("push", bundle, f"{reg.address}/images/traced:v1"))
+        r = ublkd("mount", f"oci://{reg.address}/images/traced:v1", mnt, *FRONTEND)
+        assert f"prefetching {len(chunks)} chunks" in r.stdout, r.stdout
+        try:
+            before = wait_prefetch(mnt)
+            assert read_file(mnt / "data" / "one.bin") == want
+            after = settled_status(mnt)
+            keys = ("fetch_requests", "prefetch_total", "prefetch_done", "prefetch_errors")
+            assert after["fetch_requests"] == before["fetch_requests"], [
+                (k, before[k], after[k]) for k in keys
+            ]
         finally:
             ublkd("umount", mnt)
     assert status() == []

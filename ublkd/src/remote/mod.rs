@@ -267,7 +267,11 @@ fn resolve(
                 Some(d) => d,
                 None => {
                     let mbytes = fetch_manifest_at(&store, url, Instant::now() + args.timeout())?;
-                    image_dir(&root, url, &mbytes, expect_id)?
+                    let dir = image_dir(&root, url, &mbytes, expect_id)?;
+                    let trace = store.url(crate::trace::FILE_NAME).map_err(|f| anyhow!("{f:?}"))?;
+                    let got = fetch_optional(store.http(), &trace, &[], args.timeout());
+                    keep_trace(&dir, &trace, got);
+                    dir
                 }
             };
             (dir, store)
@@ -285,6 +289,8 @@ fn resolve(
                     let (mbytes, config) = oci_resolve(&reg, r, args.timeout())?;
                     let dir = image_dir(&root, location, &config, expect_id)?;
                     crate::state::write_atomic(&dir.join("oci-manifest.json"), &mbytes)?;
+                    let got = oci_trace(&reg, &sha256_hex(&mbytes), args.timeout());
+                    keep_trace(&dir, &format!("{location} (referrers)"), got);
                     (dir, mbytes)
                 }
             };
@@ -326,6 +332,94 @@ fn resolve(
     })
 }
 
+/// A GET of an optional document: Ok(None) on 404.
+fn fetch_optional(
+    http: &Http,
+    url: &str,
+    headers: &[(&str, &str)],
+    timeout: Duration,
+) -> Result<Option<Vec<u8>>, String> {
+    http.retry(url, Instant::now() + timeout, |left| {
+        match http.get(url, headers, Some(left)).map_err(|e| *e) {
+            Ok(r) => read_small(url, r, &http.counters).map(Some),
+            Err(ureq::Error::Status(404, _)) => Ok(None),
+            Err(e) => Err(http::classify(url, e)),
+        }
+    })
+}
+
+/// The remote bundle's prefetch trace (docs/trace-format.md) as `prefetch.trace` in the
+/// image directory, where `mount` looks for it (and checks it); none: no file. A failed
+/// lookup only costs the prefetch.
+fn keep_trace(dir: &Path, whence: &str, got: Result<Option<Vec<u8>>, String>) {
+    let path = dir.join(crate::trace::FILE_NAME);
+    match got {
+        Ok(Some(bytes)) => {
+            if let Err(e) = crate::state::write_atomic(&path, &bytes) {
+                log::warn!("{whence}: keeping the trace: {e:#}");
+            }
+        }
+        Ok(None) => {
+            let _ = std::fs::remove_file(&path);
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&path);
+            eprintln!("ublkd: warning: prefetch trace {whence}: {e}; mounting without it");
+        }
+    }
+}
+
+/// The last trace referrer of the bundle manifest `manifest_hex`, through the OCI 1.1
+/// referrers tag schema (tag `sha256-<hex>` = an image index of referrers; docs/remote.md).
+fn oci_trace(reg: &Registry, manifest_hex: &str, timeout: Duration) -> Result<Option<Vec<u8>>, String> {
+    const INDEX: &str = "application/vnd.oci.image.index.v1+json";
+    let get = |url: &str, accept: &str| {
+        reg.http.retry(url, Instant::now() + timeout, |left| {
+            match reg.get(url, &[("Accept", accept)], Some(left)) {
+                Ok(r) => read_small(url, r, &reg.http.counters).map(Some),
+                Err(Failure::Permanent(m)) if m.contains("HTTP 404") => Ok(None),
+                Err(f) => Err(f),
+            }
+        })
+    };
+    let url = reg.url("manifests", &format!("sha256-{manifest_hex}"));
+    let Some(index) = get(&url, INDEX)? else {
+        return Ok(None);
+    };
+    let index: serde_json::Value = serde_json::from_slice(&index).map_err(|e| format!("{url}: {e}"))?;
+    let Some(desc) = index["manifests"].as_array().and_then(|m| {
+        m.iter()
+            .rfind(|d| d["artifactType"].as_str() == Some(oci::TRACE_ARTIFACT_TYPE))
+    }) else {
+        return Ok(None);
+    };
+    let digest = desc["digest"]
+        .as_str()
+        .ok_or(format!("{url}: a referrer without digest"))?;
+    let murl = reg.url("manifests", digest);
+    let m = get(&murl, oci::MANIFEST_MEDIA_TYPE)?.ok_or(format!("{murl}: HTTP 404"))?;
+    if format!("sha256:{}", sha256_hex(&m)) != digest {
+        return Err(format!("{murl}: the manifest does not match its digest"));
+    }
+    let m: serde_json::Value = serde_json::from_slice(&m).map_err(|e| format!("{murl}: {e}"))?;
+    if m["subject"]["digest"].as_str() != Some(&format!("sha256:{manifest_hex}")) {
+        return Err(format!("{murl}: its subject is not the bundle's manifest"));
+    }
+    let layer = &m["layers"][0];
+    let (Some(ldigest), Some(size @ ..=SMALL_MAX)) = (layer["digest"].as_str(), layer["size"].as_u64()) else {
+        return Err(format!("{murl}: no trace layer (of at most {SMALL_MAX} bytes)"));
+    };
+    let burl = reg.url("blobs", ldigest);
+    let bytes = reg.http.retry(&burl, Instant::now() + timeout, |left| {
+        let r = reg.get(&burl, &[], Some(left))?;
+        read_body(&burl, r, size, &reg.http.counters)
+    })?;
+    if format!("sha256:{}", sha256_hex(&bytes)) != ldigest {
+        return Err(format!("{burl}: the trace does not match its digest"));
+    }
+    Ok(Some(bytes))
+}
+
 /// GET the manifest by its own URL (its name on the server may differ from manifest.json).
 fn fetch_manifest_at(store: &Store, url: &str, deadline: Instant) -> Result<Vec<u8>> {
     let http = store.http();
@@ -336,10 +430,13 @@ fn fetch_manifest_at(store: &Store, url: &str, deadline: Instant) -> Result<Vec<
     .map_err(|m| anyhow!(m))
 }
 
-/// A small JSON document (manifest.json, an OCI manifest, a config blob): at most 16 MiB.
+/// Bound of a JSON document fetched whole (manifests, a config blob, a trace).
+const SMALL_MAX: u64 = 64 << 20;
+
+/// A small JSON document (manifest.json, an OCI manifest, a trace): at most [`SMALL_MAX`].
 fn read_small(url: &str, r: ureq::Response, counters: &Counters) -> Result<Vec<u8>, Failure> {
     let mut buf = Vec::new();
-    let res = r.into_reader().take(16 << 20).read_to_end(&mut buf);
+    let res = r.into_reader().take(SMALL_MAX).read_to_end(&mut buf);
     Counters::add(&counters.fetch_bytes, buf.len() as u64);
     res.map_err(|e| Failure::Transient(format!("{url}: reading the body: {e}")))?;
     Ok(buf)
@@ -518,6 +615,11 @@ fn oci_resolve(reg: &Registry, r: &Reference, timeout: Duration) -> Result<(Vec<
         ensure!(got == r.reference, "{url}: the manifest's digest is {got}");
     }
     let m = parse_oci_manifest(&location, &mbytes)?;
+    ensure!(
+        m.config.size <= SMALL_MAX,
+        "{location}: config blob of {} bytes (a manifest.json is far smaller)",
+        m.config.size
+    );
     let curl = reg.url("blobs", &m.config.digest);
     let config = reg
         .http

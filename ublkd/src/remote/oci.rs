@@ -13,6 +13,7 @@ pub const MANIFEST_MEDIA_TYPE: &str = "application/vnd.oci.image.manifest.v1+jso
 pub const ARTIFACT_TYPE: &str = "application/vnd.btrfs-ublk-image.bundle.v1";
 pub const CONFIG_MEDIA_TYPE: &str = "application/vnd.btrfs-ublk-image.manifest.v1+json";
 pub const TITLE: &str = "org.opencontainers.image.title";
+pub const TRACE_ARTIFACT_TYPE: &str = "application/vnd.btrfs-ublk-image.trace.v1";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reference {
