@@ -19,6 +19,7 @@ import pytest
 from test_build_tar import make_tarball
 
 from btrfs_ublk_image import blockmap as bmap
+from btrfs_ublk_image import trace
 from btrfs_ublk_image.cli import main as cli
 from btrfs_ublk_image.listing import format_listing, load
 from btrfs_ublk_image.push import verify_bundle
@@ -26,6 +27,7 @@ from btrfs_ublk_image.push import verify_bundle
 from bundletools import dmesg_btrfs_problems, dmesg_len, list_dir, list_tar, mounted_bundle, run
 
 SPARSE_SIZE = 3 * 1024 * 1024 + 5
+CHUNK = 1 << 20
 
 
 def build(
@@ -206,3 +208,22 @@ def test_in_place_kernel_mount_identical(tmp_path: Path) -> None:
     assert dmesg_btrfs_problems(before, m.loops) == []
     physical = [f.splitlines()[3].split()[3] for f in fiemap]
     assert physical[0] == physical[1], fiemap
+
+
+@pytest.mark.unit
+def test_in_place_prefetch_trace_points_into_the_tarball(tmp_path: Path) -> None:
+    tarball = tmp_path / "rootfs.tar"
+    make_tarball(tarball)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "version: 1\nname: t\nprefetch: [/big]\n"
+        "layers:\n  - tar: {path: rootfs.tar, in_place: true}\n"
+    )
+    bundle = tmp_path / "bundle"
+    assert cli(["build", str(spec), "-o", str(bundle)]) == 0
+    got = trace.read(str(bundle / trace.FILE_NAME))
+    trace.check_for_bundle(got, manifest(bundle), got.image_id, "prefetch.trace")
+    with tarfile.open(tarball) as tf:
+        big = tf.getmember("big")
+    first, last = big.offset_data // CHUNK, (big.offset_data + big.size - 1) // CHUNK
+    assert list(got.chunks) == [(1, c) for c in range(first, last + 1)]
