@@ -16,7 +16,9 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from servers import docker_registry
 from test_build_tar import make_tarball
+from test_push import ok, push, skopeo
 
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image import trace
@@ -227,3 +229,26 @@ def test_in_place_prefetch_trace_points_into_the_tarball(tmp_path: Path) -> None
         big = tf.getmember("big")
     first, last = big.offset_data // CHUNK, (big.offset_data + big.size - 1) // CHUNK
     assert list(got.chunks) == [(1, c) for c in range(first, last + 1)]
+
+
+@pytest.mark.unit
+def test_in_place_bundle_pushes(tmp_path: Path) -> None:
+    """push uploads the tarball pack like any pack; skopeo copies back the same bytes."""
+    tarball = tmp_path / "rootfs.tar"
+    make_tarball(tarball)
+    bundle = build(tmp_path, tarball, "bundle", True)
+    with docker_registry(tmp_path / "registry") as reg:
+        ref = f"{reg.address}/images/inplace:v1"
+        ok(push("push", bundle, ref))
+        layout = tmp_path / "layout"
+        c = skopeo("copy", "--src-tls-verify=false", f"docker://{ref}", f"oci:{layout}:v1")
+        assert c.returncode == 0, c.stderr
+    index = json.loads((layout / "index.json").read_text())
+    digest = index["manifests"][0]["digest"].split(":")[1]
+    m = json.loads((layout / "blobs" / "sha256" / digest).read_bytes())
+    titles = {d["annotations"]["org.opencontainers.image.title"]: d for d in m["layers"]}
+    for pack in pack_paths(bundle):
+        d = titles[str(pack.relative_to(bundle))]
+        blob = layout / "blobs" / "sha256" / d["digest"].split(":")[1]
+        assert blob.read_bytes() == pack.read_bytes()
+    assert pack.read_bytes() == tarball.read_bytes()  # the last pack: the tarball
