@@ -252,3 +252,18 @@ def test_in_place_bundle_pushes(tmp_path: Path) -> None:
         blob = layout / "blobs" / "sha256" / d["digest"].split(":")[1]
         assert blob.read_bytes() == pack.read_bytes()
     assert pack.read_bytes() == tarball.read_bytes()  # the last pack: the tarball
+
+
+@pytest.mark.unit
+def test_in_place_truncated_tarball_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tarball = tmp_path / "rootfs.tar"
+    make_tarball(tarball)
+    data = tarball.read_bytes()
+    tarball.write_bytes(data[: len(data) // 2])
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("version: 1\nname: t\nlayers:\n  - tar: {path: rootfs.tar, in_place: true}\n")
+    assert cli(["build", str(spec), "-o", str(tmp_path / "out")]) == 1
+    assert f"{tarball}: " in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rootfs.tar", "spec.yaml"]
