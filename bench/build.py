@@ -6,7 +6,8 @@ Run as ``bench/run [--quick] [--json OUT] [--workdir DIR] [--repeat N] [--profil
 
 * ours: ``btrfs-ublk-image build spec.yaml -o OUT`` on a spec with one tar layer;
 * ours, tar in place: the same with ``in_place: true`` on the tar layer (the tarball
-  becomes a pack of the bundle: a reflink, or a copy on filesystems without them);
+  becomes a pack of the bundle: a reflink, or a copy on filesystems without them), in
+  the work directory and (root) on a loop-mounted btrfs, where the copy is a reflink;
 * the baseline: ``tar -xf`` into a directory, then ``mkfs.btrfs --rootdir`` on it;
 * peers on the extracted tree (when installed): ``mksquashfs`` and ``mkfs.erofs``,
   both uncompressed; and ``mksquashfs -tar`` straight from the tarball.
