@@ -12,6 +12,7 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image import trace
 from btrfs_ublk_image.cli import main as cli
 from btrfs_ublk_image.listing import format_listing, load
+from btrfs_ublk_image.packs import InPlacePack, PackWriter
 from btrfs_ublk_image.push import verify_bundle
 
 from bundletools import dmesg_btrfs_problems, dmesg_len, list_dir, list_tar, mounted_bundle, run
@@ -267,3 +269,49 @@ def test_in_place_truncated_tarball_leaves_nothing(
     assert cli(["build", str(spec), "-o", str(tmp_path / "out")]) == 1
     assert f"{tarball}: " in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rootfs.tar", "spec.yaml"]
+
+
+def _read_all(pack: InPlacePack) -> bytes:
+    out = []
+    while piece := pack.read(300_000):
+        out.append(piece)
+    return b"".join(out)
+
+
+@pytest.mark.root
+def test_in_place_copy_methods(tmp_path: Path) -> None:
+    """A reflink on btrfs (shared extents), copy_file_range on one ext4/tmpfs, a plain copy
+    when the kernel refuses copy_file_range across filesystems: the same bytes each time."""
+    data = os.urandom(5 * CHUNK + 123)
+    img, btrfs, tmpfs = tmp_path / "btrfs.img", tmp_path / "btrfs", tmp_path / "tmpfs"
+    with open(img, "wb") as f:
+        f.truncate(512 << 20)
+    run("mkfs.btrfs", "-q", "-f", img)
+    btrfs.mkdir()
+    tmpfs.mkdir()
+    run("mount", "-o", "loop", img, btrfs)
+    try:
+        run("mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", tmpfs)
+        try:
+            cases = [(btrfs, btrfs, "reflink"), (tmpfs, tmpfs, "copy_file_range")]
+            cases.append((tmpfs, tmp_path, "read/write"))  # across filesystems: EXDEV
+            for src_dir, out_dir, method in cases:
+                src = src_dir / "src.tar"
+                src.write_bytes(data)
+                packs = out_dir / "packs"
+                packs.mkdir()
+                writer = PackWriter(str(packs), keep_inline=0)
+                pack = writer.open_in_place(str(src))
+                assert _read_all(pack) == data
+                assert pack.method == method, (src_dir, out_dir)
+                pack.complete([], len(data))
+                writer.abort()
+                copy = packs / f"in-place-{pack.index}.tmp"
+                assert copy.read_bytes() == data
+                if method == "reflink":
+                    assert "shared" in run("filefrag", "-v", copy).stdout
+                shutil.rmtree(packs)
+        finally:
+            run("umount", tmpfs)
+    finally:
+        run("umount", btrfs)
