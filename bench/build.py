@@ -5,6 +5,9 @@ Run as ``bench/run [--quick] [--json OUT] [--workdir DIR] [--repeat N] [--profil
 (bench/inputs.py), each of:
 
 * ours: ``btrfs-ublk-image build spec.yaml -o OUT`` on a spec with one tar layer;
+* ours, tar in place: the same with ``in_place: true`` on the tar layer (the tarball
+  becomes a pack of the bundle: a reflink, or a copy on filesystems without them), in
+  the work directory and (root) on a loop-mounted btrfs, where the copy is a reflink;
 * the baseline: ``tar -xf`` into a directory, then ``mkfs.btrfs --rootdir`` on it;
 * peers on the extracted tree (when installed): ``mksquashfs`` and ``mkfs.erofs``,
   both uncompressed; and ``mksquashfs -tar`` straight from the tarball.
@@ -20,12 +23,14 @@ A benchmark, not a test: it fails only when a command fails, never on speed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import pstats
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +57,7 @@ DEFAULT_WORKDIR = Path("/var/tmp/btrfs-ublk-image-bench")
 FULL = inp.InputParams(files=100_000, large_bytes=2 << 30, large_count=4)
 QUICK = inp.InputParams(files=10_000, large_bytes=256 << 20, large_count=4)
 GiB = 1 << 30
+IN_PLACE_SPEC = "spec-in-place.yaml"  # written into scratch: the input's spec, tar in place
 SECTIONS = ("build", "mount", "randread", "laziness", "vm", "remote")
 
 
@@ -67,6 +73,7 @@ class Step:
     stdin_tar: bool = False
     presize: bool = False  # create the output file sparse first (mkfs.btrfs)
     cold: bool = False  # drop caches before it
+    reflink_fs: bool = False  # input copy and output on a loop-mounted btrfs (reflinks work)
 
 
 def _steps() -> list[Step]:
@@ -78,6 +85,28 @@ def _steps() -> list[Step]:
             "ours.bundle",
             lambda tar, spec, tree, out: [py, "-m", "btrfs_ublk_image", "build", str(spec), "-o", str(out)],
             cold=True,
+        ),
+        Step(
+            "ours_in_place",
+            "**ours, tar in place**",
+            "ours-in-place.bundle",
+            lambda tar, spec, tree, out: [
+                py, "-m", "btrfs_ublk_image", "build", str(out.parent / IN_PLACE_SPEC),
+                "-o", str(out),
+            ],
+            cold=True,
+        ),
+        Step(
+            "ours_in_place_reflink",
+            "**ours, tar in place, reflink** (on a loop-mounted btrfs)",
+            "ours-in-place.bundle",
+            lambda tar, spec, tree, out: [
+                py, "-m", "btrfs_ublk_image", "build", str(out.parent / IN_PLACE_SPEC),
+                "-o", str(out),
+            ],
+            needs="mkfs.btrfs",
+            cold=True,
+            reflink_fs=True,
         ),
         Step(
             "tar_x",
@@ -196,12 +225,45 @@ def _measure(
     _log(f"  {step.name}: {sample.wall_s:.2f} s, peak RSS {sample.maxrss_kib / 1024:.0f} MiB")
 
 
+def _in_place_spec(directory: Path, tar: Path) -> None:
+    (directory / IN_PLACE_SPEC).write_text(
+        f"version: 1\nname: bench\nlayers:\n  - tar: {{path: {tar}, in_place: true}}\n"
+    )
+
+
+@contextlib.contextmanager
+def _reflink_fs(workdir: Path, data: inp.Inputs) -> Iterator[Path]:
+    """A btrfs on a loop device (this host's work filesystem, ext4, has no reflinks)
+    holding a copy of the input tarball (untimed), for the reflink row. Torn down after."""
+    img = workdir / "reflinkfs.img"
+    mnt = workdir / "reflinkfs"
+    remove(img)
+    mnt.mkdir(exist_ok=True)
+    with open(img, "wb") as f:
+        f.truncate(data.tar.stat().st_size * 2 + 8 * GiB)
+    mounted = False
+    try:
+        subprocess.run(["mkfs.btrfs", "-q", "-f", str(img)], check=True, capture_output=True)
+        subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], check=True)
+        mounted = True
+        tar = mnt / "input.tar"
+        shutil.copyfile(data.tar, tar)
+        _in_place_spec(mnt, tar)
+        yield mnt
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(mnt)], check=False)
+        remove(img)
+        mnt.rmdir()
+
+
 def run_build(
     data: inp.Inputs, workdir: Path, repeats: int, peers: bool
 ) -> tuple[list[Result], dict[str, str]]:
     scratch = workdir / "scratch"
     remove(scratch)
     scratch.mkdir(parents=True)
+    _in_place_spec(scratch, data.tar)
     log = workdir / "bench.log"
     log.write_bytes(b"")
     tree = scratch / "tree"
@@ -216,8 +278,16 @@ def run_build(
         if s.name == "mksquashfs_tar" and not _supports_squashfs_tar():
             skipped[s.name] = "mksquashfs has no -tar"
             continue
+        if s.reflink_fs and os.geteuid() != 0:
+            skipped[s.name] = "mounting a loop device needs root"
+            continue
         steps.append(s)
     results = {s.name: Result(s.name, s.label, []) for s in steps}
+    stack = contextlib.ExitStack()
+    reflink_scratch = scratch
+    if any(s.reflink_fs for s in steps):
+        _log("creating a loop-mounted btrfs for the reflink row (untimed) ...")
+        reflink_scratch = stack.enter_context(_reflink_fs(workdir, data))
     try:
         for i in range(repeats):
             _log(f"repeat {i + 1}/{repeats}")
@@ -232,9 +302,10 @@ def run_build(
                 if needs_tree and (results["tar_x"].error or not tree.is_dir()):
                     res.error = "tar -x failed"
                     continue
-                _measure(s, res, data, scratch, tree, log)
+                _measure(s, res, data, reflink_scratch if s.reflink_fs else scratch, tree, log)
             remove(tree)
     finally:
+        stack.close()
         remove(scratch)
     out = [results[s.name] for s in steps]
     if "tar_x" in results:
@@ -480,14 +551,17 @@ def _emit_build(doc: dict[str, Any], results: list[Result], args: argparse.Names
     for name, why in b.get("skipped", {}).items():
         print(f"skipped {name}: {why}")
     by = {r.name: r for r in results}
-    ours, base = by.get("ours"), by.get("tar_x+mkfs_btrfs")
-    if ours is not None and base is not None and ours.ok and base.ok:
+    base = by.get("tar_x+mkfs_btrfs")
+    for name in ("ours", "ours_in_place", "ours_in_place_reflink"):
+        ours = by.get(name)
+        if ours is None or base is None or not ours.ok or not base.ok:
+            continue
         for what, x in (
             ("median wall", base.wall_median / ours.wall_median),
             ("median wall + sync", base.synced_median / ours.synced_median),
         ):
             verdict = f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
-            print(f"ours vs baseline (tar -x + mkfs.btrfs --rootdir): {verdict} ({what})")
+            print(f"{name} vs baseline (tar -x + mkfs.btrfs --rootdir): {verdict} ({what})")
     if "profile" in b:
         _print_profile(b["profile"])
     if args.update_docs:

@@ -15,34 +15,62 @@ class BackgroundSha256:
 
     Updates are applied in order; ``digest`` waits for the queued ones. At most
     ``depth`` buffers wait, so memory stays bounded when the hasher falls behind.
+
+    With ``chunk_size``, the same pass also digests every ``chunk_size`` bytes of the
+    stream on their own (``chunk_digests``; the last chunk may be short): the chunk
+    digests of a pack that is the hashed file itself (a tarball used in place).
     """
 
-    def __init__(self, depth: int = 8) -> None:
+    def __init__(self, depth: int = 8, chunk_size: int | None = None) -> None:
         self._hash = hashlib.sha256()
         self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
         self._thread: threading.Thread | None = None
         self._done: hashlib._Hash | None = None
+        self._chunk_size = chunk_size
+        self._chunk = hashlib.sha256()
+        self._chunk_fill = 0  # bytes in the current chunk
+        self._chunk_digests: list[bytes] = []
 
     def update(self, data: bytes) -> None:
         if self._done is not None:
             raise ValueError("update after digest")
         if len(data) < _SMALL and self._thread is None:
-            self._hash.update(data)
+            self._apply(data)
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="sha256", daemon=True)
             self._thread.start()
         self._queue.put(bytes(data))
 
+    def _apply(self, data: bytes) -> None:
+        self._hash.update(data)
+        size = self._chunk_size
+        if size is None:
+            return
+        view = memoryview(data)
+        pos = 0
+        while pos < len(view):
+            take = min(size - self._chunk_fill, len(view) - pos)
+            self._chunk.update(view[pos : pos + take])
+            self._chunk_fill += take
+            pos += take
+            if self._chunk_fill == size:
+                self._chunk_digests.append(self._chunk.digest())
+                self._chunk = hashlib.sha256()
+                self._chunk_fill = 0
+
     def _run(self) -> None:
         while (data := self._queue.get()) is not None:
-            self._hash.update(data)
+            self._apply(data)
 
     def _finish(self) -> hashlib._Hash:
         if self._done is None:
             if self._thread is not None:
                 self._queue.put(None)
                 self._thread.join()
+            if self._chunk_fill:
+                self._chunk_digests.append(self._chunk.digest())
+                self._chunk_fill = 0
             self._done = self._hash
         return self._done
 
@@ -51,3 +79,10 @@ class BackgroundSha256:
 
     def hexdigest(self) -> str:
         return self._finish().hexdigest()
+
+    def chunk_digests(self) -> list[bytes]:
+        """sha256 of each ``chunk_size`` bytes of what was hashed (needs ``chunk_size``)."""
+        if self._chunk_size is None:
+            raise ValueError("no chunk_size: chunk digests were not computed")
+        self._finish()
+        return self._chunk_digests

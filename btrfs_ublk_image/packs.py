@@ -13,10 +13,22 @@ rollback can touch it).
 
 A pack's id is sha256 over its chunk digests, so verifying every chunk verifies
 the pack; the file is stored as ``packs/<id hex>``.
+
+In-place packs (``open_in_place``): an uncompressed tarball is a pack as it is. Its
+copy in ``packs/`` is a reflink (``FICLONE``: no byte written) where the filesystem
+can, else it is copied with ``copy_file_range`` as the source reads it; the source
+reads the COPY, so what is hashed is exactly what the bundle holds, whatever happens
+to the original later. A regular member's data is then referenced where it lies
+(``put_in_place``): nothing is written. The tarball's reader computes the pack's
+chunk digests in the same pass as its source digest (``hashing.BackgroundSha256``).
+Pack 0 is always the written pack (it holds at least device 2's superblock); the
+in-place packs follow in the order the sources opened them.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
 import queue
@@ -31,6 +43,10 @@ from btrfs_ublk_image.tree import Blob, Content
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 COPY_BUFFER = 1 << 20
+FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+IN_PLACE_COPY_STEP = 8 << 20  # bytes copied ahead of the reader when reflinks are unavailable
+# errors of FICLONE / copy_file_range that mean "not here", not "broken"
+_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS}
 
 
 class Progress(Protocol):
@@ -75,6 +91,8 @@ class PackWriter:
         self._submitted = 0  # chunks handed to the hasher (all of them final)
         self.bytes_in = 0  # content bytes offered, before dedup
         self.bytes_deduped = 0
+        self.bytes_in_place = 0  # unique content referenced in in-place packs (not written)
+        self._in_place: list[InPlacePack] = []
 
     def put_bytes(self, data: bytes) -> Content:
         if len(data) <= self.keep_inline:
@@ -91,6 +109,40 @@ class PackWriter:
             self.bytes_in += size
             return data
         return self._append_checked(_Reader(src, size, where), size, where)
+
+    def open_in_place(self, src_path: str) -> InPlacePack:
+        """A source file that becomes a pack as it is; read it through the returned object."""
+        index = 1 + len(self._in_place)
+        pack = InPlacePack(index, src_path, os.path.join(self.directory, f"in-place-{index}.tmp"))
+        self._in_place.append(pack)
+        return pack
+
+    def put_in_place(
+        self, pack: InPlacePack, src: BinaryIO, offset: int, size: int, where: str
+    ) -> Content:
+        """Read ``size`` bytes from ``src``: they are pack ``pack``'s bytes at ``offset``.
+        Referenced there (or kept inline when small, or an earlier copy): nothing is written."""
+        if size <= self.keep_inline:
+            return self.put_stream(src, size, where)
+        crc = 0
+        got = 0
+        for piece in _Reader(src, size, where):
+            crc = crc32c.crc32c(piece, crc)
+            got += len(piece)
+            if self.progress is not None:
+                self.progress.add_bytes(len(piece))
+        if got != size:
+            raise SourceError(f"{where}: truncated: expected {size} bytes, got {got}")
+        self.bytes_in += size
+        key = (crc, size)
+        for old in self._by_key.get(key, ()):
+            if self._same_bytes(old.pack, old.offset, pack.index, offset, size):
+                self.bytes_deduped += size
+                return old
+        blob = Blob(crc32c=crc, size=size, pack=pack.index, offset=offset)
+        self._by_key.setdefault(key, []).append(blob)
+        self.bytes_in_place += size
+        return blob
 
     def put_pack_tail(self, data: bytes) -> Blob:
         """Append bytes that must live in the pack whatever their size (device 2's superblock)."""
@@ -116,7 +168,7 @@ class PackWriter:
         key = (crc, size)
         if dedupe:
             for old in self._by_key.get(key, ()):
-                if self._same_bytes(old.offset, start, size):
+                if self._same_bytes(old.pack, old.offset, 0, start, size):
                     # identical content already packed: roll the pack back to where it was
                     self._file.truncate(start)
                     self._file.seek(start)
@@ -137,14 +189,19 @@ class PackWriter:
             self._hasher.submit(index * self.chunk_size)
         self._submitted = upto
 
-    def _same_bytes(self, a: int, b: int, size: int) -> bool:
-        """Compare two ranges of the pack (just written: in the page cache)."""
-        self._file.flush()
-        fd = self._file.fileno()
+    def _fd(self, pack: int) -> int:
+        if pack == 0:
+            self._file.flush()
+            return self._file.fileno()
+        return self._in_place[pack - 1].fd
+
+    def _same_bytes(self, pack_a: int, a: int, pack_b: int, b: int, size: int) -> bool:
+        """Compare two ranges of packs (just written or read: in the page cache)."""
+        fd_a, fd_b = self._fd(pack_a), self._fd(pack_b)
         done = 0
         while done < size:
             n = min(COPY_BUFFER, size - done)
-            if os.pread(fd, n, a + done) != os.pread(fd, n, b + done):
+            if os.pread(fd_a, n, a + done) != os.pread(fd_b, n, b + done):
                 return False
             done += n
         return True
@@ -154,23 +211,117 @@ class PackWriter:
         self._size += len(data)
 
     def finish(self) -> list[PackInfo]:
-        """Close the pack and name it by its id. Returns [] when nothing was packed."""
+        """Close the packs and name them by their ids, in pack-index order. Returns [] when
+        nothing was packed."""
         self._submit(-(-self._size // self.chunk_size))  # the last chunk may be short
         digests = self._hasher.finish()
         os.fsync(self._file.fileno())
         self._file.close()
-        if self._size == 0:
+        if self._size == 0 and not self._in_place:
             os.unlink(self._path)
             return []
-        pack_id = hashlib.sha256(b"".join(digests)).digest()
-        final = os.path.join(self.directory, pack_id.hex())
-        os.rename(self._path, final)
-        return [PackInfo(pack_id, self._size, digests, final)]
+        if self._size == 0:  # pragma: no cover - write_bundle always packs device 2's superblock
+            raise AssertionError("in-place packs need pack 0")
+        infos = [_name_pack(self._path, self.directory, self._size, digests)]
+        for pack in self._in_place:
+            infos.append(pack.finish(self.directory))
+        return infos
 
     def abort(self) -> None:
         self._hasher.stop()
         if not self._file.closed:
             self._file.close()
+        for pack in self._in_place:
+            pack.close()
+
+
+def _name_pack(path: str, directory: str, size: int, digests: list[bytes]) -> PackInfo:
+    """Rename a finished pack file to its id (an identical pack already there: the same bytes)."""
+    pack_id = hashlib.sha256(b"".join(digests)).digest()
+    final = os.path.join(directory, pack_id.hex())
+    os.rename(path, final)
+    return PackInfo(pack_id, size, digests, final)
+
+
+class InPlacePack:
+    """A copy of a source file in ``packs/`` that the source reads (``read``): a reflink, or
+    ``copy_file_range`` of each piece just before it is read (then a plain copy when even
+    that fails, e.g. across filesystems on older kernels)."""
+
+    def __init__(self, index: int, src_path: str, path: str) -> None:
+        self.index = index
+        self.src_path = src_path
+        self.path = path
+        self.src_fd = os.open(src_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except BaseException:
+            os.close(self.src_fd)
+            raise
+        self.size: int | None = None  # known once the copy is complete
+        self.digests: list[bytes] | None = None
+        self.method = "reflink"
+        self._copied = 0  # bytes of the source present in the copy
+        self._pos = 0  # read position in the copy
+        try:
+            fcntl.ioctl(self.fd, FICLONE, self.src_fd)
+            self.size = self._copied = os.fstat(self.fd).st_size
+        except OSError as e:
+            if e.errno not in _UNSUPPORTED:
+                self.close()
+                raise
+            self.method = "copy_file_range"
+
+    def read(self, n: int = -1, /) -> bytes:
+        if n < 0:
+            n = 1 << 62
+        want = self._pos + n
+        while self.size is None and self._copied < want:
+            self._copy_more(max(IN_PLACE_COPY_STEP, min(n, 1 << 30)))
+        data = os.pread(self.fd, min(n, self._copied - self._pos), self._pos)
+        self._pos += len(data)
+        return data
+
+    def _copy_more(self, n: int) -> None:
+        """Copy up to ``n`` more source bytes into the copy; at the source's end, fix its size."""
+        done = 0
+        if self.method == "copy_file_range":
+            try:
+                done = os.copy_file_range(self.src_fd, self.fd, n, self._copied, self._copied)
+            except OSError as e:
+                if e.errno not in _UNSUPPORTED:
+                    raise
+                self.method = "read/write"
+        if self.method == "read/write":
+            data = os.pread(self.src_fd, min(n, COPY_BUFFER), self._copied)
+            view = memoryview(data)
+            while done < len(data):
+                done += os.pwrite(self.fd, view[done:], self._copied + done)
+        if done == 0:
+            self.size = self._copied
+        self._copied += done
+
+    def complete(self, digests: list[bytes], nbytes: int) -> None:
+        """The source has read the whole copy (``nbytes``) and digested its chunks."""
+        if self.size is None or nbytes != self.size or os.fstat(self.fd).st_size != self.size:
+            raise SourceError(
+                f"{self.src_path}: read {nbytes} bytes, the in-place copy holds"
+                f" {os.fstat(self.fd).st_size} (did the file change during the build?)"
+            )
+        self.digests = digests
+
+    def finish(self, directory: str) -> PackInfo:
+        if self.digests is None or self.size is None:
+            raise AssertionError(f"{self.src_path}: in-place pack not completed")
+        os.fsync(self.fd)
+        self.close()
+        return _name_pack(self.path, directory, self.size, self.digests)
+
+    def close(self) -> None:
+        for fd in (self.src_fd, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self.src_fd = self.fd = -1
 
 
 class _ChunkHasher:

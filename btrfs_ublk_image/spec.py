@@ -202,6 +202,13 @@ class TarSource(_TreeOptions):
         description="Drop this many leading components from member names (and hard link"
         " targets); members with no name left are skipped",
     )
+    in_place: StrictBool = Field(
+        False,
+        description="Use the tarball itself as a pack of the bundle (uncompressed tarballs"
+        " only): member data is referenced where it lies instead of copied. The bundle's"
+        " copy of the tarball is a reflink where the filesystem supports it, else a full"
+        " copy; its headers and small (inline) files stay in the pack unused",
+    )
 
 
 class TarLayer(_Model):

@@ -20,3 +20,22 @@ def test_background_sha256_matches_hashlib() -> None:
     assert h.digest() == hashlib.sha256(b"".join(pieces)).digest()
     with pytest.raises(ValueError):
         h.update(b"late")
+
+
+@pytest.mark.unit
+def test_background_sha256_chunk_digests_in_the_same_pass() -> None:
+    chunk = 1 << 16
+    pieces = [os.urandom(n) for n in (1, 100, 70_000, 1 << 20, 5, chunk, 3 * chunk + 7)]
+    data = b"".join(pieces)
+    h = BackgroundSha256(depth=2, chunk_size=chunk)
+    for p in pieces:
+        h.update(p)
+    assert h.digest() == hashlib.sha256(data).digest()
+    want = [hashlib.sha256(data[i : i + chunk]).digest() for i in range(0, len(data), chunk)]
+    assert h.chunk_digests() == want
+    assert len(want[-1]) == 32 and len(data) % chunk != 0  # the short last chunk is digested
+    exact = BackgroundSha256(chunk_size=chunk)
+    exact.update(bytes(2 * chunk))
+    assert exact.chunk_digests() == [hashlib.sha256(bytes(chunk)).digest()] * 2
+    with pytest.raises(ValueError):
+        BackgroundSha256().chunk_digests()

@@ -6,6 +6,13 @@ costs no second read), then a decompressor, then our forward-only tar reader
 (``tarheader``: ustar, GNU long names and sparse files, PAX headers), which hands
 each member's data straight to the pack writer.
 
+With ``in_place: true`` (uncompressed tarballs only) the tarball itself becomes a
+pack of the bundle (``packs.PackWriter.open_in_place``): the source reads the
+bundle's copy (a reflink where possible), the same pass digests its pack chunks
+beside the source digest, and each regular member's data is referenced at its
+offset in the tarball instead of being written (GNU sparse members are still
+copied: their data is not one contiguous range).
+
 Strictness: a corrupt header or a missing end-of-archive marker is an error (tar
 tools often stop there silently), and so is a truncated zstd stream
 (``zstandard``'s stream reader stops quietly).
@@ -16,6 +23,7 @@ from __future__ import annotations
 import base64
 import binascii
 import bz2
+import dataclasses
 import gzip
 import hashlib
 import lzma
@@ -31,6 +39,7 @@ import zstandard
 
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.hashing import BackgroundSha256
+from btrfs_ublk_image.packs import InPlacePack
 from btrfs_ublk_image.sources.base import WHITEOUT, LayerContext, SourceRecord
 from btrfs_ublk_image.sources.globs import normalize, selector
 from btrfs_ublk_image.sources.tarheader import (
@@ -92,10 +101,12 @@ class _HashingReader:
 
     mode = "rb"
 
-    def __init__(self, f: _Readable, path: Path | str) -> None:
+    def __init__(self, f: _Readable, path: Path | str, chunk_size: int | None = None) -> None:
         self.f = f
         self.path = path
-        self.hash = BackgroundSha256()  # on the second core, while the main thread parses
+        # on the second core, while the main thread parses; with chunk_size (a tarball used
+        # in place as a pack) its pack chunk digests too, in the same pass
+        self.hash = BackgroundSha256(chunk_size=chunk_size)
         self.nbytes = 0
         self._head = b""
 
@@ -278,7 +289,16 @@ def apply(layer: TarLayer, ctx: LayerContext) -> SourceRecord:
         gid=src.gid,
     )
     with f:
-        digest = read_tar(f, tar_path, ctx, opts).raw
+        if src.in_place:
+            kind = _in_place_kind(f, tar_path)
+            if kind == "none":
+                pack = ctx.packs.open_in_place(str(tar_path))
+                opts = dataclasses.replace(opts, in_place=pack)
+                digest = read_tar(pack, tar_path, ctx, opts).raw
+            else:  # not a tar archive at all: read_tar says what it is
+                digest = read_tar(f, tar_path, ctx, opts).raw
+        else:
+            digest = read_tar(f, tar_path, ctx, opts).raw
     if src.sha256 is not None:
         want = src.sha256.removeprefix("sha256:")
         if digest != "sha256:" + want:
@@ -286,6 +306,23 @@ def apply(layer: TarLayer, ctx: LayerContext) -> SourceRecord:
                 f"{tar_path}: sha256 mismatch: the spec pins {want}, the file is {digest[7:]}"
             )
     return SourceRecord(kind="tar", path=src.path, sha256=digest)
+
+
+def _in_place_kind(f: _Readable, tar_path: Path | str) -> str | None:
+    """The compression of a tarball wanted in place; refused unless it is none (a pack must
+    hold the content bytes as they are). Rewinds ``f``."""
+    try:
+        head = f.read(BLOCK)
+        cast(BinaryIO, f).seek(0)
+    except OSError as e:
+        raise SourceError(f"{tar_path}: read error: {e.strerror or e}") from None
+    kind = detect_compression(head)
+    if kind is not None and kind != "none":
+        raise SourceError(
+            f"{tar_path}: in_place needs an uncompressed tarball, this one is"
+            f" {kind}-compressed (decompress it first, or drop in_place)"
+        )
+    return kind
 
 
 Renamer = Callable[[bytes], "bytes | None"]
@@ -305,6 +342,8 @@ class TarOptions:
     # end-of-archive blocks (umoci 0.4's `insert` writes such layers; Go's reader takes
     # them). Only for OCI layers, whose diff_id proves the stream is what its author wrote.
     lenient_end: bool = False
+    # the tarball read is this in-place pack (uncompressed): regular members are referenced
+    in_place: InPlacePack | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +378,8 @@ def read_tar(
     ``tar_path`` names the archive in errors.
     """
     opts = opts or TarOptions()
-    raw = _HashingReader(f, tar_path)
+    in_place = opts.in_place
+    raw = _HashingReader(f, tar_path, None if in_place is None else ctx.packs.chunk_size)
     head = raw.peek_head(BLOCK)
     kind = detect_compression(head)
     if kind is None:
@@ -353,6 +393,8 @@ def read_tar(
             None,
             f"unknown compression or not a tar archive (first bytes: {head[:8].hex(' ')})",
         )
+    if in_place is not None and kind != "none":  # apply() checks first: a changed file
+        raise _fail(tar_path, None, f"in_place needs an uncompressed tarball, this is {kind}")
     reader: TarReader | None = None
     diff: _DigestStream | None = None
     try:
@@ -388,6 +430,8 @@ def read_tar(
     except (ValueError, OverflowError) as e:
         raise _fail(tar_path, reader.last_name if reader is not None else None, str(e)) from None
     raw_digest = "sha256:" + raw.hash.hexdigest()
+    if in_place is not None:
+        in_place.complete(raw.hash.chunk_digests(), raw.nbytes)
     uncompressed = raw_digest if diff is None else "sha256:" + diff.hash.hexdigest()
     return TarDigests(raw_digest, uncompressed, kind)
 
@@ -400,6 +444,7 @@ def _read_members(
     place = ctx.place
     packs = ctx.packs
     progress = ctx.progress
+    in_place = opts.in_place
     last: str | None = None
     while True:
         try:
@@ -512,6 +557,10 @@ def _read_members(
             if m.sparse is not None:
                 inode.content = packs.put_stream(
                     cast(BinaryIO, SparseData(reader, m)), m.size, where
+                )
+            elif in_place is not None:  # the data lies in the pack at its tarball offset
+                inode.content = packs.put_in_place(
+                    in_place, cast(BinaryIO, reader), m.data_start, m.size, where
                 )
             else:
                 inode.content = packs.put_stream(cast(BinaryIO, reader), m.size, where)
