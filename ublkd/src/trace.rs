@@ -194,6 +194,22 @@ impl AccessLog {
 /// threads, win the CPU; each fetch goes through the verified path like a demand read.
 pub const PREFETCH_WORKERS: usize = 2;
 
+/// Most chunks the prefetcher loads in one go (one range request when remote).
+pub const PREFETCH_RUN: u64 = 16;
+
+/// The trace's chunks as runs of adjacent chunks of one pack (at most `max` long), in
+/// trace order: each run is fetched as one request.
+pub fn runs(chunks: &[(u32, u64)], max: u64) -> Vec<(u32, std::ops::Range<u64>)> {
+    let mut out: Vec<(u32, std::ops::Range<u64>)> = Vec::new();
+    for &(pack, chunk) in chunks {
+        match out.last_mut() {
+            Some((p, r)) if *p == pack && r.end == chunk && r.end - r.start < max => r.end += 1,
+            _ => out.push((pack, chunk..chunk + 1)),
+        }
+    }
+    out
+}
+
 /// Start fetching `trace`'s chunks in the background (at most as many as the chunk
 /// cache holds: more would evict the first ones). Returns false if a prefetch is
 /// already running (the request is dropped).
@@ -214,7 +230,7 @@ pub fn start_prefetch(dev: Arc<Device2>, trace: Trace, running: Arc<AtomicBool>)
     c.prefetch_total.store(chunks.len() as u64, Relaxed);
     c.prefetch_done.store(0, Relaxed);
     log::info!("prefetch: {} chunks ({} trace)", chunks.len(), trace.source);
-    let chunks = Arc::new(chunks);
+    let chunks = Arc::new(runs(&chunks, PREFETCH_RUN));
     let next = Arc::new(AtomicUsize::new(0));
     let left = Arc::new(AtomicUsize::new(PREFETCH_WORKERS));
     for w in 0..PREFETCH_WORKERS {
@@ -225,12 +241,15 @@ pub fn start_prefetch(dev: Arc<Device2>, trace: Trace, running: Arc<AtomicBool>)
             unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 10) };
             loop {
                 let i = wnext.fetch_add(1, Relaxed);
-                let Some(&(pack, chunk)) = wchunks.get(i) else { break };
-                if let Err(e) = wdev.chunks.prefetch(pack, chunk) {
-                    Counters::add(&wdev.counters.prefetch_errors, 1);
-                    log::warn!("prefetch: pack {pack} chunk {chunk}: {e:?}");
+                let Some((pack, run)) = wchunks.get(i).cloned() else {
+                    break;
+                };
+                let failed = wdev.chunks.prefetch_run(pack, run.clone());
+                if failed > 0 {
+                    Counters::add(&wdev.counters.prefetch_errors, failed as u64);
+                    log::warn!("prefetch: pack {pack} chunks {run:?}: {failed} failed");
                 }
-                Counters::add(&wdev.counters.prefetch_done, 1);
+                Counters::add(&wdev.counters.prefetch_done, run.end - run.start);
             }
             if wleft.fetch_sub(1, Relaxed) == 1 {
                 let s = wdev.counters.snapshot();
@@ -268,6 +287,14 @@ pub fn start_requested(dev: &Arc<Device2>, dir: &Path, image_id: &str, running: 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn runs_group_adjacent_chunks_of_one_pack_in_trace_order() {
+        let t = [(0, 5), (0, 6), (0, 7), (1, 8), (0, 8), (0, 2), (0, 3), (0, 4), (0, 5)];
+        assert_eq!(runs(&t, 16), vec![(0, 5..8), (1, 8..9), (0, 8..9), (0, 2..6)]);
+        assert_eq!(runs(&t[..3], 2), vec![(0, 5..7), (0, 7..8)]);
+        assert!(runs(&[], 4).is_empty());
+    }
 
     const ID: &str = "sha256:abababababababababababababababababababababababababababababababab";
 

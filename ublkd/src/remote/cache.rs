@@ -88,6 +88,11 @@ impl DiskCache {
         self.dir.join(&h[..2]).join(h)
     }
 
+    /// The bound on the cache's size in bytes.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
     pub fn contains(&self, digest: &[u8; 32]) -> bool {
         self.index.lock().unwrap().entries.contains_key(digest)
     }

@@ -397,10 +397,13 @@ impl VerifiedChunks {
         self
     }
 
-    /// How many chunks the memory cache holds (a prefetch longer than this would evict its
-    /// start).
+    /// How many chunks the caches hold (a prefetch longer than this would evict its
+    /// start): the persistent cache's bound when there is one, else the memory cache's.
     pub fn capacity_chunks(&self) -> usize {
-        self.core.capacity
+        match &self.core.fetching.disk {
+            Some(d) => (d.limit() / self.core.blockmap.chunk_size()).max(1) as usize,
+            None => self.core.capacity,
+        }
     }
 
     /// Number of chunks currently cached (tests).
@@ -419,9 +422,18 @@ impl VerifiedChunks {
         self.get(pack, chunk, Why::Demand)
     }
 
-    /// Bring a chunk into the cache ahead of use, through the same verified path.
-    pub fn prefetch(&self, pack: u32, chunk: u64) -> Result<(), ChunkError> {
-        self.get(pack, chunk, Why::Prefetch).map(|_| ())
+    /// Bring the chunks `chunks` of `pack` that no cache holds into the caches, loaded
+    /// together (one range request when remote), verified. -> how many failed.
+    pub fn prefetch_run(&self, pack: u32, chunks: std::ops::Range<u64>) -> usize {
+        let owned = self.core.claim(pack, chunks, true);
+        let slots: Vec<Arc<Slot>> = owned.iter().map(|(_, s)| s.clone()).collect();
+        if !owned.is_empty() {
+            self.core.fill_for(pack, owned, Why::Prefetch);
+        }
+        slots
+            .iter()
+            .filter(|s| !matches!(&*s.val.lock().unwrap(), Some(Ok(_))))
+            .count()
     }
 
     fn get(&self, pack: u32, chunk: u64, why: Why) -> Result<Arc<Vec<u8>>, ChunkError> {
