@@ -287,6 +287,12 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _median_status(runs: list[dict[str, Any]], key: str) -> str:
+    """Median of one ublkd counter over the runs that have a status (ours), else ''."""
+    vals = [r["status"][key] for r in runs if key in r.get("status", {})]
+    return f"{int(statistics.median(vals)):,}" if vals else ""
+
+
 def remote_table(rm: dict[str, Any]) -> str:
     """Medians of the cold starts over nginx; ratios to the zstd tarball download."""
     base_name = "curl | zstd -d | tar -x"
@@ -297,8 +303,8 @@ def remote_table(rm: dict[str, Any]) -> str:
     base = med(rm["runs"][base_name], "to_command_done_s") if base_name in rm["runs"] else 0.0
     rows = [
         f"| how | ready (s) | `{rm['command']}` done (s) | prefetch done (s) | requests"
-        f" | bytes moved | speed-up vs `{_cell(base_name)}` |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        f" | bytes moved | chunks loaded on demand | speed-up vs `{_cell(base_name)}` |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, runs in rm["runs"].items():
         done = med(runs, "to_command_done_s")
@@ -307,6 +313,7 @@ def remote_table(rm: dict[str, Any]) -> str:
             f"| {_cell(name)} | {med(runs, 'mount_s'):.2f} | {done:.2f}"
             f" | {f'{statistics.median(pre):.2f}' if pre else ''}"
             f" | {int(med(runs, 'requests')):,} | {human(med(runs, 'bytes'))}"
+            f" | {_median_status(runs, 'demand_chunk_loads')}"
             f" | {f'{base / done:.1f}x' if base and done else ''} |"
         )
     return "\n".join(rows) + "\n"
