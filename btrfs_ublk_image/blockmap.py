@@ -211,7 +211,7 @@ def read_chunk(f: BinaryIO, bm: BlockMap, pack: int, index: int, where: str) -> 
     data = f.read(c.length)
     if hashlib.sha256(data).digest() != entry.chunk_digests[index]:
         raise ImageError(
-            f"{where}: pack chunk {index} (stored bytes {c.offset}..{c.offset + c.length}) does"
+            f"{where}: pack chunk {index} (bytes {c.offset}..{c.offset + c.length}) does"
             " not match its sha256 in the blockmap: the pack is corrupt or truncated"
         )
     if not c.zstd:
