@@ -1,29 +1,69 @@
-"""The blockmap (binary, version 1): device-2 ranges -> pack ranges, and pack chunk digests.
+"""The blockmap (binary, version 1 or 2): device-2 ranges -> pack ranges, pack chunk digests.
 
 The format is specified in ``docs/bundle-format.md``; ublkd reads it on its I/O path.
+Version 2 (written only for bundles with pack compression) adds, per pack, its stored
+size and, per chunk, where its stored bytes are and whether they are a zstd frame.
+``read_chunk`` is the one way to turn a chunk's stored bytes into its verified content.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import struct
 from dataclasses import dataclass
+from typing import BinaryIO
+
+import zstandard
 
 from btrfs_ublk_image.errors import ImageError
 
 MAGIC = b"BUIBMAP\0"
 VERSION = 1
+VERSION_COMPRESSED = 2
 _HEADER = struct.Struct("<8sIIQII Q24x".replace(" ", ""))
 _PACK = struct.Struct("<32sQQ")
+_PACK_V2 = struct.Struct("<32sQQQI4x")
 _RANGE = struct.Struct("<QQIIQ")
+_CHUNK = struct.Struct("<QII")
 DIGEST_SIZE = 32
+PACK_COMPRESSED = 1  # v2 pack flag: its chunks may be zstd frames
+CHUNK_ZSTD = 1  # v2 chunk flag: the stored bytes are one zstd frame
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    """Where a chunk's bytes are in the pack file (v2), and how they are stored."""
+
+    offset: int
+    length: int
+    zstd: bool
 
 
 @dataclass(frozen=True, slots=True)
 class PackEntry:
-    id: bytes
-    size: int
-    chunk_digests: list[bytes]
+    id: bytes  # sha256 over chunk_digests
+    size: int  # logical (uncompressed) size: ranges point into these bytes
+    chunk_digests: list[bytes]  # sha256 of each chunk's STORED bytes
+    # v2 only: per chunk, its stored bytes (None: stored raw at i * chunk_size)
+    stored: list[StoredChunk] | None = None
+
+    @property
+    def compressed(self) -> bool:
+        return self.stored is not None and any(c.zstd for c in self.stored)
+
+    @property
+    def stored_size(self) -> int:
+        """The pack file's size."""
+        if self.stored is None:
+            return self.size
+        return sum(c.length for c in self.stored)
+
+    def stored_chunk(self, index: int, chunk_size: int) -> StoredChunk:
+        if self.stored is not None:
+            return self.stored[index]
+        start = index * chunk_size
+        return StoredChunk(start, min(chunk_size, self.size - start), False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +80,7 @@ class BlockMap:
     device_size: int
     packs: list[PackEntry]
     ranges: list[Range]  # sorted by dev_offset, non-overlapping
+    version: int = VERSION  # VERSION_COMPRESSED: chunk tables (pack compression on)
 
     @property
     def chunk_size(self) -> int:
@@ -49,7 +90,7 @@ class BlockMap:
         parts = [
             _HEADER.pack(
                 MAGIC,
-                VERSION,
+                self.version,
                 self.chunk_shift,
                 self.device_size,
                 len(self.packs),
@@ -58,13 +99,24 @@ class BlockMap:
             )
         ]
         first = 0
+        v2 = self.version == VERSION_COMPRESSED
         for p in self.packs:
-            parts.append(_PACK.pack(p.id, p.size, first))
+            if v2:
+                flags = PACK_COMPRESSED if p.compressed else 0
+                parts.append(_PACK_V2.pack(p.id, p.size, first, p.stored_size, flags))
+            else:
+                assert p.stored is None, "a stored-chunk table needs blockmap version 2"
+                parts.append(_PACK.pack(p.id, p.size, first))
             first += len(p.chunk_digests)
         parts.extend(
             _RANGE.pack(r.dev_offset, r.length, r.pack, 0, r.pack_offset) for r in self.ranges
         )
         parts.extend(dg for p in self.packs for dg in p.chunk_digests)
+        if v2:
+            for p in self.packs:
+                for i in range(len(p.chunk_digests)):
+                    c = p.stored_chunk(i, self.chunk_size)
+                    parts.append(_CHUNK.pack(c.offset, c.length, CHUNK_ZSTD if c.zstd else 0))
         return b"".join(parts)
 
     def check(self) -> None:
@@ -78,6 +130,18 @@ class BlockMap:
             end = r.dev_offset + r.length
         if end > self.device_size:
             raise ImageError("blockmap: a range ends past the device size")
+        for i, p in enumerate(self.packs):
+            if p.stored is None:
+                continue
+            if self.version != VERSION_COMPRESSED or len(p.stored) != len(p.chunk_digests):
+                raise ImageError(f"blockmap: pack {i}: stored-chunk table does not fit")
+            at = 0
+            for n, c in enumerate(p.stored):
+                logical = min(self.chunk_size, p.size - n * self.chunk_size)
+                # stored chunks are contiguous, in order; a raw one is exactly its content
+                if c.offset != at or c.length <= 0 or (not c.zstd and c.length != logical):
+                    raise ImageError(f"blockmap: pack {i} chunk {n}: bad stored extent")
+                at += c.length
 
     def lookup(self, offset: int) -> Range | None:
         """The range holding device-2 byte ``offset``, or None (the byte reads as zero)."""
@@ -93,26 +157,72 @@ def decode(data: bytes, where: str = "blockmap") -> BlockMap:
     magic, version, shift, dev_size, n_packs, _, n_ranges = _HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise ImageError(f"{where}: not a blockmap (bad magic)")
-    if version != VERSION:
+    if version not in (VERSION, VERSION_COMPRESSED):
         raise ImageError(f"{where}: unsupported blockmap version {version}")
+    v2 = version == VERSION_COMPRESSED
+    pack_struct = _PACK_V2 if v2 else _PACK
     pos = _HEADER.size
     heads = []
     for _ in range(n_packs):
-        heads.append(_PACK.unpack_from(data, pos))
-        pos += _PACK.size
+        if len(data) < pos + pack_struct.size:
+            raise ImageError(f"{where}: truncated pack table")
+        head = pack_struct.unpack_from(data, pos)
+        heads.append((head[0], head[1], head[2], head[4] if v2 else 0, head[3] if v2 else None))
+        pos += pack_struct.size
     ranges = []
     for _ in range(n_ranges):
         off, length, pack, _flags, poff = _RANGE.unpack_from(data, pos)
         ranges.append(Range(off, length, pack, poff))
         pos += _RANGE.size
-    packs = []
-    for pid, size, first in heads:
+    total = sum(-(-size // (1 << shift)) for _, size, _, _, _ in heads)
+    table = pos + total * DIGEST_SIZE  # v2: the stored-chunk table follows the digests
+    if len(data) != table + (total * _CHUNK.size if v2 else 0):
+        raise ImageError(f"{where}: size does not match its tables (truncated?)")
+    packs: list[PackEntry] = []
+    for pid, size, first, flags, stored_size in heads:
         n = -(-size // (1 << shift))
         start = pos + first * DIGEST_SIZE
         digests = [data[start + i * DIGEST_SIZE : start + (i + 1) * DIGEST_SIZE] for i in range(n)]
-        if len(data) < start + n * DIGEST_SIZE:
-            raise ImageError(f"{where}: truncated digest table")
-        packs.append(PackEntry(pid, size, digests))
-    bm = BlockMap(shift, dev_size, packs, ranges)
+        stored = None
+        if v2:
+            at = table + first * _CHUNK.size
+            stored = []
+            for i in range(n):
+                off, length, cflags = _CHUNK.unpack_from(data, at + i * _CHUNK.size)
+                stored.append(StoredChunk(off, length, bool(cflags & CHUNK_ZSTD)))
+            if not flags & PACK_COMPRESSED and any(c.zstd for c in stored):
+                raise ImageError(f"{where}: pack {len(packs)}: zstd chunks in an uncompressed pack")
+        entry = PackEntry(pid, size, digests, stored)
+        if stored_size is not None and stored_size != entry.stored_size:
+            raise ImageError(f"{where}: pack {len(packs)}: stored size differs from its chunks")
+        packs.append(entry)
+    bm = BlockMap(shift, dev_size, packs, ranges, version)
     bm.check()
     return bm
+
+
+def read_chunk(f: BinaryIO, bm: BlockMap, pack: int, index: int, where: str) -> bytes:
+    """Chunk ``index`` of pack ``pack`` (open as ``f``, named ``where``): its stored bytes
+    checked against the digest table, then (a zstd frame) decompressed to exactly the
+    chunk's logical length. Any mismatch raises ``ImageError``."""
+    entry = bm.packs[pack]
+    c = entry.stored_chunk(index, bm.chunk_size)
+    f.seek(c.offset)
+    data = f.read(c.length)
+    if hashlib.sha256(data).digest() != entry.chunk_digests[index]:
+        raise ImageError(
+            f"{where}: pack chunk {index} (bytes {c.offset}..{c.offset + c.length}) does"
+            " not match its sha256 in the blockmap: the pack is corrupt or truncated"
+        )
+    if not c.zstd:
+        return data
+    logical = min(bm.chunk_size, entry.size - index * bm.chunk_size)
+    try:
+        out = zstandard.ZstdDecompressor().decompress(data, max_output_size=logical)
+    except zstandard.ZstdError as e:
+        raise ImageError(f"{where}: pack chunk {index}: bad zstd frame: {e}") from None
+    if len(out) != logical:
+        raise ImageError(
+            f"{where}: pack chunk {index} decompresses to {len(out)} bytes, not {logical}"
+        )
+    return out

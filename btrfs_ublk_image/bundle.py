@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from btrfs_ublk_image import __version__, trace
-from btrfs_ublk_image.blockmap import BlockMap, PackEntry, Range
+from btrfs_ublk_image.blockmap import VERSION, VERSION_COMPRESSED, BlockMap, PackEntry, Range
 from btrfs_ublk_image.btrfs import ondisk
 from btrfs_ublk_image.btrfs.writer import ImageLayout, WriterOptions, inline_max, write_image
 from btrfs_ublk_image.errors import ImageError
@@ -71,6 +71,7 @@ def write_bundle(
     progress: Progress | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     prefetch: Sequence[str] = (),
+    pack_compression: str = "none",
 ) -> BuildResult:
     out_dir = os.path.abspath(out_dir)
     if os.path.lexists(out_dir):
@@ -82,7 +83,9 @@ def write_bundle(
         raise ImageError(f"{parent}: no such directory")
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
     try:
-        result = _write_into(tmp, name, opts, fill, spec_sha256, progress, chunk_size, prefetch)
+        result = _write_into(
+            tmp, name, opts, fill, spec_sha256, progress, chunk_size, prefetch, pack_compression
+        )
         os.chmod(tmp, 0o755)
         os.rename(tmp, out_dir)
     except BaseException:
@@ -100,11 +103,16 @@ def _write_into(
     progress: Progress | None,
     chunk_size: int,
     prefetch: Sequence[str],
+    pack_compression: str,
 ) -> tuple[str, dict[str, Any], ImageLayout]:
     packs_dir = os.path.join(tmp, PACKS)
     os.mkdir(packs_dir)
     packer = PackWriter(
-        packs_dir, keep_inline=inline_max(opts), chunk_size=chunk_size, progress=progress
+        packs_dir,
+        keep_inline=inline_max(opts),
+        chunk_size=chunk_size,
+        progress=progress,
+        compression=pack_compression,
     )
     try:
         tree, sources, image_config = fill(packer)
@@ -122,8 +130,10 @@ def _write_into(
     bm = BlockMap(
         chunk_shift=chunk_size.bit_length() - 1,
         device_size=layout.data_size,
-        packs=[PackEntry(p.id, p.size, p.chunk_digests) for p in pack_infos],
+        packs=[PackEntry(p.id, p.size, p.chunk_digests, p.stored) for p in pack_infos],
         ranges=ranges,
+        # version 1 unless packs are compressed: uncompressed bundles keep their ids
+        version=VERSION_COMPRESSED if pack_compression != "none" else VERSION,
     )
     bm.check()
     with open(os.path.join(tmp, BLOCKMAP), "wb") as f:
@@ -156,7 +166,7 @@ def _write_into(
         "generation": layout.generation,
         "files": files,
         "packs": [
-            {"id": "sha256:" + p.id.hex(), "size": p.size, "path": f"{PACKS}/{p.name}"}
+            {"id": "sha256:" + p.id.hex(), "size": p.stored_size, "path": f"{PACKS}/{p.name}"}
             for p in pack_infos
         ],
         "chunk_size": chunk_size,

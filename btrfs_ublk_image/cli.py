@@ -50,6 +50,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             spec_sha256=spec.spec_sha256,
             progress=progress,
             prefetch=spec.prefetch,
+            pack_compression=spec.pack_compression,
         )
     finally:
         progress.done()

@@ -135,20 +135,25 @@ def _checked_pack(
     size = 0
     try:
         with open(path, "rb") as f:
-            while data := f.read(chunk_size):
+            # chunk by chunk as stored (compressed packs: one zstd frame each), in order
+            for i in range(len(entry.chunk_digests)):
+                data = f.read(entry.stored_chunk(i, chunk_size).length)
                 whole.update(data)
                 chunks.append(hashlib.sha256(data).digest())
                 size += len(data)
                 progress.add_bytes(len(data))
+            while data := f.read(chunk_size):  # bytes past the last chunk: a wrong size
+                whole.update(data)
+                size += len(data)
     except OSError as e:
         raise ImageError(f"{path}: cannot read: {e.strerror}") from None
-    if size != pack.get("size") or size != entry.size:
+    if size != pack.get("size") or size != entry.stored_size:
         raise ImageError(f"{path}: {size} bytes, the manifest says {pack.get('size')}")
     for i, (got, want) in enumerate(zip(chunks, entry.chunk_digests, strict=True)):
         if got != want:
             raise ImageError(
-                f"{path}: chunk {i} (bytes {i * chunk_size}..) does not match its digest"
-                " in the blockmap (corrupt pack)"
+                f"{path}: chunk {i} (stored bytes {entry.stored_chunk(i, chunk_size).offset}..)"
+                " does not match its digest in the blockmap (corrupt pack)"
             )
     if hashlib.sha256(b"".join(chunks)).digest() != entry.id:
         raise ImageError(f"{path}: pack id does not match its chunk digests")

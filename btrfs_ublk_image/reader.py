@@ -205,21 +205,12 @@ class DataDevice:
             self._cache.move_to_end(key)
             return data
         path = self.pack_paths[pack]
-        size = self.bm.chunk_size
-        entry = self.bm.packs[pack]
-        start = index * size
         try:
             with open(path, "rb") as f:
-                f.seek(start)
-                data = f.read(min(size, entry.size - start))
+                # stored bytes verified, then decompressed (blockmap v2) to the chunk's length
+                data = bmap.read_chunk(f, self.bm, pack, index, path)
         except OSError as e:
             raise ImageError(f"{path}: cannot read: {e.strerror}") from None
-        if hashlib.sha256(data).digest() != entry.chunk_digests[index]:
-            end = start + len(data)
-            raise ImageError(
-                f"{path}: pack chunk {index} (bytes {start}..{end}) does not match its sha256"
-                " in the blockmap: the pack is corrupt or truncated"
-            )
         self._cache[key] = data
         if len(self._cache) > self._cache_max:
             self._cache.popitem(last=False)
@@ -359,9 +350,9 @@ class Filesystem:
                 size = os.path.getsize(path)
             except OSError as e:
                 raise ImageError(f"{path}: cannot read: {e.strerror}") from None
-            if size != entry.size:
+            if size != entry.stored_size:
                 raise ImageError(
-                    f"{path}: {size} bytes, the blockmap says {entry.size}: truncated?"
+                    f"{path}: {size} bytes, the blockmap says {entry.stored_size}: truncated?"
                 )
         self.dev2 = DataDevice(bm, pack_paths)
         try:

@@ -8,6 +8,7 @@ A spec is a YAML mapping::
     source_date_epoch: null                               # optional
     remove: ["/usr/share/doc/**"]                         # optional
     prefetch: ["/usr/bin/*", "/etc/**"]                   # optional: prefetch.trace
+    pack_compression: none                                # optional: none | zstd
     layers:
       - tar: {path: rootfs.tar.zst, exclude: ["/var/cache/**"], uid: 0, gid: 0}
       - oci: {path: ./debian-oci, ref: bookworm}
@@ -381,6 +382,13 @@ class Spec(_Model):
         " prefetch.trace (beside manifest.json, not part of the image id) listing the pack"
         " chunks of the files these globs select (a directory: everything under it), in this"
         " order; each glob must match something",
+    )
+
+    pack_compression: Literal["none", "zstd"] = Field(
+        "none",
+        description="Store each pack chunk as a zstd frame (blockmap version 2), so remote"
+        " mounts move fewer bytes; in-place tarball packs stay uncompressed. 'none' (the"
+        " default) writes blockmap version 1",
     )
 
     _sha256: str | None = PrivateAttr(default=None)

@@ -24,6 +24,7 @@ from types import ModuleType
 
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.bundle import BLOCKMAP, META_IMG, read_manifest
+from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.listing import TYPES
 from btrfs_ublk_image.tree import Tree
 
@@ -47,21 +48,43 @@ def run(*cmd: str | Path, check: bool = True) -> subprocess.CompletedProcess[str
 
 
 def materialize_data_device(bundle: Path, out: Path) -> None:
+    """Device 2 as a sparse file; every pack chunk verified (compressed ones decompressed
+    into a logical copy of the pack beside ``out``, removed afterwards)."""
     manifest, _ = read_manifest(str(bundle))
     bm = bmap.decode((bundle / BLOCKMAP).read_bytes())
     packs = [bundle / p["path"] for p in manifest["packs"]]
-    for i, (p, entry) in enumerate(zip(packs, bm.packs, strict=True)):
-        with open(p, "rb") as f:
-            for n, digest in enumerate(entry.chunk_digests):
-                if hashlib.sha256(f.read(bm.chunk_size)).digest() != digest:
-                    raise AssertionError(f"pack {i} chunk {n}: digest mismatch")
-    with open(out, "wb") as dev, contextlib.ExitStack() as stack:
-        dev.truncate(bm.device_size)
-        files = [stack.enter_context(open(p, "rb")) for p in packs]
-        for r in bm.ranges:
-            files[r.pack].seek(r.pack_offset)
-            dev.seek(r.dev_offset)
-            dev.write(files[r.pack].read(r.length))
+    logical = list(packs)
+    try:
+        for i, (p, entry) in enumerate(zip(packs, bm.packs, strict=True)):
+            if entry.compressed:
+                logical[i] = out.parent / f".{out.name}.pack{i}"
+            with (
+                open(p, "rb") as f,
+                open(logical[i], "wb") if entry.compressed else _no_file() as w,
+            ):
+                for n in range(len(entry.chunk_digests)):
+                    try:
+                        data = bmap.read_chunk(f, bm, i, n, str(p))
+                    except ImageError as e:
+                        raise AssertionError(f"pack {i} chunk {n}: {e}") from None
+                    if w is not None:
+                        w.write(data)
+        with open(out, "wb") as dev, contextlib.ExitStack() as stack:
+            dev.truncate(bm.device_size)
+            files = [stack.enter_context(open(p, "rb")) for p in logical]
+            for r in bm.ranges:
+                files[r.pack].seek(r.pack_offset)
+                dev.seek(r.dev_offset)
+                dev.write(files[r.pack].read(r.length))
+    finally:
+        for p, q in zip(packs, logical, strict=True):
+            if q != p:
+                q.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _no_file() -> Iterator[None]:
+    yield None
 
 
 @dataclass

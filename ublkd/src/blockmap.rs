@@ -1,5 +1,7 @@
-//! The bundle's `blockmap` (docs/bundle-format.md, "blockmap (binary, version 1)"):
-//! device-2 ranges -> pack ranges, plus the sha256 of every pack chunk.
+//! The bundle's `blockmap` (docs/bundle-format.md, "blockmap (binary, version 1)" and
+//! "version 2"): device-2 ranges -> pack ranges, plus the sha256 of every pack chunk, and
+//! (version 2, compressed packs) where each chunk's stored bytes are and whether they are
+//! a zstd frame. Version 1 is read as version 2 with every chunk stored raw in place.
 //!
 //! Lookup is a binary search over the sorted ranges; [`Blockmap::segments`] splits a
 //! device read into pieces that are either zeros or one contiguous run of one pack.
@@ -8,8 +10,13 @@ use anyhow::{bail, ensure, Context, Result};
 
 pub const MAGIC: &[u8; 8] = b"BUIBMAP\0";
 pub const VERSION: u32 = 1;
+pub const VERSION_COMPRESSED: u32 = 2;
 const HEADER_LEN: usize = 64;
 const PACK_LEN: usize = 48;
+const PACK_LEN_V2: usize = 64;
+const CHUNK_LEN: usize = 16;
+const PACK_COMPRESSED: u32 = 1;
+const CHUNK_ZSTD: u32 = 1;
 const RANGE_LEN: usize = 32;
 const DIGEST_LEN: usize = 32;
 
@@ -19,9 +26,19 @@ pub type Digest = [u8; 32];
 pub struct PackEntry {
     /// sha256 over the pack's chunk digests (the pack's file name).
     pub id: Digest,
+    /// Logical (uncompressed) size: ranges point into these bytes.
     pub size: u64,
     /// Index of this pack's first digest in [`Blockmap::digests`].
     pub first_chunk: u64,
+}
+
+/// Where a chunk's bytes are in its pack file, and how they are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredChunk {
+    pub offset: u64,
+    pub length: u64,
+    /// One zstd frame that decompresses to the chunk's logical bytes (else: raw).
+    pub zstd: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +55,13 @@ pub struct Blockmap {
     pub device_size: u64,
     pub packs: Vec<PackEntry>,
     pub ranges: Vec<Range>,
+    /// sha256 of each chunk's STORED bytes.
     pub digests: Vec<Digest>,
+    /// Read only by the tests' encoder: the I/O path goes by `stored`.
+    #[cfg_attr(not(test), allow(dead_code))]
+    pub version: u32,
+    /// Parallel to `digests` (version 1: raw chunks at `chunk << chunk_shift`).
+    pub stored: Vec<StoredChunk>,
 }
 
 /// One piece of a device read.
@@ -81,9 +104,11 @@ impl Blockmap {
         ensure!(&b[0..8] == MAGIC, "bad magic {:?} (not a blockmap)", &b[0..8]);
         let version = u32_at(b, 8);
         ensure!(
-            version == VERSION,
-            "unsupported blockmap version {version} (this ublkd reads {VERSION})"
+            version == VERSION || version == VERSION_COMPRESSED,
+            "unsupported blockmap version {version} (this ublkd reads {VERSION} and {VERSION_COMPRESSED})"
         );
+        let v2 = version == VERSION_COMPRESSED;
+        let pack_len = if v2 { PACK_LEN_V2 } else { PACK_LEN };
         let chunk_shift = u32_at(b, 12);
         ensure!(
             (12..=30).contains(&chunk_shift),
@@ -98,7 +123,7 @@ impl Blockmap {
         let n_ranges = u64_at(b, 32);
         let n_ranges = usize::try_from(n_ranges).context("n_ranges too large")?;
         let packs_end = HEADER_LEN
-            .checked_add(n_packs.checked_mul(PACK_LEN).context("n_packs too large")?)
+            .checked_add(n_packs.checked_mul(pack_len).context("n_packs too large")?)
             .context("n_packs too large")?;
         let ranges_end = packs_end
             .checked_add(n_ranges.checked_mul(RANGE_LEN).context("n_ranges too large")?)
@@ -111,9 +136,13 @@ impl Blockmap {
         let chunk_size = 1u64 << chunk_shift;
 
         let mut packs = Vec::with_capacity(n_packs);
+        let mut heads_v2 = Vec::with_capacity(n_packs); // (stored_size, flags)
         let mut expect_first = 0u64;
         for i in 0..n_packs {
-            let o = HEADER_LEN + i * PACK_LEN;
+            let o = HEADER_LEN + i * pack_len;
+            if v2 {
+                heads_v2.push((u64_at(b, o + 48), u32_at(b, o + 56)));
+            }
             let p = PackEntry {
                 id: b[o..o + 32].try_into().unwrap(),
                 size: u64_at(b, o + 32),
@@ -133,9 +162,14 @@ impl Blockmap {
             .checked_mul(DIGEST_LEN)
             .and_then(|n| n.checked_add(ranges_end))
             .context("too many digests")?;
+        let table_len = if v2 { CHUNK_LEN } else { 0 };
+        let file_end = n_digests
+            .checked_mul(table_len)
+            .and_then(|n| n.checked_add(digests_end))
+            .context("too many digests")?;
         ensure!(
-            b.len() == digests_end,
-            "size {} but header, packs, ranges and {n_digests} digests make {digests_end} bytes",
+            b.len() == file_end,
+            "size {} but header, packs, ranges and {n_digests} digests make {file_end} bytes",
             b.len()
         );
 
@@ -187,12 +221,59 @@ impl Blockmap {
             let o = ranges_end + i * DIGEST_LEN;
             digests.push(b[o..o + DIGEST_LEN].try_into().unwrap());
         }
+        let mut stored = Vec::with_capacity(n_digests);
+        for (i, p) in packs.iter().enumerate() {
+            let n = chunks_in(p.size, chunk_size);
+            // stored chunks are contiguous and in order; a raw one is exactly its content
+            let mut at = 0u64;
+            for c in 0..n {
+                let logical = chunk_size.min(p.size - c * chunk_size);
+                let sc = if v2 {
+                    let o = digests_end + (p.first_chunk + c) as usize * CHUNK_LEN;
+                    let flags = u32_at(b, o + 12);
+                    ensure!(flags & !CHUNK_ZSTD == 0, "pack {i} chunk {c}: unknown flags {flags:#x}");
+                    StoredChunk {
+                        offset: u64_at(b, o),
+                        length: u64::from(u32_at(b, o + 8)),
+                        zstd: flags & CHUNK_ZSTD != 0,
+                    }
+                } else {
+                    StoredChunk {
+                        offset: at,
+                        length: logical,
+                        zstd: false,
+                    }
+                };
+                ensure!(
+                    sc.offset == at && sc.length > 0 && (sc.zstd || sc.length == logical),
+                    "pack {i} chunk {c}: bad stored extent (offset {}, length {}, zstd {})",
+                    sc.offset,
+                    sc.length,
+                    sc.zstd
+                );
+                ensure!(
+                    !sc.zstd || heads_v2[i].1 & PACK_COMPRESSED != 0,
+                    "pack {i} chunk {c}: a zstd frame in a pack not flagged compressed"
+                );
+                at += sc.length;
+                stored.push(sc);
+            }
+            if v2 {
+                ensure!(
+                    heads_v2[i].0 == at,
+                    "pack {i}: stored size {} but its chunks take {at} bytes",
+                    heads_v2[i].0
+                );
+            }
+        }
         Ok(Blockmap {
             chunk_shift,
             device_size,
             packs,
             ranges,
             digests,
+            version,
+            stored,
         })
     }
 
@@ -202,7 +283,24 @@ impl Blockmap {
         &self.digests[(p.first_chunk + chunk) as usize]
     }
 
-    /// Byte range `[start, end)` of chunk `chunk` in pack `pack`.
+    /// Where chunk `chunk` of pack `pack` is stored in the pack file.
+    pub fn stored(&self, pack: u32, chunk: u64) -> &StoredChunk {
+        let p = &self.packs[pack as usize];
+        &self.stored[(p.first_chunk + chunk) as usize]
+    }
+
+    /// The pack file's size.
+    pub fn stored_size(&self, pack: u32) -> u64 {
+        let p = &self.packs[pack as usize];
+        let n = chunks_in(p.size, self.chunk_size());
+        if n == 0 {
+            return 0;
+        }
+        let last = self.stored(pack, n - 1);
+        last.offset + last.length
+    }
+
+    /// Logical byte range `[start, end)` of chunk `chunk` in pack `pack`.
     pub fn chunk_bounds(&self, pack: u32, chunk: u64) -> (u64, u64) {
         let size = self.packs[pack as usize].size;
         let start = chunk << self.chunk_shift;
@@ -270,17 +368,31 @@ fn push_zero(out: &mut Vec<Segment>, len: u64) {
 pub fn encode(bm: &Blockmap) -> Vec<u8> {
     let mut v = Vec::new();
     v.extend_from_slice(MAGIC);
-    v.extend_from_slice(&VERSION.to_le_bytes());
+    v.extend_from_slice(&bm.version.to_le_bytes());
     v.extend_from_slice(&bm.chunk_shift.to_le_bytes());
     v.extend_from_slice(&bm.device_size.to_le_bytes());
     v.extend_from_slice(&(bm.packs.len() as u32).to_le_bytes());
     v.extend_from_slice(&0u32.to_le_bytes());
     v.extend_from_slice(&(bm.ranges.len() as u64).to_le_bytes());
     v.extend_from_slice(&[0u8; 24]);
+    let v2 = bm.version == VERSION_COMPRESSED;
     for p in &bm.packs {
         v.extend_from_slice(&p.id);
         v.extend_from_slice(&p.size.to_le_bytes());
         v.extend_from_slice(&p.first_chunk.to_le_bytes());
+        if v2 {
+            let n = chunks_in(p.size, bm.chunk_size()) as usize;
+            let chunks = &bm.stored[p.first_chunk as usize..p.first_chunk as usize + n];
+            let stored: u64 = chunks.iter().map(|c| c.length).sum();
+            let flags = if chunks.iter().any(|c| c.zstd) {
+                PACK_COMPRESSED
+            } else {
+                0
+            };
+            v.extend_from_slice(&stored.to_le_bytes());
+            v.extend_from_slice(&flags.to_le_bytes());
+            v.extend_from_slice(&0u32.to_le_bytes());
+        }
     }
     for r in &bm.ranges {
         v.extend_from_slice(&r.dev_offset.to_le_bytes());
@@ -291,6 +403,13 @@ pub fn encode(bm: &Blockmap) -> Vec<u8> {
     }
     for d in &bm.digests {
         v.extend_from_slice(d);
+    }
+    if v2 {
+        for c in &bm.stored {
+            v.extend_from_slice(&c.offset.to_le_bytes());
+            v.extend_from_slice(&(c.length as u32).to_le_bytes());
+            v.extend_from_slice(&u32::from(c.zstd).to_le_bytes());
+        }
     }
     v
 }
@@ -329,6 +448,8 @@ mod tests {
                 },
             ],
             digests: vec![[2; 32], [3; 32], [4; 32], [5; 32]],
+            version: VERSION,
+            stored: vec![],
         }
     }
 

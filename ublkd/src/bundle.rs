@@ -205,11 +205,12 @@ impl Bundle {
                 "pack {i}: blockmap id {} but the manifest says {want}",
                 hex::encode(bp.id)
             );
+            // the manifest gives the pack FILE's size: stored (compressed) bytes
+            let stored = blockmap.stored_size(i as u32);
             ensure!(
-                bp.size == mp.size,
-                "pack {i} ({}): blockmap size {} but the manifest says {}",
+                stored == mp.size,
+                "pack {i} ({}): blockmap stored size {stored} but the manifest says {}",
                 mp.path,
-                bp.size,
                 mp.size
             );
             // the pack id is sha256 over its chunk digests: check the digest table against it

@@ -26,6 +26,9 @@ impl std::fmt::Display for ReadError {
             ReadError::Chunk(crate::verify::ChunkError::Mismatch { pack, chunk }) => {
                 write!(f, "pack {pack} chunk {chunk} failed verification")
             }
+            ReadError::Chunk(crate::verify::ChunkError::Decode { pack, chunk, why }) => {
+                write!(f, "pack {pack} chunk {chunk}: {why}")
+            }
         }
     }
 }
@@ -136,6 +139,8 @@ pub mod tests {
             }],
             ranges,
             digests,
+            version: crate::blockmap::VERSION,
+            stored: vec![],
         };
         let bm = Blockmap::parse(&encode(&bm)).unwrap();
         let src = LocalPacks::open(std::slice::from_ref(&path), &[pack_len as u64]).unwrap();

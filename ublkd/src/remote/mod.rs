@@ -209,7 +209,8 @@ pub fn open_for_serving(
 ) -> Result<Opened> {
     let r = resolve(location, args, expect_id, false, expect_id.is_none(), counters.clone())?;
     let Some(store) = r.store else {
-        let sizes: Vec<u64> = r.bundle.blockmap.packs.iter().map(|p| p.size).collect();
+        let bm = &r.bundle.blockmap;
+        let sizes: Vec<u64> = (0..bm.packs.len() as u32).map(|i| bm.stored_size(i)).collect();
         let source = Box::new(LocalPacks::open(&r.bundle.pack_paths(), &sizes)?);
         return Ok(Opened {
             bundle: r.bundle,

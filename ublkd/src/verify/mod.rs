@@ -10,6 +10,11 @@
 //! reads of a remote pack make a small worker pool fetch the next chunks ahead.
 //! A failed load is not cached: every read of a bad chunk re-checks it, fails with EIO
 //! and is counted.
+//!
+//! Compressed packs (blockmap version 2): what is read, verified and put in the
+//! persistent cache is a chunk's STORED bytes (a zstd frame); it is decompressed after the
+//! digest matched and must give exactly the chunk's logical length. The memory cache
+//! holds decompressed chunks.
 
 pub mod source;
 
@@ -30,6 +35,8 @@ pub enum ChunkError {
     Read(String),
     /// The bytes read do not match the digest.
     Mismatch { pack: u32, chunk: u64 },
+    /// Verified stored bytes that do not decompress to the chunk's logical length.
+    Decode { pack: u32, chunk: u64, why: String },
 }
 
 type Loaded = Result<Arc<Vec<u8>>, ChunkError>;
@@ -251,6 +258,13 @@ impl Core {
                     self.pack_names[pack as usize]
                 );
             }
+            ChunkError::Decode { why, .. } => {
+                Counters::add(&self.counters.verify_failures, 1);
+                log::error!(
+                    "pack {} chunk {chunk}: {why}; failing the read with EIO",
+                    self.pack_names[pack as usize]
+                );
+            }
             ChunkError::Read(msg) => log::error!("{msg}"),
         }
         // not cached: the next read tries again
@@ -289,7 +303,11 @@ impl Core {
                 .as_ref()
                 .and_then(|d| d.get(self.blockmap.digest(pack, chunk)))
             {
-                Some(data) => slot.fill(Ok(Arc::new(data))),
+                // verified by the disk cache against the digest on load
+                Some(data) => match self.decode(pack, chunk, data) {
+                    Ok(d) => slot.fill(Ok(Arc::new(d))),
+                    Err(e) => self.fail(pack, chunk, &slot, e),
+                },
                 None => need.push((chunk, slot)),
             }
         }
@@ -304,9 +322,28 @@ impl Core {
         }
     }
 
+    /// Verified stored bytes of a chunk -> its logical bytes (a zstd frame decompressed to
+    /// exactly the chunk's length; raw bytes as they are).
+    fn decode(&self, pack: u32, chunk: u64, stored: Vec<u8>) -> Result<Vec<u8>, ChunkError> {
+        if !self.blockmap.stored(pack, chunk).zstd {
+            return Ok(stored);
+        }
+        let (s, e) = self.blockmap.chunk_bounds(pack, chunk);
+        let want = (e - s) as usize;
+        let bad = |why: String| ChunkError::Decode { pack, chunk, why };
+        // capacity = the logical length: a frame that would give more fails here
+        let out = zstd::bulk::decompress(&stored, want).map_err(|e| bad(format!("zstd: {e}")))?;
+        if out.len() != want {
+            return Err(bad(format!("decompresses to {} bytes, not its {want}", out.len())));
+        }
+        Ok(out)
+    }
+
     fn fill_run(&self, pack: u32, run: &[(u64, Arc<Slot>)]) {
-        let (start, _) = self.blockmap.chunk_bounds(pack, run[0].0);
-        let (_, end) = self.blockmap.chunk_bounds(pack, run[run.len() - 1].0);
+        // stored chunks are contiguous: adjacent chunks are one read of stored bytes
+        let start = self.blockmap.stored(pack, run[0].0).offset;
+        let last = self.blockmap.stored(pack, run[run.len() - 1].0);
+        let end = last.offset + last.length;
         let mut buf = vec![0u8; (end - start) as usize];
         if let Err(e) = self.source.read_at(pack, start, &mut buf) {
             let msg = format!("pack {}: read [{start}, {end}): {e}", self.pack_names[pack as usize]);
@@ -317,18 +354,24 @@ impl Core {
         }
         Counters::add(&self.counters.pack_bytes_read, buf.len() as u64);
         for (chunk, slot) in run {
-            let (s, e) = self.blockmap.chunk_bounds(pack, *chunk);
-            let data = &buf[(s - start) as usize..(e - start) as usize];
+            let sc = self.blockmap.stored(pack, *chunk);
+            let data = &buf[(sc.offset - start) as usize..(sc.offset + sc.length - start) as usize];
             let digest = self.blockmap.digest(pack, *chunk);
             if Sha256::digest(data).as_slice() != digest {
                 self.fail(pack, *chunk, slot, ChunkError::Mismatch { pack, chunk: *chunk });
                 continue;
             }
-            Counters::add(&self.counters.chunks_verified, 1);
-            if let Some(d) = &self.fetching.disk {
-                d.put(digest, data);
+            match self.decode(pack, *chunk, data.to_vec()) {
+                Ok(logical) => {
+                    Counters::add(&self.counters.chunks_verified, 1);
+                    if let Some(d) = &self.fetching.disk {
+                        // the stored bytes: the digest check on load still applies
+                        d.put(digest, data);
+                    }
+                    slot.fill(Ok(Arc::new(logical)));
+                }
+                Err(e) => self.fail(pack, *chunk, slot, e),
             }
-            slot.fill(Ok(Arc::new(data.to_vec())));
         }
     }
 
@@ -621,5 +664,129 @@ mod tests {
             );
         }
         assert_eq!(reads.load(Ordering::SeqCst), 0);
+    }
+
+    /// A compressed pack (blockmap version 2) of 4 chunks of 4096 bytes: chunk 2 random
+    /// (stored raw), the others zstd frames; `frames[i]` overrides chunk i's stored bytes.
+    /// -> (chunks, logical pack bytes).
+    fn compressed(
+        tmp: &std::path::Path,
+        frames: &[(usize, Vec<u8>)],
+        disk: Option<DiskCache>,
+    ) -> (VerifiedChunks, Vec<u8>) {
+        use crate::blockmap::{encode, PackEntry, Range, StoredChunk, VERSION_COMPRESSED};
+        let mut x = 7u64;
+        let logical: Vec<u8> = (0..4 * 4096u64)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                if (2 * 4096..3 * 4096).contains(&i) {
+                    (x >> 24) as u8
+                } else {
+                    b"ublk pack "[(i % 10) as usize]
+                }
+            })
+            .collect();
+        let (mut file, mut stored, mut digests) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, c) in logical.chunks(4096).enumerate() {
+            let (body, zstd) = match frames.iter().find(|(k, _)| *k == i) {
+                Some((_, f)) => (f.clone(), true),
+                None if i == 2 => (c.to_vec(), false),
+                None => (zstd::bulk::compress(c, 3).unwrap(), true),
+            };
+            stored.push(StoredChunk {
+                offset: file.len() as u64,
+                length: body.len() as u64,
+                zstd,
+            });
+            digests.push(<[u8; 32]>::from(Sha256::digest(&body)));
+            file.extend_from_slice(&body);
+        }
+        let mut h = Sha256::new();
+        for d in &digests {
+            h.update(d);
+        }
+        let path = tmp.join("pack");
+        std::fs::write(&path, &file).unwrap();
+        let bm = Blockmap {
+            chunk_shift: 12,
+            device_size: 8 * 4096,
+            packs: vec![PackEntry {
+                id: h.finalize().into(),
+                size: logical.len() as u64,
+                first_chunk: 0,
+            }],
+            ranges: vec![Range {
+                dev_offset: 0,
+                length: logical.len() as u64,
+                pack: 0,
+                pack_offset: 0,
+            }],
+            digests,
+            version: VERSION_COMPRESSED,
+            stored,
+        };
+        let bm = Blockmap::parse(&encode(&bm)).unwrap();
+        assert!(bm.stored(0, 0).zstd && !bm.stored(0, 2).zstd);
+        let src = source::LocalPacks::open(&[path], &[file.len() as u64]).unwrap();
+        let vc = VerifiedChunks::new(
+            Arc::new(bm),
+            Box::new(src),
+            Arc::new(Counters::default()),
+            64 << 12,
+            vec!["p0".into()],
+        )
+        .with_fetching(Fetching {
+            disk,
+            ..Fetching::default()
+        });
+        (vc, logical)
+    }
+
+    #[test]
+    fn compressed_chunks_are_verified_then_decompressed_and_cached_as_stored() {
+        let tmp = tempfile::tempdir().unwrap();
+        let disk = DiskCache::open(&tmp.path().join("c"), 1 << 30, Arc::new(Counters::default())).unwrap();
+        let (vc, logical) = compressed(tmp.path(), &[], Some(disk));
+        let mut out = vec![0u8; logical.len() - 100];
+        vc.read_pack(0, 50, &mut out).unwrap();
+        assert_eq!(out, logical[50..logical.len() - 50]);
+        assert_eq!(vc.core.counters.snapshot().chunks_verified, 4);
+        // the persistent cache holds the stored bytes (its digest check on load holds)
+        let frame = std::fs::read(tmp.path().join("pack")).unwrap();
+        let sc = *vc.blockmap().stored(0, 0);
+        let d = vc.blockmap().digest(0, 0);
+        let cached = vc.core.fetching.disk.as_ref().unwrap().get(d).unwrap();
+        assert_eq!(cached, frame[sc.offset as usize..(sc.offset + sc.length) as usize]);
+        drop(vc);
+        // a new instance serves every chunk from the persistent cache, decompressed
+        let disk = DiskCache::open(&tmp.path().join("c"), 1 << 30, Arc::new(Counters::default())).unwrap();
+        let tmp2 = tempfile::tempdir().unwrap();
+        let (vc, _) = compressed(tmp2.path(), &[], Some(disk));
+        std::fs::write(tmp2.path().join("pack"), b"").unwrap(); // the source is gone
+        for c in 0..4u64 {
+            assert_eq!(
+                &vc.chunk(0, c).unwrap()[..],
+                &logical[(c as usize) * 4096..(c as usize + 1) * 4096]
+            );
+        }
+    }
+
+    #[test]
+    fn a_frame_of_the_wrong_length_fails_its_chunk_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let half = zstd::bulk::compress(&b"ublk pack ".repeat(205)[..2048], 3).unwrap();
+        let (vc, logical) = compressed(tmp.path(), &[(1, half)], None);
+        assert!(matches!(
+            vc.chunk(0, 1),
+            Err(ChunkError::Decode { pack: 0, chunk: 1, .. })
+        ));
+        assert_eq!(vc.core.counters.snapshot().verify_failures, 1);
+        assert_eq!(&vc.chunk(0, 0).unwrap()[..], &logical[..4096]);
+        assert_eq!(&vc.chunk(0, 3).unwrap()[..], &logical[3 * 4096..]);
+        // not cached: a second read fails again (and is counted again)
+        assert!(vc.chunk(0, 1).is_err());
+        assert_eq!(vc.core.counters.snapshot().verify_failures, 2);
     }
 }
