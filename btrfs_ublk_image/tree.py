@@ -4,14 +4,20 @@ An ``Inode`` is one file object; a hardlink is the same ``Inode`` object under
 several names. Names are ``bytes`` (Linux file names are bytes, not text).
 Regular file content is either ``bytes`` (small, kept in memory, may become an
 inline extent) or a ``Blob``: deduplicated content already written to a pack.
+
+The tree is the one structure a build keeps for every entry until the image is
+written, so its objects are compact (the build's peak memory is mostly these):
+an ``Inode`` has slots only, one slot for whatever its type carries (content,
+symlink target, directory entries or device number), no xattr dict when it has
+none, and shared int objects for modes and owners; a ``Blob`` is one int.
 """
 
 from __future__ import annotations
 
 import enum
 import stat
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 
 from btrfs_ublk_image.errors import SourceError
 
@@ -28,51 +34,244 @@ class FileType(enum.IntEnum):
     SOCK = stat.S_IFSOCK
 
 
-@dataclass(frozen=True, slots=True)
-class Blob:
-    """Content stored in a pack: ``size`` bytes at ``offset`` of pack number ``pack``."""
+_CRC_BITS = 32
+_SIZE_BITS = 64
+_PACK_BITS = 24
 
-    crc32c: int  # CRC-32C of the content (a deduplication key; matches are compared bytewise)
-    size: int
-    pack: int
-    offset: int
+
+class Blob(int):
+    """Content stored in a pack: ``size`` bytes at ``offset`` of pack number ``pack``,
+    with ``crc32c`` the CRC-32C of the content (a deduplication key; matches are
+    compared bytewise).
+
+    The four fields live in one int (an image has one ``Blob`` per distinct content:
+    one object of 48 bytes instead of a record plus four int objects). Two blobs are
+    equal when all four fields are; a ``Blob`` is always true.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, crc32c: int, size: int, pack: int, offset: int) -> Blob:
+        if not (
+            0 <= crc32c < 1 << _CRC_BITS
+            and 0 <= size < 1 << _SIZE_BITS
+            and 0 <= pack < 1 << _PACK_BITS
+            and offset >= 0
+        ):
+            raise ValueError(f"blob field out of range: {crc32c=} {size=} {pack=} {offset=}")
+        packed = ((offset << _PACK_BITS | pack) << _SIZE_BITS | size) << _CRC_BITS | crc32c
+        return super().__new__(cls, packed)
+
+    @property
+    def crc32c(self) -> int:
+        return self & ((1 << _CRC_BITS) - 1)
+
+    @property
+    def size(self) -> int:
+        return (self >> _CRC_BITS) & ((1 << _SIZE_BITS) - 1)
+
+    @property
+    def pack(self) -> int:
+        return (self >> (_CRC_BITS + _SIZE_BITS)) & ((1 << _PACK_BITS) - 1)
+
+    @property
+    def offset(self) -> int:
+        return self >> (_CRC_BITS + _SIZE_BITS + _PACK_BITS)
+
+    def __reduce__(self) -> tuple[type[Blob], tuple[int, int, int, int]]:  # copy and pickle
+        return Blob, (self.crc32c, self.size, self.pack, self.offset)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return (
+            f"Blob(crc32c={self.crc32c:#010x}, size={self.size}, pack={self.pack},"
+            f" offset={self.offset})"
+        )
+
+    __str__ = __repr__
 
 
 Content = bytes | Blob
 
+_NO_XATTRS: Mapping[bytes, bytes] = MappingProxyType({})
+# one int object per distinct mode / owner value instead of one per inode
+_SHARED_INTS: dict[int, int] = {}
+_SHARED_INTS_MAX = 1 << 16
 
-@dataclass(eq=False, slots=True)
+
+def _shared(value: int) -> int:
+    if -5 <= value <= 256:  # CPython's own small ints
+        return value
+    got = _SHARED_INTS.get(value)
+    if got is not None:
+        return got
+    if len(_SHARED_INTS) < _SHARED_INTS_MAX:
+        _SHARED_INTS[value] = value
+    return value
+
+
+def _payload_default(ftype: FileType) -> object:
+    if ftype is FileType.DIR:
+        return {}
+    if ftype is FileType.REG or ftype is FileType.SYMLINK:
+        return b""
+    return 0
+
+
 class Inode:
-    type: FileType
-    mode: int = 0o644  # permission bits only (0o7777): setuid/setgid/sticky included
-    uid: int = 0
-    gid: int = 0
-    mtime_ns: int = 0
-    atime_ns: int | None = None  # None: same as mtime
-    ctime_ns: int | None = None  # None: same as mtime
-    xattrs: dict[bytes, bytes] = field(default_factory=dict)
-    rdev: int = 0  # devices: os.makedev(major, minor)
-    target: bytes = b""  # symlinks
-    content: Content = b""  # regular files
-    entries: dict[bytes, Inode] = field(default_factory=dict)  # directories
+    """One file object. ``content`` (regular files), ``target`` (symlinks), ``entries``
+    (directories) and ``rdev`` (devices) share one slot: each reads as empty (or 0) on
+    other types, and setting ``type`` resets it. ``xattrs`` reads as an empty mapping
+    when there are none; set a new mapping to change them."""
+
+    __slots__ = ("_type", "_mode", "_uid", "_gid", "mtime_ns", "atime_ns", "ctime_ns", "_xattrs",
+                 "_payload", "ino")  # fmt: skip
+
+    def __init__(
+        self,
+        type: FileType,
+        mode: int = 0o644,  # permission bits only (0o7777): setuid/setgid/sticky included
+        uid: int = 0,
+        gid: int = 0,
+        mtime_ns: int = 0,
+        atime_ns: int | None = None,  # None: same as mtime
+        ctime_ns: int | None = None,  # None: same as mtime
+        xattrs: Mapping[bytes, bytes] | None = None,
+        rdev: int = 0,  # devices: os.makedev(major, minor)
+        target: bytes = b"",  # symlinks
+        content: Content = b"",  # regular files
+        entries: dict[bytes, Inode] | None = None,  # directories
+    ) -> None:
+        self._type = type
+        self._mode = _shared(mode)
+        self._uid = _shared(uid)
+        self._gid = _shared(gid)
+        self.mtime_ns = mtime_ns
+        self.atime_ns = atime_ns
+        self.ctime_ns = ctime_ns
+        self._xattrs = xattrs or None
+        self.ino = 0  # the btrfs writer's inode number (scratch, set while writing an image)
+        if type is FileType.REG:
+            self._payload: object = content
+        elif type is FileType.DIR:
+            self._payload = {} if entries is None else entries
+        elif type is FileType.SYMLINK:
+            self._payload = target
+        elif type is FileType.CHR or type is FileType.BLK:
+            self._payload = rdev
+        else:
+            self._payload = 0
+
+    def __repr__(self) -> str:
+        return f"Inode({self._type.name}, mode={self._mode:#o}, uid={self._uid}, gid={self._gid})"
+
+    @property
+    def type(self) -> FileType:
+        return self._type
+
+    @type.setter
+    def type(self, value: FileType) -> None:
+        self._type = value
+        self._payload = _payload_default(value)
+
+    @property
+    def mode(self) -> int:
+        return self._mode
+
+    @mode.setter
+    def mode(self, value: int) -> None:
+        self._mode = _shared(value)
+
+    @property
+    def uid(self) -> int:
+        return self._uid
+
+    @uid.setter
+    def uid(self, value: int) -> None:
+        self._uid = _shared(value)
+
+    @property
+    def gid(self) -> int:
+        return self._gid
+
+    @gid.setter
+    def gid(self, value: int) -> None:
+        self._gid = _shared(value)
+
+    @property
+    def xattrs(self) -> Mapping[bytes, bytes]:
+        x = self._xattrs
+        return _NO_XATTRS if x is None else x
+
+    @xattrs.setter
+    def xattrs(self, value: Mapping[bytes, bytes] | None) -> None:
+        self._xattrs = value or None
+
+    def _check(self, want: FileType, what: str) -> None:
+        if self._type is not want:
+            raise ValueError(f"a {self._type.name} inode has no {what}")
+
+    @property
+    def content(self) -> Content:
+        p = self._payload
+        return p if self._type is FileType.REG else b""  # type: ignore[return-value]
+
+    @content.setter
+    def content(self, value: Content) -> None:
+        self._check(FileType.REG, "content")
+        self._payload = value
+
+    @property
+    def target(self) -> bytes:
+        p = self._payload
+        return p if self._type is FileType.SYMLINK else b""  # type: ignore[return-value]
+
+    @target.setter
+    def target(self, value: bytes) -> None:
+        self._check(FileType.SYMLINK, "target")
+        self._payload = value
+
+    @property
+    def entries(self) -> dict[bytes, Inode]:
+        p = self._payload
+        return p if self._type is FileType.DIR else {}  # type: ignore[return-value]
+
+    @entries.setter
+    def entries(self, value: dict[bytes, Inode]) -> None:
+        self._check(FileType.DIR, "entries")
+        self._payload = value
+
+    @property
+    def rdev(self) -> int:
+        t, p = self._type, self._payload
+        return p if t is FileType.CHR or t is FileType.BLK else 0  # type: ignore[return-value]
+
+    @rdev.setter
+    def rdev(self, value: int) -> None:
+        if self._type is not FileType.CHR and self._type is not FileType.BLK:
+            raise ValueError(f"a {self._type.name} inode has no device number")
+        self._payload = value
 
     @property
     def size(self) -> int:
-        if self.type == FileType.REG:
-            return self.content.size if isinstance(self.content, Blob) else len(self.content)
-        if self.type == FileType.SYMLINK:
-            return len(self.target)
+        t, p = self._type, self._payload
+        if t is FileType.REG:
+            return p.size if isinstance(p, Blob) else len(p)  # type: ignore[arg-type]
+        if t is FileType.SYMLINK:
+            return len(p)  # type: ignore[arg-type]
         return 0
 
     @property
     def st_mode(self) -> int:
-        return int(self.type) | (self.mode & 0o7777)
+        return int(self._type) | (self._mode & 0o7777)
 
     def take_metadata(self, other: Inode) -> None:
         """Mode, owner, times and xattrs of ``other`` (a later layer's entry for this directory)."""
-        self.mode, self.uid, self.gid = other.mode, other.uid, other.gid
+        self._mode, self._uid, self._gid = other._mode, other._uid, other._gid
         self.mtime_ns, self.atime_ns, self.ctime_ns = other.mtime_ns, other.atime_ns, other.ctime_ns
-        self.xattrs = other.xattrs
+        self._xattrs = other._xattrs
 
 
 def new_dir(mode: int = 0o755, mtime_ns: int = 0) -> Inode:
