@@ -9,13 +9,15 @@ The tree is the one structure a build keeps for every entry until the image is
 written, so its objects are compact (the build's peak memory is mostly these):
 an ``Inode`` has slots only, one slot for whatever its type carries (content,
 symlink target, directory entries or device number), no xattr dict when it has
-none, and shared int objects for modes and owners; a ``Blob`` is one int.
+none, type, mode and owner in one shared tuple, the three timestamps in one bytes
+object; a ``Blob`` is one int.
 """
 
 from __future__ import annotations
 
 import enum
 import stat
+import struct
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
@@ -96,20 +98,46 @@ class Blob(int):
 Content = bytes | Blob
 
 _NO_XATTRS: Mapping[bytes, bytes] = MappingProxyType({})
-# one int object per distinct mode / owner value instead of one per inode
-_SHARED_INTS: dict[int, int] = {}
-_SHARED_INTS_MAX = 1 << 16
+
+# (type, mode, uid, gid) tuples shared by every inode with the same values: an image has
+# few distinct ones
+_Meta = tuple[FileType, int, int, int]
+_SHARED_META: dict[_Meta, _Meta] = {}
+_SHARED_META_MAX = 1 << 16
+
+# the three timestamps packed in one bytes object; None (same as mtime) as the sentinel.
+# Values that do not fit (or equal the sentinel) are kept as a tuple instead.
+_TIMES = struct.Struct("<qqq")
+_NONE_TIME = -(1 << 63)
+_Times = bytes | tuple[int, int | None, int | None]
 
 
-def _shared(value: int) -> int:
-    if -5 <= value <= 256:  # CPython's own small ints
-        return value
-    got = _SHARED_INTS.get(value)
+def _meta(ftype: FileType, mode: int, uid: int, gid: int) -> _Meta:
+    key = (ftype, mode, uid, gid)
+    got = _SHARED_META.get(key)
     if got is not None:
         return got
-    if len(_SHARED_INTS) < _SHARED_INTS_MAX:
-        _SHARED_INTS[value] = value
-    return value
+    if len(_SHARED_META) < _SHARED_META_MAX:
+        _SHARED_META[key] = key
+    return key
+
+
+def _pack_times(mtime_ns: int, atime_ns: int | None, ctime_ns: int | None) -> _Times:
+    a = _NONE_TIME if atime_ns is None else atime_ns
+    c = _NONE_TIME if ctime_ns is None else ctime_ns
+    try:
+        if _NONE_TIME not in (mtime_ns, atime_ns, ctime_ns):
+            return _TIMES.pack(mtime_ns, a, c)
+    except struct.error:
+        pass
+    return (mtime_ns, atime_ns, ctime_ns)
+
+
+def _unpack_times(times: _Times) -> tuple[int, int | None, int | None]:
+    if type(times) is tuple:
+        return times
+    m, a, c = _TIMES.unpack(times)  # type: ignore[arg-type]
+    return m, None if a == _NONE_TIME else a, None if c == _NONE_TIME else c
 
 
 def _payload_default(ftype: FileType) -> object:
@@ -126,8 +154,7 @@ class Inode:
     other types, and setting ``type`` resets it. ``xattrs`` reads as an empty mapping
     when there are none; set a new mapping to change them."""
 
-    __slots__ = ("_type", "_mode", "_uid", "_gid", "mtime_ns", "atime_ns", "ctime_ns", "_xattrs",
-                 "_payload", "ino")  # fmt: skip
+    __slots__ = ("_meta", "_times", "_xattrs", "_payload", "ino")
 
     def __init__(
         self,
@@ -144,13 +171,8 @@ class Inode:
         content: Content = b"",  # regular files
         entries: dict[bytes, Inode] | None = None,  # directories
     ) -> None:
-        self._type = type
-        self._mode = _shared(mode)
-        self._uid = _shared(uid)
-        self._gid = _shared(gid)
-        self.mtime_ns = mtime_ns
-        self.atime_ns = atime_ns
-        self.ctime_ns = ctime_ns
+        self._meta = _meta(type, mode, uid, gid)
+        self._times = _pack_times(mtime_ns, atime_ns, ctime_ns)
         self._xattrs = xattrs or None
         self.ino = 0  # the btrfs writer's inode number (scratch, set while writing an image)
         if type is FileType.REG:
@@ -165,40 +187,76 @@ class Inode:
             self._payload = 0
 
     def __repr__(self) -> str:
-        return f"Inode({self._type.name}, mode={self._mode:#o}, uid={self._uid}, gid={self._gid})"
+        t, mode, uid, gid = self._meta
+        return f"Inode({t.name}, mode={mode:#o}, uid={uid}, gid={gid})"
 
     @property
     def type(self) -> FileType:
-        return self._type
+        return self._meta[0]
 
     @type.setter
     def type(self, value: FileType) -> None:
-        self._type = value
+        _, mode, uid, gid = self._meta
+        self._meta = _meta(value, mode, uid, gid)
         self._payload = _payload_default(value)
 
     @property
     def mode(self) -> int:
-        return self._mode
+        return self._meta[1]
 
     @mode.setter
     def mode(self, value: int) -> None:
-        self._mode = _shared(value)
+        t, _, uid, gid = self._meta
+        self._meta = _meta(t, value, uid, gid)
 
     @property
     def uid(self) -> int:
-        return self._uid
+        return self._meta[2]
 
     @uid.setter
     def uid(self, value: int) -> None:
-        self._uid = _shared(value)
+        t, mode, _, gid = self._meta
+        self._meta = _meta(t, mode, value, gid)
 
     @property
     def gid(self) -> int:
-        return self._gid
+        return self._meta[3]
 
     @gid.setter
     def gid(self, value: int) -> None:
-        self._gid = _shared(value)
+        t, mode, uid, _ = self._meta
+        self._meta = _meta(t, mode, uid, value)
+
+    @property
+    def mtime_ns(self) -> int:
+        return _unpack_times(self._times)[0]
+
+    @mtime_ns.setter
+    def mtime_ns(self, value: int) -> None:
+        _, a, c = _unpack_times(self._times)
+        self._times = _pack_times(value, a, c)
+
+    @property
+    def atime_ns(self) -> int | None:
+        return _unpack_times(self._times)[1]
+
+    @atime_ns.setter
+    def atime_ns(self, value: int | None) -> None:
+        m, _, c = _unpack_times(self._times)
+        self._times = _pack_times(m, value, c)
+
+    @property
+    def ctime_ns(self) -> int | None:
+        return _unpack_times(self._times)[2]
+
+    @ctime_ns.setter
+    def ctime_ns(self, value: int | None) -> None:
+        m, a, _ = _unpack_times(self._times)
+        self._times = _pack_times(m, a, value)
+
+    def times(self) -> tuple[int, int | None, int | None]:
+        """(mtime_ns, atime_ns, ctime_ns) in one go."""
+        return _unpack_times(self._times)
 
     @property
     def xattrs(self) -> Mapping[bytes, bytes]:
@@ -210,13 +268,13 @@ class Inode:
         self._xattrs = value or None
 
     def _check(self, want: FileType, what: str) -> None:
-        if self._type is not want:
-            raise ValueError(f"a {self._type.name} inode has no {what}")
+        if self._meta[0] is not want:
+            raise ValueError(f"a {self._meta[0].name} inode has no {what}")
 
     @property
     def content(self) -> Content:
         p = self._payload
-        return p if self._type is FileType.REG else b""  # type: ignore[return-value]
+        return p if self._meta[0] is FileType.REG else b""  # type: ignore[return-value]
 
     @content.setter
     def content(self, value: Content) -> None:
@@ -226,7 +284,7 @@ class Inode:
     @property
     def target(self) -> bytes:
         p = self._payload
-        return p if self._type is FileType.SYMLINK else b""  # type: ignore[return-value]
+        return p if self._meta[0] is FileType.SYMLINK else b""  # type: ignore[return-value]
 
     @target.setter
     def target(self, value: bytes) -> None:
@@ -236,7 +294,7 @@ class Inode:
     @property
     def entries(self) -> dict[bytes, Inode]:
         p = self._payload
-        return p if self._type is FileType.DIR else {}  # type: ignore[return-value]
+        return p if self._meta[0] is FileType.DIR else {}  # type: ignore[return-value]
 
     @entries.setter
     def entries(self, value: dict[bytes, Inode]) -> None:
@@ -245,18 +303,19 @@ class Inode:
 
     @property
     def rdev(self) -> int:
-        t, p = self._type, self._payload
+        t, p = self._meta[0], self._payload
         return p if t is FileType.CHR or t is FileType.BLK else 0  # type: ignore[return-value]
 
     @rdev.setter
     def rdev(self, value: int) -> None:
-        if self._type is not FileType.CHR and self._type is not FileType.BLK:
-            raise ValueError(f"a {self._type.name} inode has no device number")
+        t = self._meta[0]
+        if t is not FileType.CHR and t is not FileType.BLK:
+            raise ValueError(f"a {t.name} inode has no device number")
         self._payload = value
 
     @property
     def size(self) -> int:
-        t, p = self._type, self._payload
+        t, p = self._meta[0], self._payload
         if t is FileType.REG:
             return p.size if isinstance(p, Blob) else len(p)  # type: ignore[arg-type]
         if t is FileType.SYMLINK:
@@ -265,12 +324,14 @@ class Inode:
 
     @property
     def st_mode(self) -> int:
-        return int(self._type) | (self._mode & 0o7777)
+        t, mode, _, _ = self._meta
+        return int(t) | (mode & 0o7777)
 
     def take_metadata(self, other: Inode) -> None:
         """Mode, owner, times and xattrs of ``other`` (a later layer's entry for this directory)."""
-        self._mode, self._uid, self._gid = other._mode, other._uid, other._gid
-        self.mtime_ns, self.atime_ns, self.ctime_ns = other.mtime_ns, other.atime_ns, other.ctime_ns
+        _, mode, uid, gid = other._meta
+        self._meta = _meta(self._meta[0], mode, uid, gid)
+        self._times = other._times
         self._xattrs = other._xattrs
 
 

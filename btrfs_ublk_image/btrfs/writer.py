@@ -376,8 +376,7 @@ def _fs_tree_items(
             stats["devices"] += 1
         if nlink > LINK_MAX:
             raise ImageError(f"inode {ino} has {nlink} hardlinks; btrfs allows {LINK_MAX}")
-        mtime = node.mtime_ns
-        ctime = node.ctime_ns if node.ctime_ns is not None else mtime
+        mtime, atime, ctime = node.times()
         add(
             (ino, d.INODE_ITEM_KEY, 0),
             d.pack_inode_item(
@@ -390,8 +389,8 @@ def _fs_tree_items(
                 mode=node.st_mode,
                 rdev=_kernel_rdev(node.rdev) if ftype in (FileType.CHR, FileType.BLK) else 0,
                 flags=flags,
-                atime_ns=node.atime_ns if node.atime_ns is not None else mtime,
-                ctime_ns=ctime,
+                atime_ns=mtime if atime is None else atime,
+                ctime_ns=mtime if ctime is None else ctime,
                 mtime_ns=mtime,
                 otime_ns=mtime,
             ),
