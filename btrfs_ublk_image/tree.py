@@ -10,14 +10,18 @@ written, so its objects are compact (the build's peak memory is mostly these):
 an ``Inode`` has slots only, one slot for whatever its type carries (content,
 symlink target, directory entries or device number), no xattr dict when it has
 none, type, mode and owner in one shared tuple, the three timestamps in one bytes
-object; a ``Blob`` is one int.
+object; a ``Blob`` is one int. Sources set small files' content aside in a file
+(``Tree.set_content_aside``) rather than keep it in memory.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 import stat
 import struct
+import tempfile
+import weakref
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
@@ -138,6 +142,49 @@ def _unpack_times(times: _Times) -> tuple[int, int | None, int | None]:
         return times
     m, a, c = _TIMES.unpack(times)  # type: ignore[arg-type]
     return m, None if a == _NONE_TIME else a, None if c == _NONE_TIME else c
+
+
+# content up to this size stays in memory (a reference to set-aside content costs about this)
+_ASIDE_MIN = 96
+
+
+class AsideFile:
+    """Small file content set aside in an unnamed file until the writer reads it back:
+    a build would otherwise keep every small file's bytes in memory to the end."""
+
+    def __init__(self, directory: str) -> None:
+        self._file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (lives with the tree)
+        weakref.finalize(self, self._file.close)  # closed (and gone) with the tree
+        self._end = 0
+        self._dirty = False
+
+    def put(self, data: bytes) -> _SetAside:
+        self._file.write(data)
+        self._dirty = True
+        at = self._end
+        self._end += len(data)
+        return _SetAside(self, at, len(data))
+
+    def read(self, offset: int, size: int) -> bytes:
+        if self._dirty:
+            self._file.flush()
+            self._dirty = False
+        data = os.pread(self._file.fileno(), size, offset)
+        if len(data) != size:
+            raise OSError(f"set-aside content: short read at {offset}")
+        return data
+
+
+class _SetAside:
+    """Content of ``size`` bytes at ``offset`` of an ``AsideFile``."""
+
+    __slots__ = ("offset", "size", "store")
+
+    def __init__(self, store: AsideFile, offset: int, size: int) -> None:
+        self.store, self.offset, self.size = store, offset, size
+
+    def read(self) -> bytes:
+        return self.store.read(self.offset, self.size)
 
 
 def _payload_default(ftype: FileType) -> object:
@@ -274,7 +321,11 @@ class Inode:
     @property
     def content(self) -> Content:
         p = self._payload
-        return p if self._meta[0] is FileType.REG else b""  # type: ignore[return-value]
+        if self._meta[0] is not FileType.REG:
+            return b""
+        if type(p) is _SetAside:
+            return p.read()
+        return p  # type: ignore[return-value]
 
     @content.setter
     def content(self, value: Content) -> None:
@@ -317,7 +368,7 @@ class Inode:
     def size(self) -> int:
         t, p = self._meta[0], self._payload
         if t is FileType.REG:
-            return p.size if isinstance(p, Blob) else len(p)  # type: ignore[arg-type]
+            return p.size if isinstance(p, Blob | _SetAside) else len(p)  # type: ignore[arg-type]
         if t is FileType.SYMLINK:
             return len(p)  # type: ignore[arg-type]
         return 0
@@ -326,6 +377,12 @@ class Inode:
     def st_mode(self) -> int:
         t, mode, _, _ = self._meta
         return int(t) | (mode & 0o7777)
+
+    def set_content_aside(self, store: AsideFile) -> None:
+        """Move in-memory content (worth moving) to ``store``; it reads back unchanged."""
+        p = self._payload
+        if self._meta[0] is FileType.REG and type(p) is bytes and len(p) > _ASIDE_MIN:
+            self._payload = store.put(p)
 
     def take_metadata(self, other: Inode) -> None:
         """Mode, owner, times and xattrs of ``other`` (a later layer's entry for this directory)."""
@@ -372,6 +429,14 @@ class Tree:
 
     def __init__(self, root: Inode | None = None) -> None:
         self.root = root if root is not None else new_dir()
+        self._aside: AsideFile | None = None
+
+    def set_content_aside(self, inode: Inode, directory: str) -> None:
+        """Keep ``inode``'s small in-memory content in this tree's side file (an unnamed
+        file in ``directory``, made on first use) instead of in memory."""
+        if self._aside is None:
+            self._aside = AsideFile(directory)
+        inode.set_content_aside(self._aside)
 
     def lookup(self, path: bytes | str) -> Inode | None:
         node = self.root
