@@ -258,13 +258,14 @@ class _DataPlacer:
 
 
 class _DataRanges(Sequence[DataRange]):
-    """The placer's extents as ``DataRange`` records, made when read."""
+    """The placer's extents as ``DataRange`` records, made when read (only the columns
+    they need stay alive with the layout)."""
 
     def __init__(self, placer: _DataPlacer) -> None:
-        self._p = placer
+        self._p = _RangeColumns(placer.dev_offset, placer.length, placer.pack, placer.pack_offset)
 
     def __len__(self) -> int:
-        return len(self._p.logical)
+        return len(self._p.dev_offset)
 
     @overload
     def __getitem__(self, i: int) -> DataRange: ...
@@ -275,6 +276,14 @@ class _DataRanges(Sequence[DataRange]):
             return [self[j] for j in range(*i.indices(len(self)))]
         p = self._p
         return DataRange(p.dev_offset[i], p.length[i], p.pack[i], p.pack_offset[i])
+
+
+@dataclass(frozen=True, slots=True)
+class _RangeColumns:
+    dev_offset: array[int]
+    length: array[int]
+    pack: array[int]
+    pack_offset: array[int]
 
 
 def _group_by_hash(entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
