@@ -9,7 +9,7 @@ The tree is the one structure a build keeps for every entry until the image is
 written, so its objects are compact (the build's peak memory is mostly these):
 an ``Inode`` has slots only, one slot for whatever its type carries (content,
 symlink target, directory entries or device number), no xattr dict when it has
-none, type, mode and owner in one shared tuple, the three timestamps in one bytes
+none, type, mode, owner and xattrs in one (shared) tuple, the three timestamps in one bytes
 object; a ``Blob`` is one int. Sources set small files' content aside in a file
 (``Tree.set_content_aside``) rather than keep it in memory.
 """
@@ -103,9 +103,9 @@ Content = bytes | Blob
 
 _NO_XATTRS: Mapping[bytes, bytes] = MappingProxyType({})
 
-# (type, mode, uid, gid) tuples shared by every inode with the same values: an image has
-# few distinct ones
-_Meta = tuple[FileType, int, int, int]
+# (type, mode, uid, gid, xattrs or None) tuples, shared by every inode without xattrs that
+# has the same values: an image has few distinct ones
+_Meta = tuple[FileType, int, int, int, Mapping[bytes, bytes] | None]
 _SHARED_META: dict[_Meta, _Meta] = {}
 _SHARED_META_MAX = 1 << 16
 
@@ -116,8 +116,12 @@ _NONE_TIME = -(1 << 63)
 _Times = bytes | tuple[int, int | None, int | None]
 
 
-def _meta(ftype: FileType, mode: int, uid: int, gid: int) -> _Meta:
-    key = (ftype, mode, uid, gid)
+def _meta(
+    ftype: FileType, mode: int, uid: int, gid: int, xattrs: Mapping[bytes, bytes] | None
+) -> _Meta:
+    key = (ftype, mode, uid, gid, xattrs or None)
+    if xattrs:
+        return key  # a mapping is not hashable: not shared
     got = _SHARED_META.get(key)
     if got is not None:
         return got
@@ -201,7 +205,7 @@ class Inode:
     other types, and setting ``type`` resets it. ``xattrs`` reads as an empty mapping
     when there are none; set a new mapping to change them."""
 
-    __slots__ = ("_meta", "_times", "_xattrs", "_payload", "ino")
+    __slots__ = ("_meta", "_times", "_payload", "ino")
 
     def __init__(
         self,
@@ -218,10 +222,11 @@ class Inode:
         content: Content = b"",  # regular files
         entries: dict[bytes, Inode] | None = None,  # directories
     ) -> None:
-        self._meta = _meta(type, mode, uid, gid)
+        self._meta = _meta(type, mode, uid, gid, xattrs)
         self._times = _pack_times(mtime_ns, atime_ns, ctime_ns)
-        self._xattrs = xattrs or None
-        self.ino = 0  # the btrfs writer's inode number (scratch, set while writing an image)
+        # the btrfs writer's scratch while it writes an image: a mark, or the inode number of
+        # a directory or hardlinked file
+        self.ino: object = 0
         if type is FileType.REG:
             self._payload: object = content
         elif type is FileType.DIR:
@@ -234,7 +239,7 @@ class Inode:
             self._payload = 0
 
     def __repr__(self) -> str:
-        t, mode, uid, gid = self._meta
+        t, mode, uid, gid, _ = self._meta
         return f"Inode({t.name}, mode={mode:#o}, uid={uid}, gid={gid})"
 
     @property
@@ -243,8 +248,8 @@ class Inode:
 
     @type.setter
     def type(self, value: FileType) -> None:
-        _, mode, uid, gid = self._meta
-        self._meta = _meta(value, mode, uid, gid)
+        _, mode, uid, gid, x = self._meta
+        self._meta = _meta(value, mode, uid, gid, x)
         self._payload = _payload_default(value)
 
     @property
@@ -253,8 +258,8 @@ class Inode:
 
     @mode.setter
     def mode(self, value: int) -> None:
-        t, _, uid, gid = self._meta
-        self._meta = _meta(t, value, uid, gid)
+        t, _, uid, gid, x = self._meta
+        self._meta = _meta(t, value, uid, gid, x)
 
     @property
     def uid(self) -> int:
@@ -262,8 +267,8 @@ class Inode:
 
     @uid.setter
     def uid(self, value: int) -> None:
-        t, mode, _, gid = self._meta
-        self._meta = _meta(t, mode, value, gid)
+        t, mode, _, gid, x = self._meta
+        self._meta = _meta(t, mode, value, gid, x)
 
     @property
     def gid(self) -> int:
@@ -271,8 +276,8 @@ class Inode:
 
     @gid.setter
     def gid(self, value: int) -> None:
-        t, mode, uid, _ = self._meta
-        self._meta = _meta(t, mode, uid, value)
+        t, mode, uid, _, x = self._meta
+        self._meta = _meta(t, mode, uid, value, x)
 
     @property
     def mtime_ns(self) -> int:
@@ -307,12 +312,13 @@ class Inode:
 
     @property
     def xattrs(self) -> Mapping[bytes, bytes]:
-        x = self._xattrs
+        x = self._meta[4]
         return _NO_XATTRS if x is None else x
 
     @xattrs.setter
     def xattrs(self, value: Mapping[bytes, bytes] | None) -> None:
-        self._xattrs = value or None
+        t, mode, uid, gid, _ = self._meta
+        self._meta = _meta(t, mode, uid, gid, value)
 
     def _check(self, want: FileType, what: str) -> None:
         if self._meta[0] is not want:
@@ -375,7 +381,7 @@ class Inode:
 
     @property
     def st_mode(self) -> int:
-        t, mode, _, _ = self._meta
+        t, mode = self._meta[0], self._meta[1]
         return int(t) | (mode & 0o7777)
 
     def set_content_aside(self, store: AsideFile) -> None:
@@ -386,10 +392,9 @@ class Inode:
 
     def take_metadata(self, other: Inode) -> None:
         """Mode, owner, times and xattrs of ``other`` (a later layer's entry for this directory)."""
-        _, mode, uid, gid = other._meta
-        self._meta = _meta(self._meta[0], mode, uid, gid)
+        _, mode, uid, gid, x = other._meta
+        self._meta = _meta(self._meta[0], mode, uid, gid, x)
         self._times = other._times
-        self._xattrs = other._xattrs
 
 
 def new_dir(mode: int = 0o755, mtime_ns: int = 0) -> Inode:

@@ -50,7 +50,7 @@ def test_tree_and_writer_bytes_per_entry(tmp_path: Path) -> None:
         writer_peak = tracemalloc.get_traced_memory()[1] - base - tree_bytes
     finally:
         tracemalloc.stop()
-    # measured: ~290 B (tree) and ~210 B (writer) per entry; before compaction ~630 and ~1,010
+    # measured: ~280 B (tree) and ~180 B (writer) per entry; before compaction ~630 and ~1,010
     assert tree_bytes / ENTRIES < 450, f"tree: {tree_bytes / ENTRIES:.0f} B per entry"
     assert writer_peak / ENTRIES < 300, f"writer: {writer_peak / ENTRIES:.0f} B per entry"
 

@@ -96,15 +96,21 @@ class ImageLayout:
 
 
 class _Numbering:
-    """Inode numbers (``Inode.ino``) and the names that point at each inode.
+    """Inode numbers and the names that point at each inode.
 
     Kept as flat arrays, one row per inode in number order: an image's writer holds
-    them for every entry at once, so a row costs a few machine words, not objects.
+    them for every entry at once, so a row costs a few machine words, not objects. An
+    inode's number is its row (+ FIRST_FREE_OBJECTID); ``Inode.ino`` holds it only for
+    directories and hardlinked files (``once`` marks every other inode), and a
+    directory's new children (those not named earlier) take consecutive numbers from
+    ``child_base``, so ``child_inos`` finds every child's number without an int object
+    per inode.
     """
 
-    __slots__ = ("index", "inodes", "more_refs", "name", "parent")
+    __slots__ = ("child_base", "index", "inodes", "more_refs", "name", "once", "parent")
 
-    def __init__(self, root: Inode) -> None:
+    def __init__(self, root: Inode, once: object) -> None:
+        self.once = once  # this numbering's mark of an inode with one name
         self.inodes: list[Inode] = [root]  # ino - FIRST_FREE_OBJECTID -> inode
         # the first name of each inode: parent dir's ino, dir index, name
         self.parent = array("Q", [d.FIRST_FREE_OBJECTID])
@@ -112,6 +118,7 @@ class _Numbering:
         self.name: list[bytes] = [b".."]
         # hardlinks: ino -> its other names (parent ino, index, name)
         self.more_refs: dict[int, list[tuple[int, int, bytes]]] = {}
+        self.child_base: dict[int, int] = {}  # dir ino -> the number of its first new child
 
     def refs(self, ino: int) -> list[tuple[int, int, bytes]]:
         n = ino - d.FIRST_FREE_OBJECTID
@@ -120,6 +127,20 @@ class _Numbering:
     def nlink(self, ino: int) -> int:
         more = self.more_refs.get(ino)
         return 1 if more is None else 1 + len(more)
+
+    def child_inos(self, dir_ino: int, children: Iterable[Inode]) -> Iterator[int]:
+        """The numbers of a directory's children, given in sorted name order."""
+        once, k = self.once, self.child_base[dir_ino]
+        for child in children:
+            ino = child.ino
+            if ino is once:
+                yield k
+                k += 1
+                continue
+            assert isinstance(ino, int)
+            if ino == k:  # numbered here (a directory, or a hardlink's first name)
+                k += 1
+            yield ino
 
 
 def inline_max(opts: WriterOptions) -> int:
@@ -135,37 +156,54 @@ def _kernel_rdev(rdev: int) -> int:
 def _number(tree: Tree) -> _Numbering:
     """DFS, sorted names; a directory's new children take consecutive numbers when it is
     reached; a hardlink reuses its inode's number."""
-    first = d.FIRST_FREE_OBJECTID
+    # pass 1: which inodes have more than one name (marks of this run: whatever ``ino``
+    # held before is overwritten)
+    once, more = object(), object()
     root = tree.root
-    root.ino = first
-    num = _Numbering(root)
-    inodes, parents, indexes, names = num.inodes, num.parent, num.index, num.name
+    root.ino = once
     stack = [root]
     while stack:
-        parent = stack.pop()
-        pino = parent.ino
-        entries = parent.entries
-        pending: list[Inode] = []
-        for index, name in enumerate(sorted(entries), start=2):
-            child = entries[name]
-            seen = child.ino - first
-            # ``ino`` may be left from an earlier write of this tree: trust it only if it
-            # names this very inode in this numbering
-            if 0 <= seen < len(inodes) and inodes[seen] is child:
+        for name, child in stack.pop().entries.items():
+            mark = child.ino
+            if mark is once:
                 if child.type is FileType.DIR:
                     raise ImageError(
                         f"directory {name!r} appears twice in the tree (hardlinked dir)"
                     )
-                num.more_refs.setdefault(child.ino, []).append((pino, index, name))
+                child.ino = more
+            elif mark is not more:
+                child.ino = once
+                if child.type is FileType.DIR:
+                    stack.append(child)
+    # pass 2: numbers
+    first = d.FIRST_FREE_OBJECTID
+    root.ino = first
+    num = _Numbering(root, once)
+    inodes, parents, indexes, names = num.inodes, num.parent, num.index, num.name
+    dirs = [(root, first)]
+    while dirs:
+        parent, pino = dirs.pop()
+        entries = parent.entries
+        num.child_base[pino] = first + len(inodes)
+        pending: list[tuple[Inode, int]] = []
+        for index, name in enumerate(sorted(entries), start=2):
+            child = entries[name]
+            mark = child.ino
+            if mark is not once and mark is not more:  # numbered already: another name
+                assert isinstance(mark, int)
+                num.more_refs.setdefault(mark, []).append((pino, index, name))
                 continue
-            child.ino = first + len(inodes)
+            ino = first + len(inodes)
+            if child.type is FileType.DIR:
+                child.ino = ino
+                pending.append((child, ino))
+            elif mark is more:
+                child.ino = ino
             inodes.append(child)
             parents.append(pino)
             indexes.append(index)
             names.append(name)
-            if child.type is FileType.DIR:
-                pending.append(child)
-        stack.extend(reversed(pending))
+        dirs.extend(reversed(pending))
     return num
 
 
@@ -440,12 +478,13 @@ def _fs_tree_items(
         if entries:
             # DIR_INDEX in index (= sorted name) order, DIR_ITEM by name hash
             names = sorted(entries)
-            packed = []
-            for name in names:
-                child = entries[name]
-                packed.append(
-                    d.pack_dir_item((child.ino, d.INODE_ITEM_KEY, 0), gen, _FT[child.type], name)
+            children = [entries[name] for name in names]
+            packed = [
+                d.pack_dir_item((child_ino, d.INODE_ITEM_KEY, 0), gen, _FT[child.type], name)
+                for name, child, child_ino in zip(
+                    names, children, num.child_inos(ino, children), strict=True
                 )
+            ]
             dir_items = [
                 (d.name_hash(name), item) for name, item in zip(names, packed, strict=True)
             ]
