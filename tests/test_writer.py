@@ -112,6 +112,23 @@ def test_identical_files_share_one_extent(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
+def test_many_refs_to_one_extent_become_keyed_items(tmp_path: Path) -> None:
+    """More refs than an EXTENT_ITEM holds inline (33): keyed EXTENT_DATA_REF items, which
+    the writer sizes without making them (the plan must match what it then writes)."""
+
+    def fill(packs: PackWriter) -> Tree:
+        t = Tree()
+        for i in range(80):
+            t.put(f"/d/f{i:03d}", Inode(FileType.REG, content=packs.put_bytes(b"x" * 10_000)), "t")
+        return t
+
+    meta = Path(build(tmp_path, fill).path) / "meta.img"
+    check(meta)
+    dump = run("btrfs", "inspect-internal", "dump-tree", "-t", "extent", meta).stdout
+    assert dump.count("EXTENT_DATA_REF") == 80 and "refs 80" in dump
+
+
+@pytest.mark.unit
 def test_builds_are_byte_identical(tmp_path: Path) -> None:
     content = os.urandom(MiB)
 

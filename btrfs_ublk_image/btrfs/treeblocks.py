@@ -120,11 +120,25 @@ def unspill(leaves: Sequence[Leaf], spill: BinaryIO) -> Iterator[Leaf]:
         yield Leaf(leaf.first_key, leaf.nritems, payload)
 
 
-def pack_leaves(items: Sequence[tuple[d.Key, bytes]]) -> list[Leaf]:
-    packer = LeafPacker()
+def iter_leaves(items: Iterable[tuple[d.Key, bytes]]) -> Iterator[Leaf]:
+    """Sorted items -> leaves, each made as soon as it is full (same split as ``split_leaves``):
+    a large tree's items and leaves need not sit in memory together."""
+    batch: list[tuple[d.Key, bytes]] = []
+    used = 0
     for key, data in items:
-        packer.add(key, data)
-    return packer.finish()
+        need = d.ITEM_SIZE + len(data)
+        if len(data) > d.MAX_ITEM_DATA:
+            raise ValueError(f"item of {len(data)} bytes does not fit in a {d.NODESIZE}-byte leaf")
+        if used + need > d.LEAF_DATA_SIZE:
+            yield Leaf(batch[0][0], len(batch), d.pack_leaf_payload(batch))
+            batch, used = [], 0
+        batch.append((key, data))
+        used += need
+    yield Leaf(batch[0][0] if batch else EMPTY_KEY, len(batch), d.pack_leaf_payload(batch))
+
+
+def pack_leaves(items: Iterable[tuple[d.Key, bytes]]) -> list[Leaf]:
+    return list(iter_leaves(items))
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,13 +16,14 @@ The result says which device-2 ranges hold which pack bytes (the blockmap).
 from __future__ import annotations
 
 import hashlib
+import heapq
 import os
 import tempfile
 import uuid
-from collections import defaultdict
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import BinaryIO, overload
 
 from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.btrfs.layout import (
@@ -40,6 +41,7 @@ from btrfs_ublk_image.btrfs.treeblocks import (
     LeafPacker,
     TreeInfo,
     block_levels,
+    iter_leaves,
     levels_for_leaves,
     pack_leaves,
     serialize,
@@ -88,26 +90,57 @@ class ImageLayout:
     generation: int
     meta_size: int  # device 1 == meta.img size
     data_size: int  # device 2 size
-    data_ranges: list[DataRange]  # sorted by dev_offset; the superblock range is not included
+    data_ranges: Sequence[DataRange]  # sorted by dev_offset; the superblock range is not included
     data_super: bytes  # device 2's superblock (4096 bytes at SUPER_INFO_OFFSET)
     stats: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class _Numbered:
-    """An inode with its number and the names that point at it."""
+class _Numbering:
+    """Inode numbers and the names that point at each inode.
 
-    inode: Inode
-    ino: int
-    refs: list[tuple[int, int, bytes]] = field(default_factory=list)  # (parent ino, index, name)
-    children: list[tuple[int, bytes, int]] = field(default_factory=list)  # (index, name, ino)
+    Kept as flat arrays, one row per inode in number order: an image's writer holds
+    them for every entry at once, so a row costs a few machine words, not objects. An
+    inode's number is its row (+ FIRST_FREE_OBJECTID); ``Inode.ino`` holds it only for
+    directories and hardlinked files (``once`` marks every other inode), and a
+    directory's new children (those not named earlier) take consecutive numbers from
+    ``child_base``, so ``child_inos`` finds every child's number without an int object
+    per inode.
+    """
 
+    __slots__ = ("child_base", "index", "inodes", "more_refs", "name", "once", "parent")
 
-@dataclass(frozen=True, slots=True)
-class _Extent:
-    logical: int
-    num_bytes: int  # on disk, 4 KiB aligned
-    file_offset: int
+    def __init__(self, root: Inode, once: object) -> None:
+        self.once = once  # this numbering's mark of an inode with one name
+        self.inodes: list[Inode] = [root]  # ino - FIRST_FREE_OBJECTID -> inode
+        # the first name of each inode: parent dir's ino, dir index, name
+        self.parent = array("Q", [d.FIRST_FREE_OBJECTID])
+        self.index = array("Q", [0])
+        self.name: list[bytes] = [b".."]
+        # hardlinks: ino -> its other names (parent ino, index, name)
+        self.more_refs: dict[int, list[tuple[int, int, bytes]]] = {}
+        self.child_base: dict[int, int] = {}  # dir ino -> the number of its first new child
+
+    def refs(self, ino: int) -> list[tuple[int, int, bytes]]:
+        n = ino - d.FIRST_FREE_OBJECTID
+        return [(self.parent[n], self.index[n], self.name[n]), *self.more_refs.get(ino, ())]
+
+    def nlink(self, ino: int) -> int:
+        more = self.more_refs.get(ino)
+        return 1 if more is None else 1 + len(more)
+
+    def child_inos(self, dir_ino: int, children: Iterable[Inode]) -> Iterator[int]:
+        """The numbers of a directory's children, given in sorted name order."""
+        once, k = self.once, self.child_base[dir_ino]
+        for child in children:
+            ino = child.ino
+            if ino is once:
+                yield k
+                k += 1
+                continue
+            assert isinstance(ino, int)
+            if ino == k:  # numbered here (a directory, or a hardlink's first name)
+                k += 1
+            yield ino
 
 
 def inline_max(opts: WriterOptions) -> int:
@@ -120,39 +153,77 @@ def _kernel_rdev(rdev: int) -> int:
     return (os.major(rdev) << 20) | os.minor(rdev)
 
 
-def _number(tree: Tree) -> list[_Numbered]:
-    root = _Numbered(tree.root, d.FIRST_FREE_OBJECTID)
-    root.refs.append((d.FIRST_FREE_OBJECTID, 0, b".."))
-    table = [root]
-    by_id: dict[int, _Numbered] = {id(tree.root): root}
+def _number(tree: Tree) -> _Numbering:
+    """DFS, sorted names; a directory's new children take consecutive numbers when it is
+    reached; a hardlink reuses its inode's number."""
+    # pass 1: which inodes have more than one name (marks of this run: whatever ``ino``
+    # held before is overwritten)
+    once, more = object(), object()
+    root = tree.root
+    root.ino = once
     stack = [root]
     while stack:
-        parent = stack.pop()
-        pending: list[_Numbered] = []
-        for index, name in enumerate(sorted(parent.inode.entries), start=2):
-            child = parent.inode.entries[name]
-            num = by_id.get(id(child))
-            if num is None:
-                num = _Numbered(child, d.FIRST_FREE_OBJECTID + len(table))
-                by_id[id(child)] = num
-                table.append(num)
-                if child.type == FileType.DIR:
-                    pending.append(num)
-            elif child.type == FileType.DIR:
-                raise ImageError(f"directory {name!r} appears twice in the tree (hardlinked dir)")
-            num.refs.append((parent.ino, index, name))
-            parent.children.append((index, name, num.ino))
-        stack.extend(reversed(pending))
-    return table
+        for name, child in stack.pop().entries.items():
+            mark = child.ino
+            if mark is once:
+                if child.type is FileType.DIR:
+                    raise ImageError(
+                        f"directory {name!r} appears twice in the tree (hardlinked dir)"
+                    )
+                child.ino = more
+            elif mark is not more:
+                child.ino = once
+                if child.type is FileType.DIR:
+                    stack.append(child)
+    # pass 2: numbers
+    first = d.FIRST_FREE_OBJECTID
+    root.ino = first
+    num = _Numbering(root, once)
+    inodes, parents, indexes, names = num.inodes, num.parent, num.index, num.name
+    dirs = [(root, first)]
+    while dirs:
+        parent, pino = dirs.pop()
+        entries = parent.entries
+        num.child_base[pino] = first + len(inodes)
+        pending: list[tuple[Inode, int]] = []
+        for index, name in enumerate(sorted(entries), start=2):
+            child = entries[name]
+            mark = child.ino
+            if mark is not once and mark is not more:  # numbered already: another name
+                assert isinstance(mark, int)
+                num.more_refs.setdefault(mark, []).append((pino, index, name))
+                continue
+            ino = first + len(inodes)
+            if child.type is FileType.DIR:
+                child.ino = ino
+                pending.append((child, ino))
+            elif mark is more:
+                child.ino = ino
+            inodes.append(child)
+            parents.append(pino)
+            indexes.append(index)
+            names.append(name)
+        dirs.extend(reversed(pending))
+    return num
 
 
 class _DataPlacer:
-    """Lays extents out on device 2, chunk after chunk, in first-use order."""
+    """Lays extents out on device 2, chunk after chunk, in first-use order.
+
+    Extents are rows of flat arrays in placement order (which is also logical and
+    device order); a blob's extents are consecutive rows, the first with file offset 0.
+    """
 
     def __init__(self, data_logical: int) -> None:
         self.chunks: list[Chunk] = []
-        self.ranges: list[DataRange] = []
-        self.by_blob: dict[Blob, list[_Extent]] = {}
+        self.first_extent: dict[Blob, int] = {}  # blob -> row of its first extent
+        self.logical = array("Q")
+        self.disk_bytes = array("Q")  # on disk, 4 KiB aligned
+        self.file_offset = array("Q")
+        self.dev_offset = array("Q")  # device 2 physical
+        self.length = array("Q")  # bytes of content (the rest of disk_bytes is zeros)
+        self.pack = array("Q")
+        self.pack_offset = array("Q")
         self._ranges_iter = device_ranges(DEVICE_START)
         self._logical = data_logical
         self._cur = 0  # physical cursor
@@ -176,36 +247,81 @@ class _DataPlacer:
                 )
                 self._logical += length
 
-    def place(self, blob: Blob) -> list[_Extent]:
-        extents = self.by_blob.get(blob)
-        if extents is not None:
-            return extents
-        extents = []
+    def place(self, blob: Blob) -> range:
+        """The rows of ``blob``'s extents (placed on first use)."""
+        first = self.first_extent.get(blob)
+        if first is not None:
+            end, offsets = first + 1, self.file_offset
+            while end < len(offsets) and offsets[end] != 0:
+                end += 1
+            return range(first, end)
+        size = blob.size
+        if size == 0:
+            return range(0)
+        first = len(self.logical)
         done = 0
-        while done < blob.size:
+        while done < size:
             if self._cur >= self._end:
                 self._next_chunk()
             disk = min(
-                align_up(blob.size - done, d.SECTORSIZE), d.MAX_EXTENT_SIZE, self._end - self._cur
+                align_up(size - done, d.SECTORSIZE), d.MAX_EXTENT_SIZE, self._end - self._cur
             )
-            length = min(disk, blob.size - done)
-            logical = self._chunk_logical + (self._cur - self._chunk_phys)
-            self.ranges.append(DataRange(self._cur, length, blob.pack, blob.offset + done))
-            extents.append(_Extent(logical, disk, done))
+            length = min(disk, size - done)
+            self.logical.append(self._chunk_logical + (self._cur - self._chunk_phys))
+            self.disk_bytes.append(disk)
+            self.file_offset.append(done)
+            self.dev_offset.append(self._cur)
+            self.length.append(length)
+            self.pack.append(blob.pack)
+            self.pack_offset.append(blob.offset + done)
             self._cur += disk
             self.used += disk
             done += length
-        self.by_blob[blob] = extents
-        return extents
+        self.first_extent[blob] = first
+        return range(first, len(self.logical))
 
     def finish(self) -> list[Chunk]:
         self._close_chunk()
+        self.first_extent = {}  # placing is over
         if not self.chunks:  # no data at all: still one (empty) DATA block group
             self.chunks.append(
                 Chunk(self._logical, CHUNK_ALIGN, d.BLOCK_GROUP_DATA, 2, DEVICE_START)
             )
         self._end = 0
         return self.chunks
+
+    @property
+    def ranges(self) -> _DataRanges:
+        return _DataRanges(self)
+
+
+class _DataRanges(Sequence[DataRange]):
+    """The placer's extents as ``DataRange`` records, made when read (only the columns
+    they need stay alive with the layout)."""
+
+    def __init__(self, placer: _DataPlacer) -> None:
+        self._p = _RangeColumns(placer.dev_offset, placer.length, placer.pack, placer.pack_offset)
+
+    def __len__(self) -> int:
+        return len(self._p.dev_offset)
+
+    @overload
+    def __getitem__(self, i: int) -> DataRange: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[DataRange]: ...
+    def __getitem__(self, i: int | slice) -> DataRange | list[DataRange]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        p = self._p
+        return DataRange(p.dev_offset[i], p.length[i], p.pack[i], p.pack_offset[i])
+
+
+@dataclass(frozen=True, slots=True)
+class _RangeColumns:
+    dev_offset: array[int]
+    length: array[int]
+    pack: array[int]
+    pack_offset: array[int]
 
 
 def _group_by_hash(entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
@@ -221,13 +337,15 @@ class _FsTree:
     leaves: list[Leaf]  # packed as generated: the items never sit in memory as a list
     # (their payloads spilled to a file when the writer gives one)
     digest: bytes  # sha256 over every item (key + data): the content the fsid derives from
-    extent_refs: dict[int, list[tuple[int, int]]]  # extent logical -> [(ino, file offset)]
-    extent_len: dict[int, int]
+    placer: _DataPlacer  # the data extents
+    # file extent refs, one row each, in inode order: the extent's row and the inode
+    ref_extent: array[int]
+    ref_ino: array[int]
     stats: dict[str, int]
 
 
 def _fs_tree_items(
-    table: list[_Numbered], placer: _DataPlacer, imax: int, spill: BinaryIO | None = None
+    num: _Numbering, placer: _DataPlacer, imax: int, spill: BinaryIO | None = None
 ) -> _FsTree:
     gen = GENERATION
     packer = LeafPacker(spill)
@@ -239,8 +357,8 @@ def _fs_tree_items(
         items_hash.update(data)
         packer.add(key, data)
 
-    extent_refs: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    extent_len: dict[int, int] = {}
+    ref_extent = array("Q")
+    ref_ino = array("Q")
     stats = dict.fromkeys(
         (
             "files",
@@ -253,26 +371,29 @@ def _fs_tree_items(
         ),
         0,
     )
-    for num in table:
-        ino, node = num.ino, num.inode
+    ext_logical, ext_disk, ext_offset = placer.logical, placer.disk_bytes, placer.file_offset
+    for ino, node in enumerate(num.inodes, start=d.FIRST_FREE_OBJECTID):
+        ftype = node.type
         size, nbytes, flags = 0, 0, 0
+        nlink = num.nlink(ino)
         file_extents: list[tuple[d.Key, bytes]] = []
-        if node.type == FileType.REG:
+        entries: dict[bytes, Inode] = {}
+        if ftype is FileType.REG:
             stats["files"] += 1
             flags = d.INODE_NODATASUM | d.INODE_NODATACOW
             content = node.content
             if isinstance(content, Blob):
                 size = content.size
-                for ext in placer.place(content):
+                for row in placer.place(content):
                     file_extents.append(
                         (
-                            (ino, d.EXTENT_DATA_KEY, ext.file_offset),
-                            d.pack_file_extent_reg(gen, ext.logical, ext.num_bytes),
+                            (ino, d.EXTENT_DATA_KEY, ext_offset[row]),
+                            d.pack_file_extent_reg(gen, ext_logical[row], ext_disk[row]),
                         )
                     )
-                    extent_refs[ext.logical].append((ino, ext.file_offset))
-                    extent_len[ext.logical] = ext.num_bytes
-                    nbytes += ext.num_bytes
+                    ref_extent.append(row)
+                    ref_ino.append(ino)
+                    nbytes += ext_disk[row]
             elif content:
                 if len(content) > imax:
                     raise AssertionError("in-memory content larger than the inline limit")
@@ -282,54 +403,57 @@ def _fs_tree_items(
                     ((ino, d.EXTENT_DATA_KEY, 0), d.pack_file_extent_inline(gen, content))
                 )
             stats["content_bytes"] += size
-            if len(num.refs) > 1:
-                stats["hardlinks"] += len(num.refs) - 1
-        elif node.type == FileType.SYMLINK:
+            stats["hardlinks"] += nlink - 1
+        elif ftype is FileType.SYMLINK:
             stats["symlinks"] += 1
-            if not node.target or len(node.target) > MAX_INLINE:
+            target = node.target
+            if not target or len(target) > MAX_INLINE:
                 raise ImageError(
                     f"symlink target of inode {ino} is empty or longer than {MAX_INLINE} bytes"
                 )
-            size = nbytes = len(node.target)
+            size = nbytes = len(target)
             file_extents.append(
-                ((ino, d.EXTENT_DATA_KEY, 0), d.pack_file_extent_inline(gen, node.target))
+                ((ino, d.EXTENT_DATA_KEY, 0), d.pack_file_extent_inline(gen, target))
             )
-        elif node.type == FileType.DIR:
+        elif ftype is FileType.DIR:
             stats["directories"] += 1
-            size = 2 * sum(len(name) for _, name, _ in num.children)
+            entries = node.entries
+            size = 2 * sum(map(len, entries))
         else:
             stats["devices"] += 1
-        if len(num.refs) > LINK_MAX:
-            raise ImageError(f"inode {ino} has {len(num.refs)} hardlinks; btrfs allows {LINK_MAX}")
-        mtime = node.mtime_ns
-        ctime = node.ctime_ns if node.ctime_ns is not None else mtime
+        if nlink > LINK_MAX:
+            raise ImageError(f"inode {ino} has {nlink} hardlinks; btrfs allows {LINK_MAX}")
+        mtime, atime, ctime = node.times()
         add(
             (ino, d.INODE_ITEM_KEY, 0),
             d.pack_inode_item(
                 generation=gen,
                 size=size,
                 nbytes=nbytes,
-                nlink=1 if node.type == FileType.DIR else len(num.refs),
+                nlink=1 if ftype is FileType.DIR else nlink,
                 uid=node.uid,
                 gid=node.gid,
                 mode=node.st_mode,
-                rdev=_kernel_rdev(node.rdev) if node.type in (FileType.CHR, FileType.BLK) else 0,
+                rdev=_kernel_rdev(node.rdev) if ftype in (FileType.CHR, FileType.BLK) else 0,
                 flags=flags,
-                atime_ns=node.atime_ns if node.atime_ns is not None else mtime,
-                ctime_ns=ctime,
+                atime_ns=mtime if atime is None else atime,
+                ctime_ns=mtime if ctime is None else ctime,
                 mtime_ns=mtime,
                 otime_ns=mtime,
             ),
         )
-        if len(num.refs) == 1:
-            parent, index, name = num.refs[0]
-            add((ino, d.INODE_REF_KEY, parent), d.pack_inode_ref(index, name))
+        if nlink == 1:
+            n = ino - d.FIRST_FREE_OBJECTID
+            add(
+                (ino, d.INODE_REF_KEY, num.parent[n]),
+                d.pack_inode_ref(num.index[n], num.name[n]),
+            )
         else:
             # names per parent dir in one INODE_REF item while it fits in a leaf, the rest in
             # INODE_EXTREF items (EXTENDED_IREF), as the kernel does when a ref item is full
             by_parent: dict[int, bytes] = {}
             extrefs: dict[int, bytes] = {}
-            for parent, index, name in sorted(num.refs):
+            for parent, index, name in sorted(num.refs(ino)):
                 ref = d.pack_inode_ref(index, name)
                 data = by_parent.get(parent, b"")
                 if len(data) + len(ref) <= d.MAX_ITEM_DATA:
@@ -351,60 +475,106 @@ def _fs_tree_items(
                 )
             for h, data in _group_by_hash(xattrs):
                 add((ino, d.XATTR_ITEM_KEY, h), data)
-        if num.children:
-            packed = {
-                index: d.pack_dir_item(
-                    (child_ino, d.INODE_ITEM_KEY, 0),
-                    gen,
-                    _FT[table[child_ino - 256].inode.type],
-                    name,
+        if entries:
+            # DIR_INDEX in index (= sorted name) order, DIR_ITEM by name hash
+            names = sorted(entries)
+            children = [entries[name] for name in names]
+            packed = [
+                d.pack_dir_item((child_ino, d.INODE_ITEM_KEY, 0), gen, _FT[child.type], name)
+                for name, child, child_ino in zip(
+                    names, children, num.child_inos(ino, children), strict=True
                 )
-                for index, name, child_ino in num.children
-            }
-            dir_items = [(d.name_hash(name), packed[index]) for index, name, _ in num.children]
+            ]
+            dir_items = [
+                (d.name_hash(name), item) for name, item in zip(names, packed, strict=True)
+            ]
             for h, data in _group_by_hash(dir_items):
                 add((ino, d.DIR_ITEM_KEY, h), data)
-            for index, _, _ in sorted(num.children):
-                add((ino, d.DIR_INDEX_KEY, index), packed[index])
+            for index, data in enumerate(packed, start=2):
+                add((ino, d.DIR_INDEX_KEY, index), data)
         for key, data in file_extents:
             add(key, data)
-    return _FsTree(packer.finish(), items_hash.digest(), extent_refs, extent_len, stats)
+    return _FsTree(packer.finish(), items_hash.digest(), placer, ref_extent, ref_ino, stats)
 
 
-def _data_extent_items(fs: _FsTree) -> list[tuple[d.Key, bytes]]:
-    """EXTENT_ITEM per data extent with its refs: inline while they fit, else keyed."""
-    gen = GENERATION
-    out: list[tuple[d.Key, bytes]] = []
-    inline_room = (d.MAX_EXTENT_ITEM_SIZE - 24) // 29
-    for logical in sorted(fs.extent_refs):
-        refs = fs.extent_refs[logical]
-        head = d.pack_extent_item(len(refs), gen, d.EXTENT_FLAG_DATA)
-        key = (logical, d.EXTENT_ITEM_KEY, fs.extent_len[logical])
-        hashed = sorted(
-            ((d.extent_data_ref_hash(d.FS_TREE_OBJECTID, ino, off), ino, off) for ino, off in refs),
-            reverse=True,  # inline data refs: descending hash (tree-checker)
+# the size of an EXTENT_ITEM with one flags word, of an inline data ref, of a keyed one
+_EXTENT_HEAD_SIZE = 24
+_INLINE_DATA_REF_SIZE = 29
+_DATA_REF_SIZE = 28
+_INLINE_ROOM = (d.MAX_EXTENT_ITEM_SIZE - _EXTENT_HEAD_SIZE) // _INLINE_DATA_REF_SIZE
+
+
+class _DataExtentItems:
+    """The extent tree's items for data extents (EXTENT_ITEM with its refs inline while
+    they fit, else keyed EXTENT_DATA_REF items), made on demand from the placer's rows.
+
+    ``refs`` groups the fs tree's file extent refs by extent (rows ``start[e]`` ..
+    ``start[e + 1]`` of ``ino``), as flat arrays."""
+
+    def __init__(self, fs: _FsTree) -> None:
+        placer = fs.placer
+        self.logical, self.disk_bytes, self.file_offset = (
+            placer.logical,
+            placer.disk_bytes,
+            placer.file_offset,
         )
-        if len(refs) <= inline_room:
-            body = b"".join(
-                d.pack_inline_data_ref(d.FS_TREE_OBJECTID, ino, off, 1) for _, ino, off in hashed
-            )
-            out.append((key, head + body))
-            continue
-        out.append((key, head))
-        used: set[int] = set()
-        keyed = []
-        for h, ino, off in sorted(hashed):
-            while h in used:  # a hash collision takes the next free offset, as the kernel does
-                h += 1
-            used.add(h)
-            keyed.append(
-                (
-                    (logical, d.EXTENT_DATA_REF_KEY, h),
-                    d.pack_extent_data_ref(d.FS_TREE_OBJECTID, ino, off, 1),
+        n = len(self.logical)
+        start = array("Q", bytes(8 * (n + 1)))
+        for e in fs.ref_extent:
+            start[e + 1] += 1
+        for e in range(n):
+            start[e + 1] += start[e]
+        fill = array("Q", start[:n])
+        ino = array("Q", bytes(8 * len(fs.ref_ino)))
+        for e, i in zip(fs.ref_extent, fs.ref_ino, strict=True):
+            ino[fill[e]] = i
+            fill[e] += 1
+        self.start, self.ino = start, ino
+
+    def sizes(self) -> Iterator[tuple[d.Key, int]]:
+        """(key, item size) of every item, keyed refs with a stand-in offset: enough to
+        order them among other extent tree items (their objectid and type decide)."""
+        start = self.start
+        for e, logical in enumerate(self.logical):
+            nrefs = start[e + 1] - start[e]
+            if nrefs <= _INLINE_ROOM:
+                yield (
+                    (logical, d.EXTENT_ITEM_KEY, 0),
+                    _EXTENT_HEAD_SIZE + nrefs * (_INLINE_DATA_REF_SIZE),
                 )
+                continue
+            yield (logical, d.EXTENT_ITEM_KEY, 0), _EXTENT_HEAD_SIZE
+            for _ in range(nrefs):
+                yield (logical, d.EXTENT_DATA_REF_KEY, 0), _DATA_REF_SIZE
+
+    def items(self) -> Iterator[tuple[d.Key, bytes]]:
+        gen = GENERATION
+        root = d.FS_TREE_OBJECTID
+        start, inos, offsets = self.start, self.ino, self.file_offset
+        for e, logical in enumerate(self.logical):
+            off = offsets[e]
+            refs = inos[start[e] : start[e + 1]]
+            head = d.pack_extent_item(len(refs), gen, d.EXTENT_FLAG_DATA)
+            key = (logical, d.EXTENT_ITEM_KEY, self.disk_bytes[e])
+            hashed = sorted(
+                ((d.extent_data_ref_hash(root, ino, off), ino, off) for ino in refs),
+                reverse=True,  # inline data refs: descending hash (tree-checker)
             )
-        out.extend(sorted(keyed))
-    return out
+            if len(refs) <= _INLINE_ROOM:
+                body = b"".join(d.pack_inline_data_ref(root, ino, off, 1) for _, ino, off in hashed)
+                yield key, head + body
+                continue
+            yield key, head
+            used: set[int] = set()
+            keyed = []
+            for h, ino, off in sorted(hashed):
+                while h in used:  # a hash collision takes the next free offset, as the kernel does
+                    h += 1
+                used.add(h)
+                keyed.append(
+                    ((logical, d.EXTENT_DATA_REF_KEY, h), d.pack_extent_data_ref(root, ino, off, 1))
+                )
+            yield from sorted(keyed)
 
 
 def _derive_uuid(seed: bytes, purpose: bytes) -> uuid.UUID:
@@ -427,9 +597,9 @@ _META_TREES = (
 )
 
 
-# trees whose items change with the chunk layout and block addresses
+# trees whose items change with the chunk layout and block addresses (and the extent tree,
+# sized without making its items: see _Metadata.extent_tree_sizes)
 _ADDRESS_DEPENDENT = (
-    d.EXTENT_TREE_OBJECTID,
     d.DEV_TREE_OBJECTID,
     d.FREE_SPACE_TREE_OBJECTID,
     d.CHUNK_TREE_OBJECTID,
@@ -464,9 +634,7 @@ def _internal_dir_inode(nbytes: int, time_ns: int, otime_ns: int) -> bytes:
 class _Metadata:
     """Items of every tree but the fs tree, given the chunk list and block addresses."""
 
-    def __init__(
-        self, ids: _Ids, opts: WriterOptions, data_extents: list[tuple[d.Key, bytes]]
-    ) -> None:
+    def __init__(self, ids: _Ids, opts: WriterOptions, data_extents: _DataExtentItems) -> None:
         self.ids = ids
         self.opts = opts
         self.data_extents = data_extents
@@ -511,21 +679,38 @@ class _Metadata:
 
     def extent_tree(
         self, chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
+    ) -> Iterator[tuple[d.Key, bytes]]:
+        """``blocks``: (bytenr, level, owner) of every tree block; ``used``: chunk logical -> bytes used.
+
+        Sorted: the data extents' items, made as they are consumed, merged with the rest."""
+        return heapq.merge(
+            self.data_extents.items(), self._block_items(chunks, used, blocks), key=_item_key
+        )
+
+    def extent_tree_sizes(
+        self, chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
+    ) -> list[int]:
+        """The item sizes of ``extent_tree``, in order, without making the data extents' items."""
+        others = ((key, len(data)) for key, data in self._block_items(chunks, used, blocks))
+        return [size for _, size in heapq.merge(self.data_extents.sizes(), others, key=_item_key)]
+
+    @staticmethod
+    def _block_items(
+        chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
     ) -> list[tuple[d.Key, bytes]]:
-        """``blocks``: (bytenr, level, owner) of every tree block; ``used``: chunk logical -> bytes used."""
-        items = list(self.data_extents)
-        items.extend(
+        """Block group and tree block (METADATA_ITEM) items, sorted."""
+        items = [
             (
                 (c.logical, d.BLOCK_GROUP_ITEM_KEY, c.length),
                 d.pack_block_group_item(used.get(c.logical, 0), c.type),
             )
             for c in chunks
-        )
+        ]
         items.extend(
             ((bytenr, d.METADATA_ITEM_KEY, level), d.pack_metadata_item(GENERATION, owner))
             for bytenr, level, owner in blocks
         )
-        items.sort(key=lambda kv: kv[0])
+        items.sort(key=_item_key)
         return items
 
     def free_space_tree(
@@ -629,6 +814,10 @@ def _sizes(items: list[tuple[d.Key, bytes]]) -> list[int]:
     return [len(data) for _, data in items]
 
 
+def _item_key(item: tuple[d.Key, object]) -> d.Key:
+    return item[0]
+
+
 def _assign(
     levels: dict[int, list[int]],
     sys_chunk: Chunk,
@@ -667,15 +856,17 @@ def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
 
 def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: BinaryIO) -> ImageLayout:
     imax = inline_max(opts)
-    table = _number(tree)
+    numbering = _number(tree)
     sys_chunk = system_chunk()
     placer = _DataPlacer(sys_chunk.end)
-    fs = _fs_tree_items(table, placer, imax, spill)
-    del table  # the numbering is in the items now
+    fs = _fs_tree_items(numbering, placer, imax, spill)
+    del numbering  # it is in the items now
     data_chunks = placer.finish()
     data_used = {c.logical: 0 for c in data_chunks}
-    for logical, length in fs.extent_len.items():
-        owner = next(c for c in data_chunks if c.logical <= logical < c.end)
+    owner = data_chunks[0]
+    for logical, length in zip(placer.logical, placer.disk_bytes, strict=True):
+        if not owner.logical <= logical < owner.end:
+            owner = next(c for c in data_chunks if c.logical <= logical < c.end)
         data_used[owner.logical] += length
 
     # identity: derived from the fs tree's items unless the spec fixes the fsid
@@ -687,7 +878,8 @@ def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: BinaryI
         dev_uuid=(_derive_uuid(fb, b"devid-1").bytes, _derive_uuid(fb, b"devid-2").bytes),
         subvol_uuid=_derive_uuid(fb, b"fs-tree").bytes,
     )
-    meta = _Metadata(ids, opts, _data_extent_items(fs))
+    meta = _Metadata(ids, opts, _DataExtentItems(fs))
+    fs.ref_extent, fs.ref_ino = array("Q"), array("Q")  # grouped by extent now
     data_end = max(c.physical + c.length for c in data_chunks)
 
     # Plan: block counts per tree -> chunks -> addresses -> real items -> block counts,
@@ -716,8 +908,8 @@ def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: BinaryI
         chunks = [sys_chunk, *data_chunks, *meta_chunks]
         dev_sizes = (meta_chunks[-1].physical + meta_chunks[-1].length, data_end)
         addr_of, blocks, used = _assign(levels, sys_chunk, meta_chunks, data_used)
+        # the extent tree, by far the largest of these, is made only once the layout is final
         items: dict[int, list[tuple[d.Key, bytes]]] = {
-            d.EXTENT_TREE_OBJECTID: meta.extent_tree(chunks, used, blocks),
             d.DEV_TREE_OBJECTID: meta.dev_tree(chunks),
             d.CSUM_TREE_OBJECTID: [],
             d.UUID_TREE_OBJECTID: uuid_items,
@@ -726,6 +918,7 @@ def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: BinaryI
             d.CHUNK_TREE_OBJECTID: meta.chunk_tree(chunks, dev_sizes),
         }
         new = dict(levels)
+        new[d.EXTENT_TREE_OBJECTID] = block_levels(meta.extent_tree_sizes(chunks, used, blocks))
         for tree_id in _ADDRESS_DEPENDENT:
             new[tree_id] = block_levels(_sizes(items[tree_id]))
         if new == levels:
@@ -762,6 +955,9 @@ def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: BinaryI
             return info
 
         infos = {d.FS_TREE_OBJECTID: tree_blocks(d.FS_TREE_OBJECTID, unspill(fs.leaves, spill))}
+        infos[d.EXTENT_TREE_OBJECTID] = tree_blocks(
+            d.EXTENT_TREE_OBJECTID, iter_leaves(meta.extent_tree(chunks, used, blocks))
+        )
         for tree_id, tree_items in items.items():
             infos[tree_id] = tree_blocks(tree_id, pack_leaves(tree_items))
         nblocks = {t: len(addr_of[t]) for t in _META_TREES}
@@ -795,7 +991,7 @@ def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: BinaryI
     super2 = pack_super(fields, dev_items[1][1])
 
     stats = dict(fs.stats)
-    stats["data_extents"] = len(fs.extent_refs)
+    stats["data_extents"] = len(placer.logical)
     stats["metadata_bytes"] = len(blocks) * d.NODESIZE
     stats["data_bytes"] = placer.used
     return ImageLayout(
@@ -804,7 +1000,7 @@ def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: BinaryI
         generation=GENERATION,
         meta_size=dev_sizes[0],
         data_size=dev_sizes[1],
-        data_ranges=list(placer.ranges),
+        data_ranges=placer.ranges,
         data_super=super2,
         stats=stats,
     )

@@ -160,6 +160,8 @@ class LayerContext:
             if old is not inode:
                 old.take_metadata(inode)
             return
+        if inode.type is FileType.REG:
+            tree.set_content_aside(inode, self.packs.directory)
         entries[name] = inode
 
     def ensure_dir(self, path: str | bytes, where: str) -> Inode:
