@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import io
 import os
 import re
 import stat
@@ -338,3 +339,17 @@ def load_vm_harness() -> ModuleType:
     sys.modules[name] = mod  # dataclasses look their module up while the class is built
     spec.loader.exec_module(mod)
     return mod
+
+
+def write_pax_tar(path: Path, files: dict[str, bytes], dirs: tuple[str, ...]) -> None:
+    """A PAX tarball: the directories `dirs` (0755), then `files` (0644), all with mtime
+    1,700,000,000."""
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        for d in dirs:
+            ti = tarfile.TarInfo(d)
+            ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, 1_700_000_000
+            tf.addfile(ti)
+        for name, data in files.items():
+            ti = tarfile.TarInfo(name)
+            ti.size, ti.mode, ti.mtime = len(data), 0o644, 1_700_000_000
+            tf.addfile(ti, io.BytesIO(data))

@@ -3,18 +3,16 @@ pack, a corrupted byte in it fails the reads of its chunk only (root, fuse front
 
 from __future__ import annotations
 
-import errno
-import os
-import time
 from pathlib import Path
 
 import pytest
 from test_ublkd import (  # noqa: F401 - no_leftovers is a fixture
     CHUNK,
+    assert_only_bad_chunk_fails,
+    chunks_of_files,
     make_tarball,
     no_leftovers,
     read_file,
-    status_of,
     ublkd,
 )
 
@@ -41,13 +39,7 @@ def test_in_place_mount_then_corrupt_tar_byte_fails_that_chunk(
     assert len(bm.packs) == 2 and bm.packs[1].size == tarball.stat().st_size
     pack = bundle / "packs" / bm.packs[1].id.hex()
     tar_bytes = tarball.read_bytes()
-    # which chunks of the tarball pack each file's data lies in
-    chunks: dict[str, set[int]] = {}
-    for name, content in files.items():
-        if len(content) > 4096:
-            at = tar_bytes.find(content)
-            assert at >= 0, name
-            chunks[name] = set(range(at // CHUNK, (at + len(content) - 1) // CHUNK + 1))
+    chunks = chunks_of_files(tar_bytes, files)  # chunks of the tarball pack
     mnt = tmp / "mnt"
     mnt.mkdir()
     ublkd("mount", bundle, mnt, "--frontend", "fuse")
@@ -69,22 +61,8 @@ def test_in_place_mount_then_corrupt_tar_byte_fails_that_chunk(
     bad_chunk = victim // CHUNK
     ublkd("mount", bundle, mnt, "--frontend", "fuse")
     try:
-        affected = sorted(n for n, c in chunks.items() if bad_chunk in c)
-        fine = sorted(n for n, c in chunks.items() if bad_chunk not in c)
-        assert "data/b.bin" in affected and fine
-        for name in affected:
-            assert read_file(mnt / name) == errno.EIO, name
-        for name in fine:
-            assert read_file(mnt / name) == files[name], name
-        for name in ("etc/hostname", "usr/bin/tool"):  # inline in metadata
-            assert read_file(mnt / name) == files[name]
-        deadline = time.monotonic() + 3
-        while status_of(mnt)["verify_failures"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        st = status_of(mnt)
-        assert isinstance(st["verify_failures"], int) and st["verify_failures"] >= 1
-        log = Path(os.environ["UBLKD_RUN_DIR"], "bundles").glob("*/server.log")
-        want = f"pack {pack.relative_to(bundle)} chunk {bad_chunk} "  # pack named by its path
-        assert any(want in p.read_text() for p in log), want
+        # the log names the pack by its path
+        want = f"pack {pack.relative_to(bundle)} chunk {bad_chunk} "
+        assert_only_bad_chunk_fails(mnt, files, chunks, bad_chunk, want)
     finally:
         ublkd("umount", mnt)

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import os
 import re
 import signal
-import tarfile
 import time
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from test_ublkd import CHUNK, no_leftovers, read_file, status, status_of, ublkd
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.cli import main as cli
 
-from bundletools import list_dir, list_tar
+from bundletools import list_dir, list_tar, write_pax_tar
 
 pytestmark = pytest.mark.root
 __all__ = ["no_leftovers"]  # the fixture, used by name
@@ -49,15 +47,7 @@ def make_tree(path: Path) -> dict[str, bytes]:
         "data/small.bin": rnd.randbytes(70_000),
         "data/victim.bin": rnd.randbytes(2 * CHUNK),
     }
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
-        for d in ("etc", "data"):
-            ti = tarfile.TarInfo(d)
-            ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, 1_700_000_000
-            tf.addfile(ti)
-        for name, data in files.items():
-            ti = tarfile.TarInfo(name)
-            ti.size, ti.mode, ti.mtime = len(data), 0o644, 1_700_000_000
-            tf.addfile(ti, io.BytesIO(data))
+    write_pax_tar(path, files, ("etc", "data"))
     return files
 
 

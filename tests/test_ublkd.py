@@ -345,6 +345,41 @@ def test_two_bundles_at_once(no_leftovers: Path) -> None:
     assert status() == []
 
 
+def chunks_of_files(pack: bytes, files: dict[str, bytes]) -> dict[str, set[int]]:
+    """Which pack chunks each file's content (found by its bytes) lies in; files up to
+    4 KiB may be inline in meta.img and are left out."""
+    chunks: dict[str, set[int]] = {}
+    for name, content in files.items():
+        if len(content) > 4096:
+            at = pack.find(content)
+            assert at >= 0, name
+            chunks[name] = set(range(at // CHUNK, (at + len(content) - 1) // CHUNK + 1))
+    return chunks
+
+
+def assert_only_bad_chunk_fails(
+    mnt: Path, files: dict[str, bytes], chunks: dict[str, set[int]], bad_chunk: int, log_says: str
+) -> None:
+    """With pack chunk `bad_chunk` corrupted (make_tarball's files): reads of the files in
+    it fail with EIO, every other file reads right, the server counts and logs it."""
+    affected = sorted(n for n, c in chunks.items() if bad_chunk in c)
+    fine = sorted(n for n, c in chunks.items() if bad_chunk not in c)
+    assert "data/b.bin" in affected and fine
+    for name in affected:
+        assert read_file(mnt / name) == errno.EIO, name
+    for name in fine:
+        assert read_file(mnt / name) == files[name], name
+    for name in ("etc/hostname", "usr/bin/tool"):  # inline in metadata
+        assert read_file(mnt / name) == files[name]
+    deadline = time.monotonic() + 3
+    while status_of(mnt)["verify_failures"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    st = status_of(mnt)
+    assert isinstance(st["verify_failures"], int) and st["verify_failures"] >= 1
+    log = Path(os.environ["UBLKD_RUN_DIR"], "bundles").glob("*/server.log")
+    assert any(log_says in p.read_text() for p in log), log_says
+
+
 def test_corrupt_pack_byte_fails_reads_of_that_chunk_only(no_leftovers: Path) -> None:
     tmp = no_leftovers
     clean, _, files = build_bundle(tmp, "corrupt", 6)
@@ -352,13 +387,7 @@ def test_corrupt_pack_byte_fails_reads_of_that_chunk_only(no_leftovers: Path) ->
     shutil.copytree(clean, bundle)
     (pack,) = list((bundle / "packs").iterdir())
     data = bytearray(pack.read_bytes())
-    # where each regular file's bytes sit in the pack -> which chunks it needs
-    chunks: dict[str, set[int]] = {}
-    for name, content in files.items():
-        if len(content) > 4096:
-            at = data.find(content)
-            assert at >= 0, name
-            chunks[name] = set(range(at // CHUNK, (at + len(content) - 1) // CHUNK + 1))
+    chunks = chunks_of_files(bytes(data), files)
     victim = (data.find(files["data/b.bin"]) + len(files["data/b.bin"]) // 2) // CHUNK * CHUNK + 5
     data[victim] ^= 0xFF
     pack.write_bytes(bytes(data))
@@ -367,22 +396,7 @@ def test_corrupt_pack_byte_fails_reads_of_that_chunk_only(no_leftovers: Path) ->
     mnt.mkdir()
     ublkd("mount", bundle, mnt, "--frontend", "fuse")
     try:
-        affected = sorted(n for n, c in chunks.items() if bad_chunk in c)
-        fine = sorted(n for n, c in chunks.items() if bad_chunk not in c)
-        assert "data/b.bin" in affected and fine
-        for name in affected:
-            assert read_file(mnt / name) == errno.EIO, name
-        for name in fine:
-            assert read_file(mnt / name) == files[name], name
-        for name in ("etc/hostname", "usr/bin/tool"):  # inline in metadata
-            assert read_file(mnt / name) == files[name]
-        deadline = time.monotonic() + 3
-        while status_of(mnt)["verify_failures"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        st = status_of(mnt)
-        assert isinstance(st["verify_failures"], int) and st["verify_failures"] >= 1
-        log = Path(os.environ["UBLKD_RUN_DIR"], "bundles").glob("*/server.log")
-        assert any(f"chunk {bad_chunk} " in p.read_text() for p in log)
+        assert_only_bad_chunk_fails(mnt, files, chunks, bad_chunk, f"chunk {bad_chunk} ")
     finally:
         ublkd("umount", mnt)
 

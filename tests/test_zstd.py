@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import json
 import random
 import shutil
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -28,7 +26,7 @@ from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.push import verify_bundle
 from btrfs_ublk_image.reader import BundleReader
 
-from bundletools import list_dir, list_tar, mounted_bundle
+from bundletools import list_dir, list_tar, mounted_bundle, write_pax_tar
 
 __all__ = ["no_leftovers"]  # the fixture, used by name
 
@@ -56,15 +54,7 @@ def make_tree(path: Path) -> dict[str, bytes]:
         "data/victim.txt": _text(2 * MiB, 5),
         "data/zeros.bin": bytes(4 * MiB),
     }
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
-        for d in ("etc", "data"):
-            ti = tarfile.TarInfo(d)
-            ti.type, ti.mode, ti.mtime = tarfile.DIRTYPE, 0o755, 1_700_000_000
-            tf.addfile(ti)
-        for name, data in files.items():
-            ti = tarfile.TarInfo(name)
-            ti.size, ti.mode, ti.mtime = len(data), 0o644, 1_700_000_000
-            tf.addfile(ti, io.BytesIO(data))
+    write_pax_tar(path, files, ("etc", "data"))
     return files
 
 
