@@ -79,11 +79,17 @@ def test_tarball_mounts_identical(tmp_path: Path) -> None:
         "version: 1\nname: tartest\nlayers:\n  - tar: {path: rootfs.tar}\n"
     )
     assert cli(["build", str(tmp_path / "spec.yaml"), "-o", str(tmp_path / "bundle")]) == 0
-    bundle = tmp_path / "bundle"
+    assert_kernel_mount_matches(tmp_path / "bundle", tarball, tmp_path)
+
+
+def assert_kernel_mount_matches(bundle: Path, tarball: Path, tmp: Path) -> None:
+    """A bundle of make_tarball's tarball: btrfs check passes, the kernel mounts it with
+    the tarball's tree and no btrfs complaint in dmesg, `big` and `big-copy` share one
+    extent."""
     check = run("btrfs", "check", "--readonly", bundle / "meta.img", check=False)
     assert check.returncode == 0, check.stdout + check.stderr
     before = dmesg_len()
-    with mounted_bundle(bundle, tmp_path) as m:
+    with mounted_bundle(bundle, tmp) as m:
         got = list_dir(m.mountpoint)
         # identical content is one extent with two refs (FIEMAP: same physical offset)
         fiemap = [run("filefrag", "-v", m.mountpoint / n).stdout for n in ("big", "big-copy")]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from servers import docker_registry
-from test_build_tar import make_tarball
+from test_build_tar import assert_kernel_mount_matches, make_tarball
 from test_push import ok, push, skopeo
 
 from btrfs_ublk_image import blockmap as bmap
@@ -28,7 +28,7 @@ from btrfs_ublk_image.listing import format_listing, load
 from btrfs_ublk_image.packs import InPlacePack, PackWriter
 from btrfs_ublk_image.push import verify_bundle
 
-from bundletools import dmesg_btrfs_problems, dmesg_len, list_dir, list_tar, mounted_bundle, run
+from bundletools import run
 
 SPARSE_SIZE = 3 * 1024 * 1024 + 5
 CHUNK = 1 << 20
@@ -202,16 +202,7 @@ def test_in_place_kernel_mount_identical(tmp_path: Path) -> None:
     tarball = tmp_path / "rootfs.tar"
     make_tarball(tarball)
     bundle = build(tmp_path, tarball, "bundle", True)
-    check = run("btrfs", "check", "--readonly", bundle / "meta.img", check=False)
-    assert check.returncode == 0, check.stdout + check.stderr
-    before = dmesg_len()
-    with mounted_bundle(bundle, tmp_path) as m:
-        got = list_dir(m.mountpoint)
-        fiemap = [run("filefrag", "-v", m.mountpoint / n).stdout for n in ("big", "big-copy")]
-    assert got == list_tar(tarball)
-    assert dmesg_btrfs_problems(before, m.loops) == []
-    physical = [f.splitlines()[3].split()[3] for f in fiemap]
-    assert physical[0] == physical[1], fiemap
+    assert_kernel_mount_matches(bundle, tarball, tmp_path)
 
 
 @pytest.mark.unit

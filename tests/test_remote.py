@@ -12,14 +12,13 @@ import errno
 import hashlib
 import os
 import re
-import signal
 import time
 from pathlib import Path
 
 import pytest
 from servers import AccessRecord, TokenService, docker_registry, htpasswd_auth, nginx_serving
 from test_push import ok, push, write_trace
-from test_ublkd import CHUNK, no_leftovers, read_file, status, status_of, ublkd
+from test_ublkd import CHUNK, kill_server, no_leftovers, read_file, status, status_of, ublkd
 
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.cli import main as cli
@@ -243,12 +242,7 @@ def test_http_server_gone_mid_read_eio_then_back_and_recover(
             web.start()
             assert read_file(mnt / "data" / "long.bin") == want
             # the server dies; recover restarts it (it opens the cached image)
-            pid = status_of(mnt)["server_pid"]
-            assert isinstance(pid, int)
-            os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 5
-            while status_of(mnt)["server_alive"] and time.monotonic() < deadline:
-                time.sleep(0.05)
+            kill_server(mnt)
             web.stop()
             ublkd("recover", mnt)
             assert status_of(mnt)["server_alive"] is True

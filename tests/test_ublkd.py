@@ -345,6 +345,18 @@ def test_two_bundles_at_once(no_leftovers: Path) -> None:
     assert status() == []
 
 
+def kill_server(mnt: Path, wait_s: float = 5.0) -> float:
+    """kill -9 the server of the bundle mounted at `mnt`, then wait (at most `wait_s`)
+    until ublkd sees it gone; -> the deadline used (time.monotonic())."""
+    pid = status_of(mnt)["server_pid"]
+    assert isinstance(pid, int)
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while status_of(mnt)["server_alive"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return deadline
+
+
 def chunks_of_files(pack: bytes, files: dict[str, bytes]) -> dict[str, set[int]]:
     """Which pack chunks each file's content (found by its bytes) lies in; files up to
     4 KiB may be inline in meta.img and are left out."""
@@ -413,12 +425,7 @@ def test_kill_9_server_then_recover_and_umount(no_leftovers: Path) -> None:
     ublkd("mount", bundle, mnt, "--frontend", "fuse", "--rw", tmp / "rw.img", "--rw-size", "1G")
     try:
         assert read_file(mnt / "data" / "c.bin") == files["data/c.bin"]
-        pid = status_of(mnt)["server_pid"]
-        assert isinstance(pid, int)
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while status_of(mnt)["server_alive"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        kill_server(mnt)
         assert status_of(mnt)["server_alive"] is False
         assert read_file(mnt / "data" / "b.bin") == errno.EIO
         assert read_file(mnt / "data" / "c.bin") == files["data/c.bin"]  # page cache
@@ -457,12 +464,7 @@ def test_ublk_mount_kill_during_reads_recover(no_leftovers: Path) -> None:
         (mnt / "written").write_text("before kill\n")
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        pid = st["server_pid"]
-        assert isinstance(pid, int)
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while status_of(mnt)["server_alive"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        deadline = kill_server(mnt, wait_s=10)
         reader = subprocess.Popen(
             ["sha256sum", str(mnt / "data" / "b.bin")], stdout=subprocess.PIPE, text=True
         )

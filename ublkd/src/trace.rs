@@ -14,7 +14,6 @@ use crate::device::Device2;
 use crate::stats::Counters;
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
-use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
@@ -136,23 +135,7 @@ impl Trace {
 
     /// Write atomically: a temp file in the same directory, fsync, rename.
     pub fn write(&self, path: &Path) -> Result<()> {
-        let dir = match path.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d,
-            _ => Path::new("."),
-        };
-        let name = path.file_name().context("trace path has no file name")?;
-        let tmp = dir.join(format!(".{}.tmp.{}", name.to_string_lossy(), std::process::id()));
-        let res = (|| -> Result<()> {
-            let mut f = std::fs::File::create(&tmp).with_context(|| format!("{}: create", tmp.display()))?;
-            f.write_all(&self.encode())?;
-            f.sync_all()?;
-            std::fs::rename(&tmp, path).with_context(|| format!("{}: rename", path.display()))?;
-            Ok(())
-        })();
-        if res.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        res
+        crate::state::write_atomic_synced(path, &self.encode())
     }
 }
 
