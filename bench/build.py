@@ -1,21 +1,32 @@
-"""Build benchmark: ``btrfs-ublk-image build`` vs ``tar -x`` + ``mkfs.btrfs --rootdir`` and peers.
+"""Build benchmark: ``btrfs-ublk-image build`` vs ``umoci unpack`` / ``tar -x`` + ``mkfs.btrfs
+--rootdir`` and peers.
 
-Run as ``bench/run [--quick] [--json OUT] [--workdir DIR] [--repeat N] [--profile]
-[--update-docs]``. One run measures, side by side and on the same cached input
-(bench/inputs.py), each of:
+Run as ``bench/run [--quick] [--json OUT] [--workdir DIR] [--repeat N] [--debian-repeat N]
+[--build-inputs synthetic,debian] [--profile] [--update-docs]``. Two inputs, one after the
+other, each as a tarball and as an OCI image layout of the same tree:
+
+* the synthetic set (bench/inputs.py; ``--repeat`` runs): its tarball, and a layout
+  made once beside it (``ensure_oci_layout``: the tarball hardlinked as the one
+  uncompressed layer);
+* the Debian image (``--debian-repeat`` runs, default 5: it is small): the rootfs.tar
+  and the OCI layout (umoci-made, gzip) of specs/golden/debian/prepare.sh.
+
+One run measures, side by side on each input, each of:
 
 * ours: ``btrfs-ublk-image build spec.yaml -o OUT`` on a spec with one tar layer;
-* ours, tar in place: the same with ``in_place: true`` on the tar layer (the tarball
-  becomes a pack of the bundle: a reflink, or a copy on filesystems without them), in
-  the work directory and (root) on a loop-mounted btrfs, where the copy is a reflink;
-* the baseline: ``tar -xf`` into a directory, then ``mkfs.btrfs --rootdir`` on it;
+* ours from the OCI layout: the same with one ``oci:`` layer;
+* ours, tar in place: ``in_place: true`` on the tar layer (the tarball becomes a pack
+  of the bundle: a reflink, or a copy on filesystems without them), in the work
+  directory and (root) on a loop-mounted btrfs, where the copy is a reflink;
+* the baselines: ``umoci unpack`` of the layout then ``mkfs.btrfs --rootdir`` on the
+  bundle's rootfs; ``tar -xf`` into a directory then ``mkfs.btrfs --rootdir`` on it;
 * peers on the extracted tree (when installed): ``mksquashfs`` and ``mkfs.erofs``,
   both uncompressed; and ``mksquashfs -tar`` straight from the tarball.
 
-Each repeat drops the page cache (when root) before ours and before ``tar -x``, so
-both read the input tarball cold; the steps after ``tar -x`` find the extracted tree
+Each repeat drops the page cache (when root) before ours, ``umoci unpack`` and
+``tar -x``, so each reads its input cold; the steps after them find the unpacked tree
 warm in the page cache, as a shell pipeline would. Every command is followed by an
-untimed ``sync``. Outputs and the extracted tree are deleted after each step.
+untimed ``sync``. Outputs, umoci's bundle and the extracted tree are deleted untimed.
 
 A benchmark, not a test: it fails only when a command fails, never on speed.
 """
