@@ -159,6 +159,7 @@ fn spawn_server(b: &BundleState, kind: Kind, cache_mb: u64, recover: Option<i32>
         });
     }
     let mut child = cmd.spawn().context("start ublkd serve")?;
+    crate::timing("server spawned");
     let pid = child.id() as i32;
     let stdout = child.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -275,10 +276,19 @@ fn attach_dev2_instance(srv: &ServerRecord, name: &Path) -> Result<loopdev::Loop
     Ok(l)
 }
 
+/// meta.img's loop devices read through the page cache: the pages `mount` just hashed
+/// (or asked to be read ahead) serve the kernel's metadata reads, all mounts of the image
+/// share one copy, and attaching skips the fsync (a disk cache flush here) that
+/// switching a loop device to direct I/O does.
+const META_OPTS: loopdev::AttachOptions = loopdev::AttachOptions {
+    direct_io: false,
+    ..RO_OPTS
+};
+
+/// meta.img on a loop device: the very file `mount` checked against the manifest.
 fn attach_meta(bundle: &Bundle) -> Result<loopdev::LoopDev> {
-    let meta_path = bundle.meta_path();
-    let meta = File::open(&meta_path).with_context(|| format!("{}: open", meta_path.display()))?;
-    loopdev::attach(&meta, &meta_path, &RO_OPTS)
+    let meta = bundle.meta.as_ref().context("meta.img was not checked")?;
+    loopdev::attach(meta, &bundle.meta_path(), &META_OPTS)
 }
 
 /// `btrfs device scan` for a new instance of the image's seed devices.
@@ -448,6 +458,7 @@ fn ensure_shared(b: &mut BundleState, bundle: &Bundle, srv: &ServerRecord) -> Re
     save(b, &sh)?;
     let mut holds: Vec<File> = Vec::new();
     let d2 = attach_dev2_instance(srv, &dir)?;
+    crate::timing("shared: dev2 loop attached");
     sh.dev2_loop = Some(loop_record(&d2));
     save(b, &sh)?;
     let dev2 = d2.path.clone();
@@ -457,8 +468,11 @@ fn ensure_shared(b: &mut BundleState, bundle: &Bundle, srv: &ServerRecord) -> Re
     save(b, &sh)?;
     let meta = m.path.clone();
     holds.push(m.file);
+    crate::timing("shared: loops attached");
     scan_seed(&[&meta, &dev2], bundle)?;
+    crate::timing("shared: scanned");
     mnt::mount_btrfs(&meta, &path, &[&meta, &dev2], true, "")?;
+    crate::timing("shared: mount(2) done");
     sh.phase = "mounted".into();
     save(b, &sh)?;
     drop(holds);
@@ -552,7 +566,9 @@ pub fn mount(args: MountArgs) -> Result<()> {
         // read by the registry client here and inherited by the server (never in its argv)
         std::env::set_var(remote::AUTH_ENV, a);
     }
+    crate::timing("mount: args parsed");
     let (bundle, location) = remote::open_bundle(&args.bundle, &args.remote, args.expect_id.as_deref())?;
+    crate::timing("mount: bundle opened and checked");
     // checked before anything is locked or attached: a trace for another image is refused
     let prefetch = prefetch_trace(&args, &bundle)?;
     let mode = match (&args.rw, args.ephemeral) {
@@ -630,10 +646,12 @@ pub fn mount(args: MountArgs) -> Result<()> {
     };
     st.save()?;
 
+    crate::timing("mount: locked, state saved");
     // 1. the bundle's server (shared by all its mounts)
     let had_server = b.server.as_ref().is_some_and(state::server_alive);
     let srv = ensure_server(&mut b, args.frontend, kind, args.cache_mb, &id)?;
     let _same_fsid = claim_fsid(&b)?;
+    crate::timing("mount: server ready");
 
     let mp = mountpoint.clone();
     let note = match mode {
@@ -658,9 +676,11 @@ pub fn mount(args: MountArgs) -> Result<()> {
             mount_rw(&args, &bundle, &srv, &mut st, &mut rb)?
         }
     };
+    crate::timing("mount: mounted");
     st.phase = "mounted".into();
     st.save()?;
     rb.disarm();
+    crate::timing("mount: state saved");
     // the bundle's trace is applied by the mount that starts the server; an explicit
     // --prefetch by any mount
     let pf_note = match prefetch {

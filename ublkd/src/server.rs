@@ -131,8 +131,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // SAFETY: ignoring SIGPIPE is always sound.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
 
+    crate::timing("serve: signals set up");
     let counters = Arc::new(Counters::default());
     let opened = remote::open_for_serving(&args.bundle, &args.remote, args.expect_id.as_deref(), counters.clone())?;
+    crate::timing("serve: bundle opened");
     let location = opened.location.clone();
     let bundle_ranges = opened.bundle.blockmap.ranges.len();
     let image_id = opened.bundle.image_id.clone();
@@ -178,6 +180,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     match kind {
         Kind::Fuse => {
             let fe = frontend::fuse::start(dev.clone(), args.threads)?;
+            crate::timing("serve: fuse frontend up");
             let device = format!("/proc/{pid}/fd/{}/{}", fe.root.as_raw_fd(), frontend::fuse::FILE_NAME);
             announce(&Ready {
                 pid,
