@@ -139,6 +139,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let bundle_ranges = opened.bundle.blockmap.ranges.len();
     let image_id = opened.bundle.image_id.clone();
     let dev = open_device(opened, counters.clone(), args.cache_mb);
+    warm_superblock_chunk(&dev);
     if let Some(dir) = &args.dir {
         std::fs::create_dir_all(dir).with_context(|| format!("{}: mkdir", dir.display()))?;
         stats_writer(counters.clone(), dir.clone());
@@ -265,6 +266,24 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         }
         Kind::Auto => unreachable!(),
     }
+}
+
+/// Device 2's superblock (64 KiB in) is the first thing every mount reads (`btrfs device
+/// scan`, then `mount`): load and verify its pack chunk in the background while the
+/// frontend starts, as a prefetch (not a demand load; the scan's read still counts as
+/// an access for `record`).
+fn warm_superblock_chunk(dev: &Arc<Device2>) {
+    const SUPER: u64 = 65536;
+    let bm = dev.chunks.blockmap();
+    let Ok(segs) = bm.segments(SUPER, 4096) else { return };
+    let Some(crate::blockmap::Segment::Pack { pack, pack_offset, .. }) = segs.into_iter().next() else {
+        return;
+    };
+    let chunk = pack_offset >> bm.chunk_shift;
+    let dev = dev.clone();
+    let _ = std::thread::Builder::new()
+        .name("warm".into())
+        .spawn(move || dev.chunks.prefetch_run(pack, chunk..chunk + 1));
 }
 
 /// A ublk server must not share a mount namespace with users of its device (libublk
