@@ -277,9 +277,8 @@ fn attach_dev2_instance(srv: &ServerRecord, name: &Path) -> Result<loopdev::Loop
 }
 
 /// meta.img's loop devices read through the page cache: the pages `mount` just hashed
-/// (or asked to be read ahead) serve the kernel's metadata reads, all mounts of the image
-/// share one copy, and attaching skips the fsync (a disk cache flush here) that
-/// switching a loop device to direct I/O does.
+/// (or asked to be read ahead) serve the kernel's metadata reads, and all mounts of the
+/// image share one copy.
 const META_OPTS: loopdev::AttachOptions = loopdev::AttachOptions {
     direct_io: false,
     ..RO_OPTS
