@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import uuid
@@ -236,8 +237,10 @@ def test_missing_spec_file(tmp_path: Path) -> None:
 
 def test_models_are_frozen(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, FULL))
-    with pytest.raises(ValueError, match="frozen"):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="name"):
         setattr(spec, "name", "other")  # noqa: B010 - the point is the runtime check
+    with pytest.raises(dataclasses.FrozenInstanceError, match="path"):
+        setattr(spec.layers[0].tar, "path", "other")  # type: ignore[union-attr]  # noqa: B010
 
 
 def test_schema_describes_layers() -> None:
@@ -264,5 +267,8 @@ def test_schema_file_is_up_to_date() -> None:
 
 def test_spec_round_trips_through_json(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, FULL))
-    again = Spec.model_validate_json(spec.model_dump_json())
-    assert again.model_dump() == spec.model_dump()
+    data = spec.to_json()
+    again = parse_spec(json.dumps(data))
+    assert again == spec
+    assert again.to_json() == data
+    assert isinstance(again, Spec) and again.btrfs.fsid == spec.btrfs.fsid
