@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import uuid
@@ -184,6 +185,33 @@ BASE = "version: 1\nname: x\n"
             "spec.yaml:3: source_date_epoch: Input should be greater than or equal to 0",
         ),
         ("version: 1\nname: 'a b'\nlayers: []\n", "spec.yaml:2: name: String should match pattern"),
+        (
+            'version: 1\nname: "a\\n"\nlayers: []\n',
+            "spec.yaml:2: name: String should match pattern",
+        ),
+        ("version: true\nname: x\nlayers: []\n", "spec.yaml:1: version: Input should be 1"),
+        (
+            BASE + "layers:\n  - files:\n    - {path: /a, content: x, uid: true}\n",
+            "spec.yaml:5: layers[0].files[0].uid: Input should be a valid integer",
+        ),
+        (
+            BASE + "layers:\n  - tar: {path: a, exclude: ['[']}\n",
+            "spec.yaml:4: layers[0].tar.exclude[0]: unterminated character class in '['",
+        ),
+        (BASE + "layers:\n  - tar: 5\n", "spec.yaml:4: layers[0].tar: Input should be a mapping"),
+        (
+            BASE + "layers: []\npack_compression: gzip\n",
+            "spec.yaml:4: pack_compression: Input should be 'none' or 'zstd'",
+        ),
+        (BASE + "layers: []\n1: x\n", "spec.yaml:4: 1: unknown key"),
+        (
+            BASE + "btrfs: {fsid: 5}\nlayers: []\n",
+            "spec.yaml:3: btrfs.fsid: Input should be a valid UUID string",
+        ),
+        (
+            BASE + "btrfs: {fsid: '+b9f7c8e1d2a4c3b9e8f0123456789ab'}\nlayers: []\n",
+            "spec.yaml:3: btrfs.fsid: Input should be a valid UUID, got '+b9f7c8e1d2a4c3b9e8f0123456789ab'",
+        ),
         # YAML-level problems
         (BASE + "layers: [\n", "spec.yaml:4: invalid YAML"),
         (BASE + "layers:\n  - tar: {path: a}\n   bad: indent\n", "spec.yaml:5: invalid YAML"),
@@ -200,6 +228,21 @@ def test_spec_errors(tmp_path: Path, text: str, expected: str) -> None:
     assert expected in msg, msg
     for line in msg.splitlines():
         assert line.startswith("spec.yaml:"), msg
+
+
+@pytest.mark.parametrize(
+    "fsid",
+    [
+        "2b9f7c8e-1d2a-4c3b-9e8f-0123456789ab",
+        "{2b9f7c8e-1d2a-4c3b-9e8f-0123456789ab}",
+        "urn:uuid:2b9f7c8e-1d2a-4c3b-9e8f-0123456789ab",
+        "2B9F7C8E1D2A4C3B9E8F0123456789AB",
+    ],
+)
+def test_fsid_forms(fsid: str) -> None:
+    spec = parse_spec(BASE + f"btrfs: {{fsid: '{fsid}'}}\nlayers: []\n")
+    assert spec.btrfs.fsid == uuid.UUID("2b9f7c8e-1d2a-4c3b-9e8f-0123456789ab")
+    assert spec.to_json()["btrfs"]["fsid"] == "2b9f7c8e-1d2a-4c3b-9e8f-0123456789ab"
 
 
 def test_error_text_names_file_line_and_field(tmp_path: Path) -> None:
@@ -236,8 +279,10 @@ def test_missing_spec_file(tmp_path: Path) -> None:
 
 def test_models_are_frozen(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, FULL))
-    with pytest.raises(ValueError, match="frozen"):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="name"):
         setattr(spec, "name", "other")  # noqa: B010 - the point is the runtime check
+    with pytest.raises(dataclasses.FrozenInstanceError, match="path"):
+        setattr(spec.layers[0].tar, "path", "other")  # type: ignore[union-attr]  # noqa: B010
 
 
 def test_schema_describes_layers() -> None:
@@ -264,5 +309,8 @@ def test_schema_file_is_up_to_date() -> None:
 
 def test_spec_round_trips_through_json(tmp_path: Path) -> None:
     spec = load_spec(write(tmp_path, FULL))
-    again = Spec.model_validate_json(spec.model_dump_json())
-    assert again.model_dump() == spec.model_dump()
+    data = spec.to_json()
+    again = parse_spec(json.dumps(data))
+    assert again == spec
+    assert again.to_json() == data
+    assert isinstance(again, Spec) and again.btrfs.fsid == spec.btrfs.fsid

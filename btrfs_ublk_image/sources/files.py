@@ -14,7 +14,7 @@ _DEFAULT_MODES = {"file": 0o644, "directory": 0o755, "symlink": 0o777}
 
 def canonical_sha256(layer: FilesLayer) -> str:
     """``sha256:<hex>`` of the layer's entries as canonical JSON (sorted keys, no spaces)."""
-    entries = [e.model_dump(mode="json") for e in layer.files]
+    entries = [e.to_json() for e in layer.files]
     canon = json.dumps(entries, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return "sha256:" + hashlib.sha256(canon.encode("utf-8", "surrogateescape")).hexdigest()
 
