@@ -356,7 +356,7 @@ def queue_note(queues: dict[str, dict[str, str]]) -> str:
     if not queues:
         return ""
     parts = [
-        f"{SHORT.get(t, t)}: {q.get('nr_hw_queues', '?')} hw queues, scheduler"
+        f"{SHORT.get(t, t)}: hw queues {q.get('nr_hw_queues', '?')}, scheduler"
         f" {q.get('scheduler', '?')}, nr_requests {q.get('nr_requests', '?')}"
         for t, q in queues.items()
     ]
@@ -385,7 +385,8 @@ def randread_section(doc: dict[str, Any]) -> str:
             f"Inside the VM harness (guest kernel {vm['kernel']}, QEMU TCG: absolute figures"
             " are meaningless, only the ratios within this one VM run count):"
             f" `/{vm['file']}` ({human(vm['file_bytes'])}) of a small synthetic image,"
-            f" {vm['runtime_s']:g} s per job; ours through the ublk and the fuse frontend"
+            f" {vm['runtime_s']:g} s per job, median of {vm.get('rounds', 1)} rounds;"
+            " ours through the ublk and the fuse frontend"
             " vs the same btrfs image with device 2 materialized into the guest's RAM on a"
             " loop device.",
             "",

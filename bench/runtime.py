@@ -348,6 +348,9 @@ VM_TARGETS = ("null_ublk", "ours_ublk_raw", "loop_raw", "ours_ublk", "ours_fuse"
 # targets live at the same time run each fio job in turn (A/B/C/D per job, not one target's
 # whole matrix after the other): TCG is noisy, drift then hits every target alike
 VM_INTERLEAVED = ("null_ublk", "loop_raw", "ours_ublk_raw", "ours_ublk")
+# every target's whole matrix this many times (mounting afresh each round); a job's figure
+# is its median over the rounds
+VM_ROUNDS = 2
 
 VM_SCRIPT = """\
 set -u
@@ -360,51 +363,61 @@ qsettings() {{  # TAG DEV: the block queue settings fio runs against
     echo "$1 $k $(cat $q/$k)"; done >> $O/queues.txt
   echo "$1 nr_hw_queues $(ls /sys/block/$(basename $2)/mq | wc -l)" >> $O/queues.txt
 }}
-fiojob() {{  # TAG PATH JOB ARGS...: one fio job, its JSON in $O/TAG/JOB.json
+fiojob() {{  # TAG PATH JOB ARGS...: one fio job, its JSON in $O/TAG/JOB.rROUND.json
   local tag=$1 path=$2 job=$3; shift 3; mkdir -p $O/$tag
-  fio --filename=$path "$@" > $O/$tag/$job.json 2>>$O/fio.err
+  fio --filename=$path "$@" > $O/$tag/$job.r$R.json 2>>$O/fio.err
 }}
-# the null target, ours over ublk (its /dev/ublkbN raw and through btrfs), a loop device
-# over device 2 in RAM: all live at once, fio jobs interleaved
+runfio() {{  # TAG: every fio job on /tmp/m/$F
+  dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
+{fio_lines}
+}}
 cp $D /tmp/dev2.img
 $U ublk-null --size-mb $(( $(stat -c %s $D) >> 20 )) > /tmp/null.dev 2>/tmp/null.err & NP=$!
 for i in $(seq 100); do [ -s /tmp/null.dev ] && break; sleep 0.2; done
 NULL=$(cat /tmp/null.dev)
 LR=$(losetup -f --show -r /tmp/dev2.img)
-if [ -n "$NULL" ] && ublkd_mount=$($U mount --frontend ublk --cache-mb 256 $B /tmp/m); then
-  UB=$(ls -t /dev/ublkb* | grep -vx "$NULL" | head -1)
-  qsettings null_ublk $NULL; qsettings loop_raw $LR; qsettings ours_ublk $UB
-  dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
-  dd if=$UB of=/dev/null bs=1M iflag=direct status=none
-  dd if=$LR of=/dev/null bs=1M iflag=direct status=none
-{interleaved}
-  $U umount /tmp/m
-else echo "VM: ublk-null ($(cat /tmp/null.err)) or ublkd mount --frontend ublk failed"; fi
-kill $NP; wait $NP
-losetup -d $LR
-runfio() {{  # TAG: every fio job on /tmp/m/$F
-  dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
-{fio_lines}
-}}
-if $U mount --frontend fuse --cache-mb 256 $B /tmp/m; then
-  runfio ours_fuse
-  $U umount /tmp/m
-else echo "VM: ublkd mount --frontend fuse failed"; fi
 L1=$(losetup -f --show -r $B/meta.img); L2=$(losetup -f --show -r /tmp/dev2.img)
-qsettings btrfs_loop $L2
-btrfs device scan $L1 $L2 >/dev/null
-if mount -t btrfs -o ro,device=$L1,device=$L2 $L1 /tmp/m; then
-  runfio btrfs_loop
-  umount /tmp/m
-fi
-btrfs device scan --forget $L1 $L2 || true
-losetup -d $L1 $L2
+[ -n "$NULL" ] || echo "VM: ublkd ublk-null failed: $(cat /tmp/null.err)"
+for R in $(seq {rounds}); do
+  # the null target, ours over ublk (its /dev/ublkbN raw and through btrfs) and a loop
+  # device over device 2 in RAM are live at once: each fio job runs on each in turn
+  if [ -n "$NULL" ] && $U mount --frontend ublk --cache-mb 256 $B /tmp/m; then
+    UB=$(ls -t /dev/ublkb* | grep -vx "$NULL" | head -1)
+    if [ $R = 1 ]; then
+      qsettings null_ublk $NULL; qsettings loop_raw $LR; qsettings ours_ublk $UB
+      qsettings btrfs_loop $L2
+    fi
+    dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
+    dd if=$UB of=/dev/null bs=1M iflag=direct status=none
+    dd if=$LR of=/dev/null bs=1M iflag=direct status=none
+{interleaved}
+    $U umount /tmp/m
+  else echo "VM: ublkd mount --frontend ublk failed"; fi
+  if $U mount --frontend fuse --cache-mb 256 $B /tmp/m; then
+    runfio ours_fuse
+    $U umount /tmp/m
+  else echo "VM: ublkd mount --frontend fuse failed"; fi
+  btrfs device scan $L1 $L2 >/dev/null
+  if mount -t btrfs -o ro,device=$L1,device=$L2 $L1 /tmp/m; then
+    runfio btrfs_loop
+    umount /tmp/m
+  fi
+  btrfs device scan --forget $L1 $L2 || true
+done
+kill $NP; wait $NP
+losetup -d $LR $L1 $L2
 echo "VM: bench done"
 """
 
 
 def vm_script(
-    ublkd: str, bundle: Path, data: Path, file: str, jobs: Sequence[FioJob], runtime_s: float
+    ublkd: str,
+    bundle: Path,
+    data: Path,
+    file: str,
+    jobs: Sequence[FioJob],
+    runtime_s: float,
+    rounds: int,
 ) -> str:
     def line(tag: str, path: str, j: FioJob, indent: str) -> str:
         args = shlex.join(fio_args(j, "X", runtime_s)[2:])  # all but --name, --filename
@@ -412,12 +425,29 @@ def vm_script(
 
     paths = {"null_ublk": "$NULL", "loop_raw": "$LR", "ours_ublk_raw": "$UB",
              "ours_ublk": "/tmp/m/$F"}  # fmt: skip
-    inter = [line(t, paths[t], j, "  ") for j in jobs for t in VM_INTERLEAVED]
+    inter = [line(t, paths[t], j, "    ") for j in jobs for t in VM_INTERLEAVED]
     seq = [line("$1", "/tmp/m/$F", j, "  ") for j in jobs]
     return VM_SCRIPT.format(
         ublkd=shlex.quote(ublkd), bundle=shlex.quote(str(bundle)), data=shlex.quote(str(data)),
         file=shlex.quote(file), interleaved="\n".join(inter), fio_lines="\n".join(seq),
+        rounds=rounds,
     )  # fmt: skip
+
+
+def vm_job_result(d: Path, job: str) -> dict[str, Any]:
+    """One target's figure for ``job``: the round with the median IOPS (the lower of two),
+    with every round's IOPS in ``rounds``."""
+    got: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for f in sorted(d.glob(f"{job}.r*.json")):
+        try:
+            got.append(parse_fio_json(f.read_text()).to_json())
+        except (OSError, ValueError, KeyError) as e:
+            errors.append(f"{f.name}: {e}"[:200])
+    if not got:
+        return {"error": "; ".join(errors) or "no fio output"}
+    got.sort(key=lambda r: float(r["iops"]))
+    return {**got[(len(got) - 1) // 2], "rounds": [r["iops"] for r in got]}
 
 
 def parse_queues(text: str) -> dict[str, dict[str, str]]:
@@ -452,7 +482,7 @@ def measure_randread_vm(
     _sh([sys.executable, "-m", "btrfs_ublk_image", "build", data.spec, "-o", bundle], log)
     materialize_data_device(bundle, dev2)
     file = "large/blob-0.bin"
-    script = vm_script(ublkd_binary(), bundle, dev2, file, jobs, runtime_s)
+    script = vm_script(ublkd_binary(), bundle, dev2, file, jobs, runtime_s, VM_ROUNDS)
     _log("VM: booting the 6.12 guest (TCG) for the ublk random-read runs")
     res = harness.run_in_vm(
         harness.SCRIPT_BODY.format(script="/vmout/script.sh"),
@@ -467,19 +497,13 @@ def measure_randread_vm(
         if not d.is_dir():
             errors[tag] = "not run (see the guest log)"
             continue
-        targets[tag] = {}
-        for j in jobs:
-            f = d / f"{j.name}.json"
-            try:
-                targets[tag][j.name] = parse_fio_json(f.read_text()).to_json()
-            except (OSError, ValueError, KeyError) as e:
-                targets[tag][j.name] = {"error": str(e)[:200]}
+        targets[tag] = {j.name: vm_job_result(d, j.name) for j in jobs}
     qf = fio_dir / "queues.txt"
     queues = parse_queues(qf.read_text()) if qf.exists() else {}
     remove(work)
     return {"kernel": res.kver, "rc": res.rc, "results_dir": str(res.out), "file": file,
-            "file_bytes": VM_INPUT.large_bytes, "runtime_s": runtime_s, "targets": targets,
-            "queues": queues, "errors": errors,
+            "file_bytes": VM_INPUT.large_bytes, "runtime_s": runtime_s, "rounds": VM_ROUNDS,
+            "targets": targets, "queues": queues, "errors": errors,
             "guest_log_tail": res.read("pytest.log")[-1500:]}  # fmt: skip
 
 
@@ -557,7 +581,7 @@ def run_runtime(
             doc["randread"] = measure_randread(syn, ublkd, "large/blob-0.bin", jobs, runtime_s, log)
     if "vm" in sections:
         try:
-            doc["randread_vm"] = measure_randread_vm(workdir, jobs, min(runtime_s, 3.0), log)
+            doc["randread_vm"] = measure_randread_vm(workdir, jobs, min(runtime_s, 2.0), log)
         except Exception as e:  # noqa: BLE001 - a benchmark section that could not run
             skipped["vm"] = f"{type(e).__name__}: {e}"[:300]
     if skipped:
