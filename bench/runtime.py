@@ -487,7 +487,7 @@ def measure_randread_vm(
     res = harness.run_in_vm(
         harness.SCRIPT_BODY.format(script="/vmout/script.sh"),
         files={"script.sh": script.encode()},
-        timeout=float(os.environ.get("BUI_VM_TIMEOUT", 600)),
+        timeout=float(os.environ.get("BUI_VM_TIMEOUT", 900)),
     )
     targets: dict[str, Any] = {}
     errors: dict[str, str] = {}

@@ -64,9 +64,6 @@ enum Cmd {
         /// ublk queues (as `serve --threads`).
         #[arg(long, default_value_t = 4)]
         threads: usize,
-        /// libublk's default queue rings (COOP_TASKRUN only), for A/B runs.
-        #[arg(long)]
-        no_defer_taskrun: bool,
     },
 }
 
@@ -82,15 +79,10 @@ fn main() {
         Cmd::Recover { mountpoint } => ops::recover(&mountpoint),
         Cmd::Record { mountpoint, output } => ops::record(&mountpoint, &output),
         Cmd::Serve(a) => server::serve(a),
-        Cmd::UblkNull {
-            size_mb,
-            threads,
-            no_defer_taskrun,
-        } => frontend::ublk::serve_null(
+        Cmd::UblkNull { size_mb, threads } => frontend::ublk::serve_null(
             size_mb << 20,
             frontend::ublk::Options {
                 nr_queues: threads.clamp(1, 4) as u16,
-                defer_taskrun: !no_defer_taskrun,
                 ..Default::default()
             },
         ),

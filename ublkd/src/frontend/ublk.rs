@@ -20,11 +20,6 @@ pub struct Options {
     pub io_buf_bytes: u32,
     /// Reattach to this existing (quiesced) device instead of adding a new one.
     pub recover_id: Option<i32>,
-    /// Queue rings with IORING_SETUP_DEFER_TASKRUN (+ SINGLE_ISSUER): the kernel's
-    /// completions of our commands (new requests) run as task work only when the queue
-    /// thread waits in io_uring_enter, not by interrupting it (libublk's default ring:
-    /// COOP_TASKRUN only).
-    pub defer_taskrun: bool,
 }
 
 impl Default for Options {
@@ -34,7 +29,6 @@ impl Default for Options {
             depth: 64,
             io_buf_bytes: 512 << 10,
             recover_id: None,
-            defer_taskrun: true,
         }
     }
 }
@@ -99,25 +93,7 @@ fn handle<R: Reads>(dev: &R, q: &UblkQueue, tag: u16, buf: &mut [u8]) -> i32 {
     }
 }
 
-/// This thread's queue ring, set up before libublk would make its default one.
-fn init_queue_ring(udev: &UblkDev, defer_taskrun: bool) -> Result<(), libublk::UblkError> {
-    let (sq, cq) = (udev.tgt.sq_depth as u32, udev.tgt.cq_depth as u32);
-    libublk::io::ublk_init_task_ring(|cell| {
-        if cell.get().is_none() {
-            let mut b = io_uring::IoUring::<io_uring::squeue::Entry, io_uring::cqueue::Entry>::builder();
-            b.setup_cqsize(cq).setup_coop_taskrun();
-            if defer_taskrun {
-                b.setup_single_issuer().setup_defer_taskrun();
-            }
-            let ring = b.build(sq).map_err(libublk::UblkError::IOError)?;
-            cell.set(std::cell::RefCell::new(ring))
-                .map_err(|_| libublk::UblkError::OtherError(-libc::EEXIST))?;
-        }
-        Ok(())
-    })
-}
-
-fn queue_fn<R: Reads>(qid: u16, udev: &UblkDev, dev: Arc<R>, defer_taskrun: bool) {
+fn queue_fn<R: Reads>(qid: u16, udev: &UblkDev, dev: Arc<R>) {
     let bufs = Rc::new(udev.alloc_queue_io_bufs());
     let bufs2 = bufs.clone();
     let handler = move |q: &UblkQueue, tag: u16, _io: &UblkIOCtx| {
@@ -130,8 +106,7 @@ fn queue_fn<R: Reads>(qid: u16, udev: &UblkDev, dev: Arc<R>, defer_taskrun: bool
             log::error!("ublk queue {qid}: complete tag {tag}: {e}");
         }
     };
-    let queue = match init_queue_ring(udev, defer_taskrun)
-        .and_then(|()| UblkQueue::new(qid, udev))
+    let queue = match UblkQueue::new(qid, udev)
         .and_then(|q| q.submit_fetch_commands_unified(BufDescList::Slices(Some(&bufs))))
     {
         Ok(q) => q,
@@ -200,8 +175,7 @@ pub fn run<R: Reads>(
         Ok(())
     };
     let d = dev.clone();
-    let defer = opts.defer_taskrun;
-    let q_handler = move |qid, udev: &_| queue_fn(qid, udev, d.clone(), defer);
+    let q_handler = move |qid, udev: &_| queue_fn(qid, udev, d.clone());
     let on_live = move |c: &UblkCtrl| ready(c.get_bdev_path(), c.dev_info().dev_id as i32);
     ctrl.run_target(tgt_init, q_handler, on_live)
         .map_err(|e| anyhow!("ublk device: {e}"))
