@@ -385,7 +385,7 @@ def randread_section(doc: dict[str, Any]) -> str:
             f"Inside the VM harness (guest kernel {vm['kernel']}, QEMU TCG: absolute figures"
             " are meaningless, only the ratios within this one VM run count):"
             f" `/{vm['file']}` ({human(vm['file_bytes'])}) of a small synthetic image,"
-            f" {vm['runtime_s']:g} s per job, median of {vm.get('rounds', 1)} rounds;"
+            f" {vm['runtime_s']:g} s per job, best of {vm.get('rounds', 1)} rounds;"
             " ours through the ublk and the fuse frontend"
             " vs the same btrfs image with device 2 materialized into the guest's RAM on a"
             " loop device.",
