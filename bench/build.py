@@ -444,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--fio-runtime",
         type=float,
         metavar="S",
-        help="seconds per fio job (default 10, --quick 3; at most 3 in the VM)",
+        help="seconds per fio job (default 10, --quick 3; at most 2 in the VM)",
     )
     args = ap.parse_args(argv)  # fmt: skip
 

@@ -24,7 +24,7 @@ from bench.report import (  # noqa: E402
     randread_table,
     remote_section,
 )
-from bench.runtime import vm_script  # noqa: E402
+from bench.runtime import VM_INTERLEAVED, parse_queues, vm_job_result, vm_script  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -88,8 +88,13 @@ def _doc() -> dict[str, Any]:
     vm = {
         "kernel": "6.12.0", "file": "large/blob-0.bin", "file_bytes": 64 << 20,
         "runtime_s": 2.0, "errors": {"ours_fuse": "not run"},
+        "rounds": 2,
         "targets": {"ours_ublk": {"psync-j1": {"iops": 800.0}},
-                    "btrfs_loop": {"psync-j1": {"iops": 1000.0}}},
+                    "btrfs_loop": {"psync-j1": {"iops": 1000.0}},
+                    "null_ublk": {"psync-j1": {"iops": 1500.0}},
+                    "ours_ublk_raw": {"psync-j1": {"iops": 1200.0}},
+                    "loop_raw": {"psync-j1": {"iops": 2000.0}}},
+        "queues": {"null_ublk": {"scheduler": "none", "nr_hw_queues": "2", "nr_requests": "64"}},
     }  # fmt: skip
     return {
         "command": "bench/run --quick",
@@ -157,6 +162,9 @@ def test_runtime_tables_and_sections() -> None:
     assert "failed" in rt[3] and rt[3].endswith("| 0.90x |  |")
     sec = randread_section(doc)
     assert "6.12.0" in sec and "| 0.80x |" in sec and "VM ours_fuse: not run" in sec
+    # the raw-device table: null / loop, ours raw / loop, ours raw / null; queue settings
+    assert "| 0.75x | 0.60x | 0.80x |" in sec and "best of 2 rounds" in sec
+    assert "null ublk: hw queues 2, scheduler none, nr_requests 64" in sec
 
     lz = laziness_section(doc)
     assert "| read /x | 1 | 1.0 MiB | 2 | 2.0 MiB | 2.00x |" in lz
@@ -200,9 +208,36 @@ def test_from_json_renders_runtime_sections(
 
 
 def test_vm_script_runs_every_job_for_each_target() -> None:
-    s = vm_script(Path("/b"), Path("/d.img"), "large/blob-0.bin", MATRIX, 2.0)
+    s = vm_script("/bin/ublkd x", Path("/b"), Path("/d.img"), "large/blob-0.bin", MATRIX, 2.0, 3)
     for j in MATRIX:
-        assert f"$O/$1/{j.name}.json" in s
-    assert "--frontend $fe" in s and "for fe in ublk fuse" in s
-    assert "runfio btrfs_loop" in s and "losetup -d" in s
-    assert "--filename=/tmp/m/large/blob-0.bin" in s
+        for tag, path in (("null_ublk", "$NULL"), ("loop_raw", "$LR"),
+                          ("ours_ublk_raw", "$UB"), ("ours_ublk", "/tmp/m/$F")):  # fmt: skip
+            assert f"fiojob {tag} {path} {j.name} --name=randread" in s
+        assert f"fiojob $1 /tmp/m/$F {j.name} --name=randread" in s
+    # interleaved: per job, each live target in turn
+    first = s.index("fiojob null_ublk $NULL " + MATRIX[1].name)
+    assert all(s.index(f"fiojob {t} ", 0) < first for t in VM_INTERLEAVED)
+    assert "$O/$tag/$job.r$R.json" in s and "for R in $(seq 3)" in s
+    assert "U='/bin/ublkd x'" in s and "$U ublk-null --size-mb" in s
+    assert "--frontend ublk" in s and "--frontend fuse" in s
+    assert "runfio ours_fuse" in s and "runfio btrfs_loop" in s and "losetup -d $LR $L1 $L2" in s
+    assert "qsettings ours_ublk $UB" in s and "--runtime=2" in s
+
+
+def _fio_json(iops: float) -> str:
+    return json.dumps({"jobs": [{"read": {"iops": iops, "bw_bytes": iops * 4096,
+                                          "clat_ns": {"percentile": {}}},
+                                 "error": 0}]})  # fmt: skip
+
+
+def test_vm_job_result_is_the_best_round(tmp_path: Path) -> None:
+    for r, iops in ((1, 300.0), (2, 100.0), (3, 200.0)):
+        (tmp_path / f"psync-j1.r{r}.json").write_text(_fio_json(iops))
+    res = vm_job_result(tmp_path, "psync-j1")
+    assert res["iops"] == 300.0 and res["rounds"] == [100.0, 200.0, 300.0]
+    assert "error" in vm_job_result(tmp_path, "psync-j2")
+
+
+def test_parse_queues_takes_the_active_scheduler() -> None:
+    q = parse_queues("null_ublk scheduler [none] mq-deadline \nnull_ublk nr_hw_queues 2\nbad\n")
+    assert q == {"null_ublk": {"scheduler": "none", "nr_hw_queues": "2"}}

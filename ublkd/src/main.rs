@@ -55,6 +55,16 @@ enum Cmd {
     Recover { mountpoint: PathBuf },
     /// Run the device-2 server in the foreground (what `mount` starts).
     Serve(server::ServeArgs),
+    /// Benchmark only: a ublk device that completes every read at once (the transport's
+    /// ceiling), same queue setup as `serve`; prints /dev/ublkbN, runs until SIGTERM.
+    #[command(hide = true)]
+    UblkNull {
+        #[arg(long)]
+        size_mb: u64,
+        /// ublk queues (as `serve --threads`).
+        #[arg(long, default_value_t = 4)]
+        threads: usize,
+    },
 }
 
 /// `RUST_LOG=debug`: where a mount's time goes, as `timing <ms> <step>` lines in
@@ -82,6 +92,13 @@ fn main() {
         Cmd::Recover { mountpoint } => ops::recover(&mountpoint),
         Cmd::Record { mountpoint, output } => ops::record(&mountpoint, &output),
         Cmd::Serve(a) => server::serve(a),
+        Cmd::UblkNull { size_mb, threads } => frontend::ublk::serve_null(
+            size_mb << 20,
+            frontend::ublk::Options {
+                nr_queues: threads.clamp(1, 4) as u16,
+                ..Default::default()
+            },
+        ),
     };
     if let Err(e) = res {
         eprintln!("ublkd: error: {e:#}");

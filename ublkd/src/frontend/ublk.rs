@@ -33,7 +33,47 @@ impl Default for Options {
     }
 }
 
-fn handle(dev: &Device2, q: &UblkQueue, tag: u16, buf: &mut [u8]) -> i32 {
+/// What a ublk device serves: device 2's read path, or nothing at all (the null target
+/// that measures the transport: `ublkd ublk-null`).
+pub trait Reads: Send + Sync + 'static {
+    fn size(&self) -> u64;
+    /// Fill `buf` with the bytes at `off`: `buf.len()` or a negative errno.
+    fn read(&self, off: u64, buf: &mut [u8]) -> i32;
+    fn reject_write(&self) {}
+}
+
+impl Reads for Device2 {
+    fn size(&self) -> u64 {
+        Device2::size(self)
+    }
+
+    fn read(&self, off: u64, buf: &mut [u8]) -> i32 {
+        match Device2::read(self, off, buf) {
+            Ok(()) => buf.len() as i32,
+            Err(_) => -libc::EIO,
+        }
+    }
+
+    fn reject_write(&self) {
+        Device2::reject_write(self)
+    }
+}
+
+/// Completes every read at once without touching the buffer: the ceiling of the ublk
+/// transport (the kernel still copies the buffer into the request's pages).
+pub struct Null(pub u64);
+
+impl Reads for Null {
+    fn size(&self) -> u64 {
+        self.0
+    }
+
+    fn read(&self, _off: u64, buf: &mut [u8]) -> i32 {
+        buf.len() as i32
+    }
+}
+
+fn handle<R: Reads>(dev: &R, q: &UblkQueue, tag: u16, buf: &mut [u8]) -> i32 {
     let iod = q.get_iod(tag);
     let op = iod.op_flags & 0xff;
     let off = iod.start_sector << 9;
@@ -43,10 +83,7 @@ fn handle(dev: &Device2, q: &UblkQueue, tag: u16, buf: &mut [u8]) -> i32 {
             if len > buf.len() {
                 return -libc::EINVAL;
             }
-            match dev.read(off, &mut buf[..len]) {
-                Ok(()) => len as i32,
-                Err(_) => -libc::EIO,
-            }
+            dev.read(off, &mut buf[..len])
         }
         sys::UBLK_IO_OP_FLUSH => 0,
         _ => {
@@ -56,7 +93,7 @@ fn handle(dev: &Device2, q: &UblkQueue, tag: u16, buf: &mut [u8]) -> i32 {
     }
 }
 
-fn queue_fn(qid: u16, udev: &UblkDev, dev: Arc<Device2>) {
+fn queue_fn<R: Reads>(qid: u16, udev: &UblkDev, dev: Arc<R>) {
     let bufs = Rc::new(udev.alloc_queue_io_bufs());
     let bufs2 = bufs.clone();
     let handler = move |q: &UblkQueue, tag: u16, _io: &UblkIOCtx| {
@@ -64,7 +101,7 @@ fn queue_fn(qid: u16, udev: &UblkDev, dev: Arc<Device2>) {
         // SAFETY: each tag's buffer is used by exactly one in-flight command, and only
         // from this queue thread; the kernel reads it after we complete the command.
         let slice = unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr(), b.len()) };
-        let res = handle(&dev, q, tag, slice);
+        let res = handle(&*dev, q, tag, slice);
         if let Err(e) = q.complete_io_cmd_unified(tag, BufDesc::Slice(b.as_slice()), Ok(UblkIORes::Result(res))) {
             log::error!("ublk queue {qid}: complete tag {tag}: {e}");
         }
@@ -106,8 +143,8 @@ pub fn delete(id: i32, in_use: bool) -> Result<()> {
 
 /// Run the device until it is killed (`stop` flips, see [`Stopper`]). `ready` is called
 /// once /dev/ublkbN is live, with its path and id.
-pub fn run(
-    dev: Arc<Device2>,
+pub fn run<R: Reads>(
+    dev: Arc<R>,
     opts: Options,
     ready: impl FnOnce(String, i32) + Send + Sync + 'static,
     stopper: Stopper,
@@ -151,16 +188,53 @@ pub fn run(
 pub struct Stopper(Arc<std::sync::Mutex<Option<Arc<UblkCtrl>>>>);
 
 impl Stopper {
-    /// Stop serving and delete the device (a clean shutdown).
-    pub fn stop(&self) {
+    /// Run `f` on the device's control handle from this thread. libublk's control ring
+    /// is per thread and only set up by a UblkCtrl constructor: a thread other than the
+    /// one that built the device (the signal or main thread) opens its own handle first.
+    fn with_ctrl(&self, f: impl FnOnce(&UblkCtrl)) {
         if let Some(c) = self.0.lock().unwrap().as_ref() {
-            let _ = c.kill_dev();
+            let _ = UblkCtrl::new_simple(c.dev_info().dev_id as i32);
+            f(c);
         }
     }
 
-    pub fn delete(&self) {
-        if let Some(c) = self.0.lock().unwrap().as_ref() {
-            let _ = c.del_dev();
-        }
+    /// Stop serving and delete the device (a clean shutdown).
+    pub fn stop(&self) {
+        self.with_ctrl(|c| {
+            let _ = c.kill_dev();
+        });
     }
+
+    pub fn delete(&self) {
+        self.with_ctrl(|c| {
+            let _ = c.del_dev();
+        });
+    }
+}
+
+/// `ublkd ublk-null`: serve a null device of `size` bytes with the same queue setup as
+/// device 2 until SIGTERM/SIGINT, then delete it. Prints the device path once it is live.
+/// The benchmark's transport ceiling (docs/benchmarks.md); not for production use.
+pub fn serve_null(size: u64, opts: Options) -> Result<()> {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGTERM);
+    set.add(Signal::SIGINT);
+    set.thread_block().context("block signals")?;
+    let stopper = Stopper::default();
+    let st = stopper.clone();
+    let worker = std::thread::spawn(move || {
+        let ready = |path: String, _id: i32| {
+            use std::io::Write as _;
+            let mut out = std::io::stdout();
+            let _ = writeln!(out, "{path}");
+            let _ = out.flush();
+        };
+        run(Arc::new(Null(size)), opts, ready, st)
+    });
+    let _ = set.wait();
+    stopper.stop();
+    let res = worker.join().map_err(|_| anyhow!("ublk null target thread panicked"))?;
+    stopper.delete();
+    res
 }

@@ -1,0 +1,65 @@
+"""`ublkd ublk-null`, the benchmarks' ublk transport ceiling (docs/benchmarks.md): inside the
+VM only (marker `vm`)."""
+
+from __future__ import annotations
+
+import select
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.test_ublkd import ublkd_binary
+
+pytestmark = pytest.mark.vm
+
+
+def _gone(path: Path, timeout: float = 10.0) -> bool:
+    """Device nodes vanish asynchronously (devtmpfs)."""
+    end = time.monotonic() + timeout
+    while path.exists():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_ublk_null_serves_reads_and_sigterm_deletes_it() -> None:
+    exe = ublkd_binary()
+    assert exe is not None
+    subprocess.run(["modprobe", "ublk_drv"], check=True)
+    p = subprocess.Popen(
+        [exe, "ublk-null", "--size-mb", "8", "--threads", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout is not None and p.stderr is not None
+        ready, _, _ = select.select([p.stdout], [], [], 60)
+        assert ready, "ublkd ublk-null printed no device within 60 s"
+        dev = Path(p.stdout.readline().strip())
+        assert dev.name.startswith("ublkb"), dev
+        ctrl = Path(f"/dev/ublkc{dev.name.removeprefix('ublkb')}")
+        size = subprocess.run(
+            ["blockdev", "--getsize64", str(dev)], check=True, capture_output=True, text=True
+        ).stdout
+        assert int(size) == 8 << 20
+        assert (Path("/sys/block") / dev.name / "ro").read_text().strip() == "1"
+        # every read completes at once: the whole device with O_DIRECT
+        subprocess.run(
+            ["dd", f"if={dev}", "of=/dev/null", "bs=64k", "iflag=direct", "status=none"],
+            check=True,
+            timeout=120,
+        )
+        # SIGTERM (the signal thread, not the one that built the device) kills and deletes it
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0, p.stderr.read()
+        assert _gone(dev), f"{dev} still exists after SIGTERM"
+        assert _gone(ctrl), f"{ctrl} still exists after SIGTERM"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
