@@ -1,8 +1,9 @@
 """gzip streams inflated on a worker thread, hashed there too.
 
 The tar reader parses on the main thread; this thread reads the compressed file,
-hashes it (the blob digest), inflates it and hashes the result (an OCI layer's
-diff_id). ISA-L's inflate (``isal``, about twice zlib's speed) and hashlib release
+hashes it (the blob digest) and inflates it; the result (an OCI layer's diff_id) is
+hashed on a third thread (``BackgroundSha256``: the Debian OCI build 1.77 -> 1.68 s
+wall median, the inflating thread was the one the parser waited for). ISA-L's inflate (``isal``, about twice zlib's speed) and hashlib release
 the GIL while they work, and every call handles up to a MiB, so the two threads run
 on two cores with few hand-offs (Python's ``gzip.GzipFile`` inflates in 8 KiB steps
 and checks the CRC itself: thousands of GIL round trips, all on the parsing thread).
@@ -16,12 +17,13 @@ Output per inflate call is capped, so a gzip bomb costs time, not memory; at mos
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 from typing import Protocol, cast
 
 from isal import isal_zlib
+
+from btrfs_ublk_image.hashing import BackgroundSha256
 
 IN_SIZE = 1 << 20  # compressed bytes per read
 OUT_SIZE = 1 << 20  # inflated bytes per piece at most
@@ -54,7 +56,7 @@ class ThreadedGunzip:
 
     def __init__(self, raw: _Readable, digest: bool = False, depth: int = 4) -> None:
         self._raw = raw
-        self._hash = hashlib.sha256() if digest else None
+        self._hash = BackgroundSha256(depth=8) if digest else None
         self._queue: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=depth)
         self._stop = False
         self._thread: threading.Thread | None = None
