@@ -258,14 +258,25 @@ const RO_OPTS: loopdev::AttachOptions = loopdev::AttachOptions {
 /// receives the relocated SYSTEM chunk and a little metadata before going read-only).
 const SHARED_SCRATCH_SIZE: u64 = 1 << 30;
 
-/// A new device-2 instance: a read-only, direct-I/O loop device on the server's device
-/// node (the FUSE file, or /dev/ublkbN). Each mounted filesystem needs its own block
-/// device; all instances are served by the bundle's one server. `name` goes into
-/// lo_file_name (the state dir: tells whose instance it is).
+/// A new device-2 instance: a read-only loop device on the server's device node (the
+/// FUSE file, buffered so that the page cache holds verified data, see
+/// frontend::fuse; or /dev/ublkbN with direct I/O, that node has its own page cache).
+/// Each mounted filesystem needs its own block device; all instances are served by the
+/// bundle's one server. `name` goes into lo_file_name (the state dir: tells whose
+/// instance it is).
 fn attach_dev2_instance(srv: &ServerRecord, name: &Path) -> Result<loopdev::LoopDev> {
-    let f = File::open(&srv.device).with_context(|| format!("open the server's device {}", srv.device))?;
-    let l = loopdev::attach(&f, name, &RO_OPTS)?;
-    if !l.direct_io {
+    let fuse = srv.ublk_id.is_none();
+    let f = if fuse {
+        frontend::fuse::open_for_loop(&srv.device)?
+    } else {
+        File::open(&srv.device).with_context(|| format!("open the server's device {}", srv.device))?
+    };
+    let opts = loopdev::AttachOptions {
+        direct_io: !fuse,
+        ..RO_OPTS
+    };
+    let l = loopdev::attach(&f, name, &opts)?;
+    if opts.direct_io && !l.direct_io {
         eprintln!(
             "ublkd: warning: {} on {} runs without direct I/O",
             l.path.display(),
@@ -985,7 +996,7 @@ pub fn recover(mountpoint: &Path) -> Result<()> {
         }
         None => {
             let (r, srv) = spawn_server(&b, Kind::Fuse, 256, None)?;
-            let f = File::open(&r.device).with_context(|| format!("open {}", r.device))?;
+            let f = frontend::fuse::open_for_loop(&r.device)?;
             let mut loops: Vec<LoopRecord> = b.shared.iter().filter_map(|s| s.dev2_loop.clone()).collect();
             loops.extend(mounts_of(&key)?.into_iter().filter_map(|m| m.dev2_loop));
             for l in &loops {

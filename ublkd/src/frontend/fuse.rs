@@ -1,12 +1,21 @@
 //! FUSE frontend: device 2 as one read-only file, `dev2`, on a FUSE filesystem that is
 //! never attached to any mount point. The server creates it with the new mount API
 //! (fsopen/fsconfig/fsmount gives a detached mount) and keeps only the mount's root fd
-//! (an O_PATH fd); `mount` opens `/proc/<server pid>/fd/<root fd>/dev2` and puts a
-//! read-only, direct-I/O loop device on it. The server never holds `dev2` open
+//! (an O_PATH fd); `mount` opens `/proc/<server pid>/fd/<root fd>/dev2` ([`open_for_loop`])
+//! and puts a read-only, buffered loop device on it. The server never holds `dev2` open
 //! itself: closing a FUSE file can send FLUSH to its own server, and a server killed
 //! while holding one would wait for itself forever on exit. Nothing is left in any mount table, so a killed
 //! server leaves no stale FUSE mount behind: the detached mount goes away with the
 //! last file reference.
+//!
+//! `dev2` is page-cached (no FOPEN_DIRECT_IO) and kept cached across opens
+//! (FOPEN_KEEP_CACHE): the file never changes while its server lives and every page in
+//! the cache came from a read this server answered after verifying the chunk, so a
+//! repeated read is a copy out of the page cache in the loop worker (as for btrfs on a
+//! loop device over a local file) instead of a round trip through this server. A read
+//! that fails (corrupt or unreachable chunk) leaves no page behind. All of a bundle's
+//! loop devices share the one inode, hence one cache; it dies with the server's
+//! connection (a recovered server starts with an empty one).
 
 use crate::device::Device2;
 use anyhow::{Context, Result};
@@ -16,6 +25,7 @@ use fuser::{
     WriteFlags,
 };
 use std::ffi::{CString, OsStr};
+use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -59,8 +69,8 @@ impl DevFs {
 }
 
 impl Filesystem for DevFs {
-    /// FUSE_ASYNC_DIO lets the loop device's direct I/O reach us as many requests in
-    /// flight (without it each loop-issued read waits for the previous one).
+    /// FUSE_ASYNC_DIO lets direct I/O on `dev2` (a loop device attached with direct I/O
+    /// by an older ublkd, then recovered) reach us as many requests in flight.
     fn init(&mut self, _req: &Request, config: &mut fuser::KernelConfig) -> std::io::Result<()> {
         if let Err(missing) = config.add_capabilities(fuser::InitFlags::FUSE_ASYNC_DIO) {
             log::warn!("FUSE kernel lacks {missing:?}: device-2 reads are serialized");
@@ -93,7 +103,7 @@ impl Filesystem for DevFs {
             self.dev.reject_write();
             return reply.error(Errno::EROFS);
         }
-        reply.opened(FileHandle(0), FopenFlags::FOPEN_DIRECT_IO);
+        reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE);
     }
 
     fn read(
@@ -222,6 +232,21 @@ fn sys_fsmount(fsfd: &OwnedFd) -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
 }
 
+/// Open the server's `dev2` (`path`, see the module comment) for a loop device, which
+/// is to be attached WITHOUT direct I/O. POSIX_FADV_RANDOM marks this open file (the
+/// loop device keeps it) so that a loop request reads exactly its own range: no
+/// readahead on the FUSE file, which would fetch and verify chunks nobody asked for
+/// (btrfs already reads ahead on its own files, and its request sizes are what reach us).
+pub fn open_for_loop(path: &str) -> Result<File> {
+    let f = File::open(path).with_context(|| format!("open the server's device {path}"))?;
+    // SAFETY: posix_fadvise on an fd we own; returns an errno value, not -1.
+    let r = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
+    if r != 0 {
+        return Err(std::io::Error::from_raw_os_error(r)).with_context(|| format!("{path}: posix_fadvise RANDOM"));
+    }
+    Ok(f)
+}
+
 /// A running FUSE frontend. `root` is the detached mount's root (O_PATH); the session
 /// threads run until the connection ends (server exit).
 pub struct FuseFrontend {
@@ -272,11 +297,22 @@ pub fn start(dev: Arc<Device2>, threads: usize) -> Result<FuseFrontend> {
 mod tests {
     use super::*;
     use crate::plumbing::loopdev;
-    use std::os::unix::fs::FileExt;
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
     use std::path::Path;
 
+    /// `len` bytes at `offset` of `file` (opened O_DIRECT) into an aligned buffer.
+    fn read_direct(file: &std::fs::File, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
+        let mut buf = vec![0u8; len + 4096];
+        let skip = buf.as_ptr().align_offset(4096);
+        file.read_exact_at(&mut buf[skip..skip + len], offset)?;
+        Ok(buf[skip..skip + len].to_vec())
+    }
+
     /// Root only: serve a synthetic device over FUSE and read it back through a real
-    /// read-only, direct-I/O loop device.
+    /// read-only, buffered loop device opened O_DIRECT (so every read reaches the loop
+    /// worker): a 4 KiB read reaches the server as exactly 4 KiB (no readahead on the
+    /// FUSE file), a repeated read is served from the FUSE file's page cache, also after
+    /// another open of the file.
     #[test]
     fn synthetic_device_reads_back_through_a_loop_device() {
         // SAFETY: trivial getter.
@@ -291,31 +327,58 @@ mod tests {
         let (dev, expect, _) = crate::device::tests::synthetic(tmp.path(), 12);
         let dev = Arc::new(dev);
         let fe = start(dev.clone(), 2).unwrap();
-        let file = std::fs::File::open(format!("/proc/self/fd/{}/{FILE_NAME}", fe.root.as_raw_fd())).unwrap();
+        let dev2 = format!("/proc/self/fd/{}/{FILE_NAME}", fe.root.as_raw_fd());
+        let file = open_for_loop(&dev2).unwrap();
         assert_eq!(file.metadata().unwrap().len(), expect.len() as u64);
         let opts = loopdev::AttachOptions {
             read_only: true,
-            direct_io: true,
+            direct_io: false,
             block_size: 4096,
             autoclear: true,
         };
         let l = loopdev::attach(&file, Path::new("ublkd-unit-test"), &opts).unwrap();
         drop(file);
         let backing = loopdev::backing_file(l.number).unwrap();
-        let mut got = vec![0u8; expect.len()];
-        let res = l.file.read_exact_at(&mut got, 0);
+        let direct = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&l.path)
+            .unwrap();
+        let served = || dev.counters.snapshot().bytes_served;
+        let at = 0;
+        let one = read_direct(&direct, at as u64, 4096);
+        let served_one = served();
+        let first = read_direct(&direct, 0, expect.len());
+        let served_first = served();
+        // another open (another mount's loop device) keeps the cache (FOPEN_KEEP_CACHE)
+        let another = open_for_loop(&dev2).unwrap();
+        let second = read_direct(&direct, 0, expect.len());
+        let served_second = served();
         // a read-only loop device refuses writes (open for write or the write itself)
         let write = std::fs::OpenOptions::new()
             .write(true)
             .open(&l.path)
             .and_then(|w| w.write_all_at(&[0u8; 4096], 0).and_then(|_| w.sync_all()));
         let direct_io = l.direct_io;
-        drop(l.file);
+        drop((l.file, direct, another));
         loopdev::detach_if(l.number, &backing).unwrap();
-        res.unwrap();
-        assert!(got == expect, "device bytes differ from the synthetic image");
+        assert!(one.unwrap() == expect[at..at + 4096], "4 KiB read differs");
+        assert!(first.unwrap() == expect, "device bytes differ from the synthetic image");
+        assert!(second.unwrap() == expect, "device bytes differ on the second read");
         assert!(write.is_err(), "a read-only loop device must refuse writes");
-        assert!(direct_io, "the loop device should run with direct I/O on the FUSE file");
-        assert!(dev.counters.snapshot().bytes_served >= expect.len() as u64);
+        assert!(!direct_io, "the loop device should be buffered on the FUSE file");
+        assert_eq!(
+            served_one, 4096,
+            "a 4 KiB read must reach the server as 4 KiB (no readahead)"
+        );
+        assert_eq!(
+            served_first,
+            expect.len() as u64,
+            "the first whole read is served once, less what the page cache already held"
+        );
+        assert_eq!(
+            served_second, served_first,
+            "a repeated read must come from the page cache"
+        );
     }
 }
