@@ -132,7 +132,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
 
     let counters = Arc::new(Counters::default());
-    let opened = remote::open_for_serving(&args.bundle, &args.remote, args.expect_id.as_deref(), counters.clone())?;
+    let mut opened = remote::open_for_serving(&args.bundle, &args.remote, args.expect_id.as_deref(), counters.clone())?;
+    if kind == Kind::Fuse {
+        frontend::fuse::tune_fetching(&mut opened.fetching);
+    }
     let location = opened.location.clone();
     let bundle_ranges = opened.bundle.blockmap.ranges.len();
     let image_id = opened.bundle.image_id.clone();
