@@ -1,21 +1,32 @@
-"""Build benchmark: ``btrfs-ublk-image build`` vs ``tar -x`` + ``mkfs.btrfs --rootdir`` and peers.
+"""Build benchmark: ``btrfs-ublk-image build`` vs ``umoci unpack`` / ``tar -x`` + ``mkfs.btrfs
+--rootdir`` and peers.
 
-Run as ``bench/run [--quick] [--json OUT] [--workdir DIR] [--repeat N] [--profile]
-[--update-docs]``. One run measures, side by side and on the same cached input
-(bench/inputs.py), each of:
+Run as ``bench/run [--quick] [--json OUT] [--workdir DIR] [--repeat N] [--debian-repeat N]
+[--build-inputs synthetic,debian] [--profile] [--update-docs]``. Two inputs, one after the
+other, each as a tarball and as an OCI image layout of the same tree:
+
+* the synthetic set (bench/inputs.py; ``--repeat`` runs): its tarball, and a layout
+  made once beside it (``ensure_oci_layout``: the tarball hardlinked as the one
+  uncompressed layer);
+* the Debian image (``--debian-repeat`` runs, default 5: it is small): the rootfs.tar
+  and the OCI layout (umoci-made, gzip) of specs/golden/debian/prepare.sh.
+
+One run measures, side by side on each input, each of:
 
 * ours: ``btrfs-ublk-image build spec.yaml -o OUT`` on a spec with one tar layer;
-* ours, tar in place: the same with ``in_place: true`` on the tar layer (the tarball
-  becomes a pack of the bundle: a reflink, or a copy on filesystems without them), in
-  the work directory and (root) on a loop-mounted btrfs, where the copy is a reflink;
-* the baseline: ``tar -xf`` into a directory, then ``mkfs.btrfs --rootdir`` on it;
+* ours from the OCI layout: the same with one ``oci:`` layer;
+* ours, tar in place: ``in_place: true`` on the tar layer (the tarball becomes a pack
+  of the bundle: a reflink, or a copy on filesystems without them), in the work
+  directory and (root) on a loop-mounted btrfs, where the copy is a reflink;
+* the baselines: ``umoci unpack`` of the layout then ``mkfs.btrfs --rootdir`` on the
+  bundle's rootfs; ``tar -xf`` into a directory then ``mkfs.btrfs --rootdir`` on it;
 * peers on the extracted tree (when installed): ``mksquashfs`` and ``mkfs.erofs``,
   both uncompressed; and ``mksquashfs -tar`` straight from the tarball.
 
-Each repeat drops the page cache (when root) before ours and before ``tar -x``, so
-both read the input tarball cold; the steps after ``tar -x`` find the extracted tree
+Each repeat drops the page cache (when root) before ours, ``umoci unpack`` and
+``tar -x``, so each reads its input cold; the steps after them find the unpacked tree
 warm in the page cache, as a shell pipeline would. Every command is followed by an
-untimed ``sync``. Outputs and the extracted tree are deleted after each step.
+untimed ``sync``. Outputs, umoci's bundle and the extracted tree are deleted untimed.
 
 A benchmark, not a test: it fails only when a command fails, never on speed.
 """
@@ -38,8 +49,13 @@ from typing import Any
 from bench import inputs as inp
 from bench.measure import Result, drop_caches, pipeline, remove, run_measured, tree_size
 from bench.report import (
+    TAR_BASELINE,
+    UMOCI_BASELINE,
+    build_inputs,
     build_section,
+    build_summary,
     build_table,
+    input_results,
     laziness_section,
     laziness_table,
     machine_info,
@@ -49,6 +65,7 @@ from bench.report import (
     randread_table,
     remote_section,
     remote_table,
+    repeats_text,
     update_doc,
 )
 
@@ -57,104 +74,95 @@ DEFAULT_WORKDIR = Path("/var/tmp/btrfs-ublk-image-bench")
 FULL = inp.InputParams(files=100_000, large_bytes=2 << 30, large_count=4)
 QUICK = inp.InputParams(files=10_000, large_bytes=256 << 20, large_count=4)
 GiB = 1 << 30
-IN_PLACE_SPEC = "spec-in-place.yaml"  # written into scratch: the input's spec, tar in place
+# Specs written into scratch (and the reflink filesystem) for each input:
+TAR_SPEC = "spec.yaml"  # one tar: layer
+OCI_SPEC = "spec-oci.yaml"  # one oci: layer, the input's OCI layout
+IN_PLACE_SPEC = "spec-in-place.yaml"  # one tar: layer, in_place: true
+BUILD_INPUTS = ("synthetic", "debian")
 SECTIONS = ("build", "mount", "randread", "laziness", "vm", "remote")
 
 
 @dataclass
+class Job:
+    """The paths one input's steps work on; a step's spec lies beside its output."""
+
+    tar: Path
+    layout: Path | None  # OCI image layout of the same tree, None if there is none
+    ref: str
+    tree: Path  # tar -x destination
+    umoci: Path  # umoci unpack's bundle (config.json, rootfs/, mtree)
+
+
+@dataclass
 class Step:
-    """One measured command of a repeat; ``cmd`` gets (tar, spec, tree, output path)."""
+    """One measured command of a repeat; ``make_cmd`` gets the job and the output path."""
 
     name: str
     label: str
-    output: str | None  # file or directory name under scratch, None for tar -x
-    make_cmd: Callable[[Path, Path, Path, Path], list[str]]
+    output: str | None  # file or directory name under scratch, None for tar -x, umoci
+    make_cmd: Callable[[Job, Path], list[str]]
     needs: str | None = None  # the executable that must exist
     stdin_tar: bool = False
     presize: bool = False  # create the output file sparse first (mkfs.btrfs)
     cold: bool = False  # drop caches before it
     reflink_fs: bool = False  # input copy and output on a loop-mounted btrfs (reflinks work)
+    makes: str | None = None  # the directory it writes: "tree" (tar -x) or "umoci"
+    uses: str | None = None  # the directory it reads, made by an earlier step
+    oci: bool = False  # reads the OCI layout
+
+
+MAKERS = {"tree": "tar_x", "umoci": "umoci_unpack"}
+PEERS = ("mksquashfs", "mkfs_erofs", "mksquashfs_tar")
+
+
+def _ours(spec: str) -> Callable[[Job, Path], list[str]]:
+    py = sys.executable
+    return lambda job, out: [
+        py, "-m", "btrfs_ublk_image", "build", str(out.parent / spec), "-o", str(out)
+    ]  # fmt: skip
+
+
+def _mkfs_btrfs(root: Callable[[Job], Path]) -> Callable[[Job, Path], list[str]]:
+    return lambda job, out: [
+        "mkfs.btrfs", "-q", "-K", "--shrink", "--rootdir", str(root(job)), str(out)
+    ]  # fmt: skip
 
 
 def _steps() -> list[Step]:
-    py = sys.executable
     return [
-        Step(
-            "ours",
-            "**ours: btrfs-ublk-image build**",
-            "ours.bundle",
-            lambda tar, spec, tree, out: [py, "-m", "btrfs_ublk_image", "build", str(spec), "-o", str(out)],
-            cold=True,
-        ),
-        Step(
-            "ours_in_place",
-            "**ours, tar in place**",
-            "ours-in-place.bundle",
-            lambda tar, spec, tree, out: [
-                py, "-m", "btrfs_ublk_image", "build", str(out.parent / IN_PLACE_SPEC),
-                "-o", str(out),
-            ],
-            cold=True,
-        ),
-        Step(
-            "ours_in_place_reflink",
-            "**ours, tar in place, reflink** (on a loop-mounted btrfs)",
-            "ours-in-place.bundle",
-            lambda tar, spec, tree, out: [
-                py, "-m", "btrfs_ublk_image", "build", str(out.parent / IN_PLACE_SPEC),
-                "-o", str(out),
-            ],
-            needs="mkfs.btrfs",
-            cold=True,
-            reflink_fs=True,
-        ),
-        Step(
-            "tar_x",
-            "tar -x (step)",
-            None,
-            lambda tar, spec, tree, out: ["tar", "-xf", str(tar), "-C", str(tree)],
-            needs="tar",
-            cold=True,
-        ),
-        Step(
-            "mkfs_btrfs",
-            "mkfs.btrfs --rootdir (step)",
-            "btrfs.img",
-            lambda tar, spec, tree, out: [
-                "mkfs.btrfs", "-q", "-K", "--shrink", "--rootdir", str(tree), str(out),
-            ],
-            needs="mkfs.btrfs",
-            presize=True,
-        ),
-        Step(
-            "mksquashfs",
-            "mksquashfs uncompressed (step)",
-            "tree.squashfs",
-            lambda tar, spec, tree, out: [
-                "mksquashfs", str(tree), str(out), "-noappend", "-no-progress",
-                "-noI", "-noD", "-noF", "-noX",
-            ],
-            needs="mksquashfs",
-        ),
-        Step(
-            "mkfs_erofs",
-            "mkfs.erofs uncompressed (step)",
-            "tree.erofs",
-            lambda tar, spec, tree, out: ["mkfs.erofs", str(out), str(tree)],
-            needs="mkfs.erofs",
-        ),
-        Step(
-            "mksquashfs_tar",
-            "mksquashfs -tar, uncompressed (from the tarball)",
-            "tar.squashfs",
-            lambda tar, spec, tree, out: [
-                "mksquashfs", "-", str(out), "-tar", "-noappend", "-no-progress",
-                "-noI", "-noD", "-noF", "-noX",
-            ],
-            needs="mksquashfs",
-            stdin_tar=True,
-            cold=True,
-        ),
+        Step("ours", "**ours: btrfs-ublk-image build**", "ours.bundle", _ours(TAR_SPEC),
+             cold=True),
+        Step("ours_oci", "**ours from the OCI layout** (`oci:` layer)", "ours-oci.bundle",
+             _ours(OCI_SPEC), cold=True, oci=True),
+        Step("ours_in_place", "**ours, tar in place**", "ours-in-place.bundle",
+             _ours(IN_PLACE_SPEC), cold=True),
+        Step("ours_in_place_reflink", "**ours, tar in place, reflink** (on a loop-mounted btrfs)",
+             "ours-in-place.bundle", _ours(IN_PLACE_SPEC), needs="mkfs.btrfs", cold=True,
+             reflink_fs=True),
+        Step("umoci_unpack", "umoci unpack (step)", None,
+             lambda job, out: ["umoci", "unpack", "--image", f"{job.layout}:{job.ref}",
+                               str(job.umoci)],
+             needs="umoci", cold=True, makes="umoci", oci=True),
+        Step("mkfs_btrfs_umoci", "mkfs.btrfs --rootdir of umoci's rootfs (step)", "btrfs.img",
+             _mkfs_btrfs(lambda job: job.umoci / "rootfs"), needs="mkfs.btrfs", presize=True,
+             uses="umoci", oci=True),
+        Step("tar_x", "tar -x (step)", None,
+             lambda job, out: ["tar", "-xf", str(job.tar), "-C", str(job.tree)],
+             needs="tar", cold=True, makes="tree"),
+        Step("mkfs_btrfs", "mkfs.btrfs --rootdir (step)", "btrfs.img",
+             _mkfs_btrfs(lambda job: job.tree), needs="mkfs.btrfs", presize=True, uses="tree"),
+        Step("mksquashfs", "mksquashfs uncompressed (step)", "tree.squashfs",
+             lambda job, out: ["mksquashfs", str(job.tree), str(out), "-noappend",
+                               "-no-progress", "-noI", "-noD", "-noF", "-noX"],
+             needs="mksquashfs", uses="tree"),
+        Step("mkfs_erofs", "mkfs.erofs uncompressed (step)", "tree.erofs",
+             lambda job, out: ["mkfs.erofs", str(out), str(job.tree)],
+             needs="mkfs.erofs", uses="tree"),
+        Step("mksquashfs_tar", "mksquashfs -tar, uncompressed (from the tarball)",
+             "tar.squashfs",
+             lambda job, out: ["mksquashfs", "-", str(out), "-tar", "-noappend", "-no-progress",
+                               "-noI", "-noD", "-noF", "-noX"],
+             needs="mksquashfs", stdin_tar=True, cold=True),
     ]  # fmt: skip
 
 
@@ -197,20 +205,32 @@ def _log(msg: str) -> None:
     print(f"bench: {msg}", file=sys.stderr, flush=True)
 
 
-def _measure(
-    step: Step, res: Result, data: inp.Inputs, scratch: Path, tree: Path, log: Path
-) -> None:
+@dataclass
+class BuildInput:
+    """One input of the build section: a tarball, and an OCI layout of the same tree."""
+
+    name: str  # "synthetic", "debian"
+    label: str
+    tar: Path
+    layout: Path | None
+    ref: str
+    stats: inp.InputStats
+    repeats: int
+    about: dict[str, Any]  # what the report says about it (JSON)
+
+
+def _measure(step: Step, res: Result, job: Job, scratch: Path, log: Path) -> None:
     out = scratch / (step.output or "unused")
     if step.output:
         remove(out)
     if step.presize:
         with open(out, "wb") as f:
-            f.truncate(2 * data.stats.content_bytes + 2 * GiB)
-    cmd = step.make_cmd(data.tar, data.spec, tree, out)
+            f.truncate(2 * job.tar.stat().st_size + 2 * GiB)
+    cmd = step.make_cmd(job, out)
     res.cmd = cmd
     if step.cold:
         drop_caches()
-    sample = run_measured(cmd, log, stdin=data.tar if step.stdin_tar else None)
+    sample = run_measured(cmd, log, stdin=job.tar if step.stdin_tar else None)
     if sample.returncode != 0:
         res.error = f"exit status {sample.returncode} (see {log})"
         if step.output:
@@ -225,14 +245,19 @@ def _measure(
     _log(f"  {step.name}: {sample.wall_s:.2f} s, peak RSS {sample.maxrss_kib / 1024:.0f} MiB")
 
 
-def _in_place_spec(directory: Path, tar: Path) -> None:
-    (directory / IN_PLACE_SPEC).write_text(
-        f"version: 1\nname: bench\nlayers:\n  - tar: {{path: {tar}, in_place: true}}\n"
-    )
+def _write_specs(directory: Path, tar: Path, layout: Path | None, ref: str) -> None:
+    layer = {
+        TAR_SPEC: f"tar: {{path: {tar}}}",
+        IN_PLACE_SPEC: f"tar: {{path: {tar}, in_place: true}}",
+    }
+    if layout is not None:
+        layer[OCI_SPEC] = f"oci: {{path: {layout}, ref: {ref}}}"
+    for name, text in layer.items():
+        (directory / name).write_text(f"version: 1\nname: bench\nlayers:\n  - {text}\n")
 
 
 @contextlib.contextmanager
-def _reflink_fs(workdir: Path, data: inp.Inputs) -> Iterator[Path]:
+def _reflink_fs(workdir: Path, tar: Path) -> Iterator[Path]:
     """A btrfs on a loop device (this host's work filesystem, ext4, has no reflinks)
     holding a copy of the input tarball (untimed), for the reflink row. Torn down after."""
     img = workdir / "reflinkfs.img"
@@ -240,15 +265,15 @@ def _reflink_fs(workdir: Path, data: inp.Inputs) -> Iterator[Path]:
     remove(img)
     mnt.mkdir(exist_ok=True)
     with open(img, "wb") as f:
-        f.truncate(data.tar.stat().st_size * 2 + 8 * GiB)
+        f.truncate(tar.stat().st_size * 2 + 8 * GiB)
     mounted = False
     try:
         subprocess.run(["mkfs.btrfs", "-q", "-f", str(img)], check=True, capture_output=True)
         subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], check=True)
         mounted = True
-        tar = mnt / "input.tar"
-        shutil.copyfile(data.tar, tar)
-        _in_place_spec(mnt, tar)
+        copy = mnt / "input.tar"
+        shutil.copyfile(tar, copy)
+        _write_specs(mnt, copy, None, "")
         yield mnt
     finally:
         if mounted:
@@ -257,20 +282,14 @@ def _reflink_fs(workdir: Path, data: inp.Inputs) -> Iterator[Path]:
         mnt.rmdir()
 
 
-def run_build(
-    data: inp.Inputs, workdir: Path, repeats: int, peers: bool
-) -> tuple[list[Result], dict[str, str]]:
-    scratch = workdir / "scratch"
-    remove(scratch)
-    scratch.mkdir(parents=True)
-    _in_place_spec(scratch, data.tar)
-    log = workdir / "bench.log"
-    log.write_bytes(b"")
-    tree = scratch / "tree"
+def _runnable(bi: BuildInput, peers: bool) -> tuple[list[Step], dict[str, str]]:
     skipped: dict[str, str] = {}
     steps = []
     for s in _steps():
-        if not peers and s.name in ("mksquashfs", "mkfs_erofs", "mksquashfs_tar"):
+        if not peers and s.name in PEERS:
+            continue
+        if s.oci and bi.layout is None:
+            skipped[s.name] = "no OCI layout of this input"
             continue
         if s.needs and shutil.which(s.needs) is None:
             skipped[s.name] = f"{s.needs} not installed"
@@ -282,42 +301,62 @@ def run_build(
             skipped[s.name] = "mounting a loop device needs root"
             continue
         steps.append(s)
+    return steps, skipped
+
+
+PIPELINES = (  # (steps, name, label): sums per repeat
+    (("umoci_unpack", "mkfs_btrfs_umoci"), UMOCI_BASELINE,
+     "**baseline: umoci unpack + mkfs.btrfs --rootdir**"),
+    (("tar_x", "mkfs_btrfs"), TAR_BASELINE, "**baseline: tar -x + mkfs.btrfs --rootdir**"),
+    (("tar_x", "mksquashfs"), "tar_x+mksquashfs", "tar -x + mksquashfs uncompressed"),
+    (("tar_x", "mkfs_erofs"), "tar_x+mkfs_erofs", "tar -x + mkfs.erofs uncompressed"),
+)  # fmt: skip
+
+
+def run_build(bi: BuildInput, workdir: Path, peers: bool) -> tuple[list[Result], dict[str, str]]:
+    """Every runnable step on one input, ``bi.repeats`` times in turn; then the pipelines."""
+    scratch = workdir / "scratch"
+    remove(scratch)
+    scratch.mkdir(parents=True)
+    _write_specs(scratch, bi.tar, bi.layout, bi.ref)
+    log = workdir / "bench.log"
+    job = Job(bi.tar, bi.layout, bi.ref, scratch / "tree", scratch / "umoci-bundle")
+    dirs = {"tree": job.tree, "umoci": job.umoci}
+    steps, skipped = _runnable(bi, peers)
     results = {s.name: Result(s.name, s.label, []) for s in steps}
     stack = contextlib.ExitStack()
     reflink_scratch = scratch
     if any(s.reflink_fs for s in steps):
         _log("creating a loop-mounted btrfs for the reflink row (untimed) ...")
-        reflink_scratch = stack.enter_context(_reflink_fs(workdir, data))
+        reflink_scratch = stack.enter_context(_reflink_fs(workdir, bi.tar))
     try:
-        for i in range(repeats):
-            _log(f"repeat {i + 1}/{repeats}")
+        for i in range(bi.repeats):
+            _log(f"{bi.name}: repeat {i + 1}/{bi.repeats}")
             for s in steps:
                 res = results[s.name]
                 if res.error:
                     continue
-                if s.name == "tar_x":
-                    remove(tree)
-                    tree.mkdir()
-                needs_tree = s.name in ("mkfs_btrfs", "mksquashfs", "mkfs_erofs")
-                if needs_tree and (results["tar_x"].error or not tree.is_dir()):
-                    res.error = "tar -x failed"
-                    continue
-                _measure(s, res, data, reflink_scratch if s.reflink_fs else scratch, tree, log)
-            remove(tree)
+                if s.makes:  # one extracted tree on disk at a time (untimed removal)
+                    for d in dirs.values():
+                        remove(d)
+                    if s.makes == "tree":
+                        job.tree.mkdir()
+                if s.uses:
+                    maker = results.get(MAKERS[s.uses])
+                    if maker is None or maker.error or not dirs[s.uses].is_dir():
+                        res.error = f"{MAKERS[s.uses]} failed or did not run"
+                        continue
+                _measure(s, res, job, reflink_scratch if s.reflink_fs else scratch, log)
+            for d in dirs.values():
+                remove(d)
     finally:
         stack.close()
         remove(scratch)
     out = [results[s.name] for s in steps]
-    if "tar_x" in results:
-        tx = results["tar_x"]
-        for name, label in (
-            ("mkfs_btrfs", "**baseline: tar -x + mkfs.btrfs --rootdir**"),
-            ("mksquashfs", "tar -x + mksquashfs uncompressed"),
-            ("mkfs_erofs", "tar -x + mkfs.erofs uncompressed"),
-        ):
-            if name in results:
-                p = pipeline(f"tar_x+{name}", label, [tx, results[name]])
-                out.insert(out.index(results[name]) + 1, p)
+    for parts, name, label in PIPELINES:
+        if all(p in results for p in parts):
+            p = pipeline(name, label, [results[x] for x in parts])
+            out.insert(out.index(results[parts[-1]]) + 1, p)
     return out, skipped
 
 
@@ -369,6 +408,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--repeat", type=int, default=3, metavar="N", help="runs of each command (default 3)"
     )
+    ap.add_argument(
+        "--debian-repeat",
+        type=int,
+        default=5,
+        metavar="N",
+        help="build section: runs of each command on the (small) Debian input (default 5)",
+    )
+    ap.add_argument(
+        "--build-inputs",
+        default="synthetic,debian",
+        metavar="LIST",
+        help="build section: comma-separated subset of synthetic,debian (default both)",
+    )
     ap.add_argument("--no-peers", action="store_true", help="skip mksquashfs and mkfs.erofs")
     ap.add_argument(
         "--profile",
@@ -398,14 +450,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.from_json:
         saved: dict[str, Any] = json.loads(Path(args.from_json).read_text())
-        built = saved.get("build", {}).get("results", {})
-        return _emit(
-            saved, [Result.from_json(k, v) for k, v in built.items()], args, Path(args.workdir)
-        )
+        return _emit(saved, args, Path(args.workdir))
     sections = {s.strip() for s in args.sections.split(",") if s.strip()}
     unknown = sections - set(SECTIONS)
     if unknown:
         ap.error(f"unknown section(s): {', '.join(sorted(unknown))}")
+    bad = {x.strip() for x in args.build_inputs.split(",") if x.strip()} - set(BUILD_INPUTS)
+    if bad:
+        ap.error(f"unknown build input(s): {', '.join(sorted(bad))}")
 
     params = QUICK if args.quick else FULL
     workdir = Path(args.workdir).resolve()
@@ -425,16 +477,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     if sections != set(SECTIONS):
         command += " --sections " + ",".join(s for s in SECTIONS if s in sections)
     doc: dict[str, Any] = {"command": command, "machine": machine}
-    results: list[Result] = []
     if "build" in sections:
-        doc["build"], results = _run_build_section(args, params, data, workdir, can_drop, commit)
+        doc["build"] = _run_build_section(args, params, data, workdir, can_drop, commit)
     runtime_s = args.fio_runtime or (3.0 if args.quick else 10.0)
     if sections - {"build"}:
         from bench.runtime import run_runtime
 
         doc["runtime_commit"] = commit
         doc.update(run_runtime(sections, workdir, data, max(1, args.repeat), runtime_s))
-    return _emit(doc, results, args, workdir)
+    return _emit(doc, args, workdir)
+
+
+def _build_inputs(
+    args: argparse.Namespace, params: inp.InputParams, data: inp.Inputs, log: Path
+) -> tuple[list[BuildInput], dict[str, str]]:
+    """The inputs of the build section, with their OCI layouts (made and cached untimed)."""
+    wanted = {x.strip() for x in args.build_inputs.split(",") if x.strip()}
+    out: list[BuildInput] = []
+    skipped: dict[str, str] = {}
+    if "synthetic" in wanted:
+        layout = inp.ensure_oci_layout(data, log=_log)
+        about = {
+            "params": asdict(params),
+            "tar": str(data.tar),
+            "stats": data.stats.to_json(),
+            "description": "",
+            "oci": {"layout": str(layout), "ref": inp.OCI_REF,
+                    "layers": inp.layout_layers(layout, inp.OCI_REF)},
+        }  # fmt: skip
+        out.append(BuildInput("synthetic", "Synthetic set", data.tar, layout, inp.OCI_REF,
+                              data.stats, max(1, args.repeat), about))  # fmt: skip
+    if "debian" in wanted:
+        from bench.runtime import DEBIAN_REF, debian_inputs
+
+        tar, why = debian_inputs(log)
+        if tar is None:
+            skipped["debian"] = why
+        else:
+            debian_layout: Path | None = tar.parent / "oci"
+            about = {"tar": str(tar), "description": DEBIAN_ABOUT}
+            if (tar.parent / "oci.done").exists():
+                about["oci"] = {"layout": str(debian_layout), "ref": DEBIAN_REF,
+                                "layers": inp.layout_layers(tar.parent / "oci", DEBIAN_REF)}  # fmt: skip
+            else:
+                debian_layout = None
+            stats = inp.tar_stats(tar)
+            about["stats"] = stats.to_json()
+            out.append(BuildInput("debian", "Debian image", tar, debian_layout, DEBIAN_REF,
+                                  stats, max(1, args.debian_repeat), about))  # fmt: skip
+    return out, skipped
+
+
+DEBIAN_ABOUT = (
+    "Debian bookworm minbase (debootstrap; `specs/golden/debian/prepare.sh`, cached):"
+    " rootfs.tar, the tree as one tarball, and the OCI layout prepare.sh makes with umoci. "
+)
 
 
 def _run_build_section(
@@ -444,42 +541,55 @@ def _run_build_section(
     workdir: Path,
     can_drop: bool,
     commit: str | None,
-) -> tuple[dict[str, Any], list[Result]]:
-    s = data.stats
+) -> dict[str, Any]:
     cache_policy = (
-        "Page cache dropped before ours, before `tar -x` and before `mksquashfs -tar` (cold"
-        " input tarball); the steps that follow `tar -x` read the extracted tree warm, as a"
-        " pipeline would. Each command is followed by an untimed `sync`."
+        "Page cache dropped before each of ours' rows, before `umoci unpack`, before"
+        " `tar -x` and before `mksquashfs -tar` (cold input); the steps that follow"
+        " `umoci unpack` and `tar -x` read the unpacked tree warm, as a pipeline would."
+        " umoci's bundle and the extracted tree are removed untimed after their last"
+        " step. Each command is followed by an untimed `sync`."
         if can_drop
         else "Page cache NOT dropped (not root): the input is warm for every command."
     )
-    results, skipped = run_build(data, workdir, max(1, args.repeat), not args.no_peers)
-    ours = next((r for r in results if r.name == "ours"), None)
-    ratios = {}
-    if ours is not None and ours.ok:
-        for r in results:
-            if r.ok and r is not ours:
-                ratios[r.name] = r.wall_median / ours.wall_median
+    log = workdir / "bench.log"
+    log.write_bytes(b"")
+    inputs, skipped_inputs = _build_inputs(args, params, data, log)
+    per_input: dict[str, Any] = {}
+    for bi in inputs:
+        s = bi.stats
+        _log(f"build: {bi.name} ({s.entries:,} entries, {s.content_bytes / 2**20:.0f} MiB)")
+        results, skipped = run_build(bi, workdir, not args.no_peers)
+        speedups: dict[str, dict[str, float]] = {}
+        for base_name in (UMOCI_BASELINE, TAR_BASELINE):
+            base = next((r for r in results if r.name == base_name and r.ok), None)
+            if base is not None:
+                speedups[base_name] = {
+                    r.name: base.wall_median / r.wall_median for r in results if r.ok
+                }
+        per_input[bi.name] = {
+            "label": bi.label,
+            "repeats": bi.repeats,
+            "input": bi.about,
+            "results": {r.name: r.to_json(s.content_bytes, s.entries) for r in results},
+            "speedup_vs_baseline": speedups,
+            "skipped": skipped,
+        }
     build: dict[str, Any] = {
         "command": "bench/run" + (" --quick" if args.quick else ""),
         "builder_commit": commit,
         "repeats": max(1, args.repeat),
         "cache_policy": cache_policy,
-        "input": {"params": asdict(params), "tar": str(data.tar), "stats": s.to_json()},
-        "results": {r.name: r.to_json(s.content_bytes, s.entries) for r in results},
-        "speedup_of_ours": ratios,
-        "skipped": skipped,
+        "inputs": per_input,
+        "skipped_inputs": skipped_inputs,
     }
-    if args.profile and ours is not None and ours.ok:
+    if args.profile and "synthetic" in per_input:
         build["profile"] = profile_ours(data, workdir)
-    return build, results
+    return build
 
 
-def _emit(
-    doc: dict[str, Any], results: list[Result], args: argparse.Namespace, workdir: Path
-) -> int:
+def _emit(doc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> int:
     """Print the report; write the JSON and the docs sections if asked."""
-    failed = _emit_build(doc, results, args) if "build" in doc else []
+    failed = _emit_build(doc, args) if "build" in doc else []
     failed += _emit_runtime(doc, args)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
@@ -535,40 +645,33 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
     return failed
 
 
-def _emit_build(doc: dict[str, Any], results: list[Result], args: argparse.Namespace) -> list[str]:
+def _emit_build(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
     b = doc["build"]
-    st = b["input"]["stats"]
-    table = build_table(results, st["content_bytes"], st["entries"], "ours")
-    print()
-    print(
-        f"Build benchmark ({b['command']}; {st['entries']:,} entries,"
-        f" {st['content_bytes'] / 2**20:.0f} MiB content; {b['repeats']} repeats;"
-        f" builder {b.get('builder_commit')})"
-    )
+    print(f"\nBuild benchmark ({b['command']}; builder {b.get('builder_commit')})")
     print(b["cache_policy"])
-    print()
-    print(table)
-    for name, why in b.get("skipped", {}).items():
-        print(f"skipped {name}: {why}")
-    by = {r.name: r for r in results}
-    base = by.get("tar_x+mkfs_btrfs")
-    for name in ("ours", "ours_in_place", "ours_in_place_reflink"):
-        ours = by.get(name)
-        if ours is None or base is None or not ours.ok or not base.ok:
-            continue
-        for what, x in (
-            ("median wall", base.wall_median / ours.wall_median),
-            ("median wall + sync", base.synced_median / ours.synced_median),
-        ):
-            verdict = f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
-            print(f"{name} vs baseline (tar -x + mkfs.btrfs --rootdir): {verdict} ({what})")
+    failed: list[str] = []
+    for name, one in build_inputs(b).items():
+        st = one["input"]["stats"]
+        results = input_results(one)
+        print(
+            f"\n{one.get('label', name)}: {st['entries']:,} entries,"
+            f" {st['content_bytes'] / 2**20:.0f} MiB content; {repeats_text(one.get('repeats'))}\n"
+        )
+        print(build_table(results, st["content_bytes"], st["entries"]))
+        for line in build_summary(results, st["entries"]):
+            print(line)
+        for step, why in one.get("skipped", {}).items():
+            print(f"skipped {step}: {why}")
+        failed += [f"{name} {r.name}" for r in results if r.error]
+    for name, why in b.get("skipped_inputs", {}).items():
+        print(f"skipped input {name}: {why}")
     if "profile" in b:
         _print_profile(b["profile"])
     if args.update_docs:
         path = ROOT / "docs" / "benchmarks.md"
-        update_doc(path, "build", build_section(doc, table))
+        update_doc(path, "build", build_section(doc))
         _log(f"{path}: Build section updated")
-    return [r.name for r in results if r.error]
+    return failed
 
 
 if __name__ == "__main__":

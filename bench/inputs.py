@@ -20,22 +20,36 @@ Shape of the small-file set (``InputParams.files`` entries, not counting directo
 The large files (``large_count`` of them, ``large_bytes`` in total) are
 incompressible: AES-CTR keystream from ``openssl enc`` when available (fast),
 otherwise ``random.randbytes``.
+
+``ensure_oci_layout`` adds, once and cached beside the tarball, an OCI image layout
+of it (``oci/``, ref ``latest``): one uncompressed layer whose blob IS the tarball (a
+hardlink), its config (``rootfs.diff_ids``), manifest and ``index.json``; the input of
+the ``umoci unpack`` baseline and of our build from ``oci:``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import platform
 import random
 import shutil
 import subprocess
+import tarfile
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 GENERATOR_VERSION = 1
+OCI_REF = "latest"  # the ref name of the synthetic input's OCI layout
+LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
+MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+CONFIG = "application/vnd.oci.image.config.v1+json"
+_GOARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "ppc64le": "ppc64le",
+           "s390x": "s390x", "riscv64": "riscv64"}  # fmt: skip
 MAX_SMALL = 16 * 1024
 _BASE_MTIME_NS = 1_700_000_000 * 1_000_000_000
 _EXTS = ("", ".txt", ".py", ".so", ".conf", ".h", ".json", ".gz")
@@ -256,3 +270,111 @@ def ensure_inputs(workdir: Path, params: InputParams, log: Any = None) -> Inputs
         spec=final / "spec.yaml",
         stats=InputStats(**doc["stats"]),
     )
+
+
+def tar_stats(tar: Path) -> InputStats:
+    """Entry counts and content bytes of any tarball (for an input we did not generate)."""
+    st = InputStats(tar_bytes=tar.stat().st_size)
+    with tarfile.open(tar) as tf:
+        for m in tf:
+            if m.name.strip("/") in ("", "."):
+                continue
+            st.entries += 1
+            if m.isdir():
+                st.directories += 1
+            elif m.issym():
+                st.symlinks += 1
+            elif m.islnk():
+                st.hardlinks += 1
+                st.regular_names += 1
+            elif m.isfile():
+                st.regular_names += 1
+                st.regular_inodes += 1
+                st.content_bytes += m.size
+    st.small_bytes = st.content_bytes
+    return st
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(4 << 20):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def _put_blob(layout: Path, data: bytes) -> dict[str, Any]:
+    """Write ``data`` as a blob of ``layout``; its digest and size (a descriptor's core)."""
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    (layout / "blobs" / "sha256" / digest.split(":", 1)[1]).write_bytes(data)
+    return {"digest": digest, "size": len(data)}
+
+
+def write_oci_layout(layout: Path, tar: Path, ref: str) -> None:
+    """An OCI image layout at ``layout`` (must not exist) whose one uncompressed layer is
+    ``tar`` itself, hardlinked into ``blobs/`` (same filesystem; nothing copied)."""
+    diff_id = _sha256_file(tar)  # uncompressed layer: blob digest == diff_id
+    blobs = layout / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+    (layout / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}\n')
+    os.link(tar, blobs / diff_id.split(":", 1)[1])
+    config = {
+        "architecture": _GOARCH.get(platform.machine(), platform.machine()),
+        "os": "linux",
+        "config": {},
+        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        "history": [{"created_by": f"bench/inputs.py: {tar.name} as one layer"}],
+    }
+    cfg = _put_blob(layout, json.dumps(config, sort_keys=True).encode())
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": MANIFEST,
+        "config": {"mediaType": CONFIG, **cfg},
+        "layers": [{"mediaType": LAYER_TAR, "digest": diff_id, "size": tar.stat().st_size}],
+    }
+    man = _put_blob(layout, json.dumps(manifest, sort_keys=True).encode())
+    index = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [
+            {"mediaType": MANIFEST, **man,
+             "annotations": {"org.opencontainers.image.ref.name": ref}}
+        ],
+    }  # fmt: skip
+    (layout / "index.json").write_text(json.dumps(index, sort_keys=True) + "\n")
+
+
+def ensure_oci_layout(data: Inputs, log: Any = None) -> Path:
+    """The OCI layout of ``data``'s tarball (``data.directory/oci``, ref ``OCI_REF``),
+    made on first use: in a temporary directory renamed into place (a concurrent maker's
+    layout wins; both are the same bytes)."""
+    final = data.directory / "oci"
+    if (final / "index.json").exists():
+        return final
+    if log:
+        log(f"writing the OCI layout of {data.tar} (cached in {final}) ...")
+    tmp = Path(tempfile.mkdtemp(prefix=".oci.", dir=data.directory))
+    try:
+        write_oci_layout(tmp / "oci", data.tar, OCI_REF)
+        os.chmod(tmp / "oci", 0o755)
+        try:
+            os.rename(tmp / "oci", final)
+        except OSError:  # made meanwhile, or a half-written leftover without index.json
+            if not (final / "index.json").exists():
+                shutil.rmtree(final)
+                os.rename(tmp / "oci", final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def layout_layers(layout: Path, ref: str) -> list[dict[str, Any]]:
+    """Media type and size of each layer of the image ``ref`` of an OCI layout (for the
+    report: what the umoci baseline and our ``oci:`` build read)."""
+    index = json.loads((layout / "index.json").read_text())
+    for d in index["manifests"]:
+        if d.get("annotations", {}).get("org.opencontainers.image.ref.name") == ref:
+            blob = layout / "blobs" / "sha256" / d["digest"].split(":", 1)[1]
+            manifest = json.loads(blob.read_text())
+            return [{"media_type": x["mediaType"], "size": x["size"]} for x in manifest["layers"]]
+    raise ValueError(f"{layout}: no image with ref {ref!r} in index.json")

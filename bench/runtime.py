@@ -48,6 +48,7 @@ GOLDEN_DEBIAN = ROOT / "specs" / "golden" / "debian"
 DEBIAN_CACHE = (
     Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian"
 )
+DEBIAN_REF = "bookworm"  # the ref of the OCI layout prepare.sh makes beside rootfs.tar
 COUNTERS = ("reads", "bytes_served", "chunks_verified", "pack_bytes_read", "cache_hits")
 VM_INPUT = inp.InputParams(files=200, large_bytes=64 << 20, large_count=1, seed=5)
 MiB = 1 << 20

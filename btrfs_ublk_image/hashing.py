@@ -30,11 +30,18 @@ class BackgroundSha256:
         self._chunk = hashlib.sha256()
         self._chunk_fill = 0  # bytes in the current chunk
         self._chunk_digests: list[bytes] = []
+        self._inline = False
+
+    def hash_inline(self) -> None:
+        """From now on hash in the caller's thread (the caller is a worker thread itself)."""
+        if self._thread is not None:
+            raise ValueError("the hashing thread already runs")
+        self._inline = True
 
     def update(self, data: bytes) -> None:
         if self._done is not None:
             raise ValueError("update after digest")
-        if len(data) < _SMALL and self._thread is None:
+        if self._inline or (len(data) < _SMALL and self._thread is None):
             self._apply(data)
             return
         if self._thread is None:

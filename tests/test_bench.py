@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -16,8 +19,17 @@ if str(ROOT) not in sys.path:  # bench/ is not an installed package
     sys.path.insert(0, str(ROOT))
 
 from bench import inputs  # noqa: E402
+from bench.build import main as bench_main  # noqa: E402
 from bench.measure import Result, Sample, pipeline, run_measured, tree_size  # noqa: E402
-from bench.report import build_section, build_table, update_doc  # noqa: E402
+from bench.report import (  # noqa: E402
+    TAR_BASELINE,
+    UMOCI_BASELINE,
+    build_inputs,
+    build_section,
+    build_summary,
+    build_table,
+    update_doc,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -91,20 +103,43 @@ def _res(name: str, walls: list[float], rss: int, out: int | None = None) -> Res
 
 def test_report_table_json_and_doc_section(tmp_path: Path) -> None:
     ours = _res("ours", [2.0, 1.0, 3.0], 50_000, 10 << 20)
+    ours_oci = _res("ours_oci", [2.5, 2.5, 2.5], 60_000, 10 << 20)
+    umoci = _res("umoci_unpack", [6.0, 6.0, 7.0], 30_000)
+    mkfs_u = _res("mkfs_btrfs_umoci", [3.0, 3.0, 4.0], 20_000, 12 << 20)
     tar_x = _res("tar_x", [1.0, 1.0, 1.0], 2_000)
     mkfs = _res("mkfs_btrfs", [3.0, 3.0, 4.0], 20_000, 12 << 20)
-    base = pipeline("tar_x+mkfs_btrfs", "baseline", [tar_x, mkfs])
+    ubase = pipeline(UMOCI_BASELINE, "umoci baseline", [umoci, mkfs_u])
+    base = pipeline(TAR_BASELINE, "tar baseline", [tar_x, mkfs])
     broken = Result("mkfs_erofs", "mkfs.erofs", ["x"], error="exit status 1")
     assert base.walls == [4.0, 4.0, 5.0] and base.peak_rss_kib == 20_000
+    assert ubase.walls == [9.0, 9.0, 11.0] and ubase.peak_rss_kib == 30_000
     assert base.output_bytes == 12 << 20
+    results = [ours, ours_oci, umoci, mkfs_u, ubase, tar_x, mkfs, base, broken]
 
-    table = build_table([ours, tar_x, mkfs, base, broken], 100_000_000, 1000, "ours")
+    table = build_table(results, 100_000_000, 1000)
     lines = table.splitlines()
-    assert len(lines) == 2 + 5
+    assert len(lines) == 2 + 9
+    assert lines[0].endswith("| umoci + mkfs.btrfs / this | tar -x + mkfs.btrfs / this |")
+    assert lines[1].count("|") == lines[0].count("|")
+    # ours: median 2.0; umoci baseline 9.0 / 2.0, tar baseline 4.0 / 2.0
     assert lines[2].startswith("| ours | 1.00 | 2.00 | 2.00 | 50.0 | 500 |")
-    assert lines[2].rstrip().endswith("| 1.00x |")
-    assert "| 2.00x |" in lines[5]  # baseline median 4.0 / ours 2.0
-    assert "exit status 1" in lines[6]
+    assert lines[2].endswith("| 4.50x | 2.00x |")
+    assert lines[3].endswith("| 3.60x | 1.60x |")  # ours from OCI: 9.0 / 2.5, 4.0 / 2.5
+    assert lines[6].endswith("| 1.00x | 0.44x |")  # the umoci baseline itself
+    assert lines[9].endswith("| 2.25x | 1.00x |")
+    assert "exit status 1" in lines[10] and lines[10].count("|") == lines[0].count("|")
+    # without an umoci baseline (a JSON from before it) its column is left out
+    old = build_table([ours, tar_x, mkfs, base], 100_000_000, 1000).splitlines()
+    assert old[0].endswith("| output | tar -x + mkfs.btrfs / this |")
+
+    summary = build_summary(results, 1000)
+    assert summary[0] == (
+        "ours: 2.00x vs tar -x + mkfs.btrfs (2.00x with writeback,"
+        " target 3x missed); 4.50x vs umoci + mkfs.btrfs (4.50x with writeback);"
+        " 51,200 B peak RSS per entry"
+    )
+    assert summary[1].startswith("ours_oci: 3.60x vs umoci + mkfs.btrfs")  # its own baseline first
+    assert len(summary) == 2
 
     j = ours.to_json(100_000_000, 1000)
     assert j["wall_median_s"] == 2.0 and j["mb_per_s"] == 50.0 and j["files_per_s"] == 500.0
@@ -112,17 +147,35 @@ def test_report_table_json_and_doc_section(tmp_path: Path) -> None:
     json.dumps(broken.to_json(1, 1))
 
     stats = inputs.InputStats(entries=1000, content_bytes=100_000_000, tar_bytes=1 << 27)
+    layers = [{"media_type": "application/vnd.oci.image.layer.v1.tar+gzip", "size": 5 << 20}]
     doc = {
         "machine": {"date": "today", "nproc": 2, "tools": {"tar": "tar 1"}},
         "build": {
             "command": "bench/run --quick",
             "repeats": 3,
             "cache_policy": "cold.",
-            "input": {"stats": stats.to_json()},
+            "inputs": {
+                name: {
+                    "label": label,
+                    "repeats": 3,
+                    "input": {
+                        "tar": f"/x/{name}.tar",
+                        "stats": stats.to_json(),
+                        "oci": {"layout": "/x/oci", "ref": "r", "layers": layers},
+                    },
+                    "results": {r.name: r.to_json(100_000_000, 1000) for r in results},
+                    "skipped": {"mksquashfs": "mksquashfs not installed"},
+                }
+                for name, label in (("synthetic", "Synthetic set"), ("debian", "Debian image"))
+            },
         },
     }
-    body = build_section(doc, table)
-    assert table.strip() in body and "bench/run --quick" in body
+    body = build_section(doc)
+    assert body.count(table.strip()) == 2 and "bench/run --quick" in body
+    assert "**Synthetic set** (3 repeats each)" in body and "**Debian image**" in body
+    assert "`debian.tar` (128.0 MiB) holding 1,000 entries" in body
+    assert "OCI layout `/x/oci`, ref `r`: 1 layer (5.0 MiB tar+gzip)." in body
+    assert f"* {summary[0]}" in body and "* skipped mksquashfs: mksquashfs not installed" in body
 
     md = tmp_path / "benchmarks.md"
     md.write_text("# Benchmarks\n\n## Build\n\n<!-- bench:build:begin -->\nold\n"
@@ -133,3 +186,111 @@ def test_report_table_json_and_doc_section(tmp_path: Path) -> None:
     assert text.startswith("# Benchmarks\n") and text.endswith("## Mount\n")
     update_doc(md, "build", body)
     assert md.read_text() == text
+
+
+def test_from_json_renders_a_build_json_from_before_the_oci_rows(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A saved JSON of one input (``input``/``results`` at the top) still renders."""
+    saved = ROOT / "bench" / "results" / "build-2026-11-22-quiet.json"
+    b = json.loads(saved.read_text())["build"]
+    (one,) = build_inputs(b).values()
+    assert one["results"] == b["results"]
+    assert bench_main(["--from-json", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "| output | tar -x + mkfs.btrfs / this |" in out
+    assert "ours: btrfs-ublk-image build: 1.46x vs tar -x + mkfs.btrfs" in out
+
+
+def test_oci_layout_of_an_input_is_the_tarball_hardlinked(tmp_path: Path) -> None:
+    data = inputs.ensure_inputs(tmp_path, TINY)
+    layout = inputs.ensure_oci_layout(data)
+    assert layout == data.directory / "oci"
+    index = json.loads((layout / "index.json").read_text())
+    (desc,) = index["manifests"]
+    assert desc["annotations"]["org.opencontainers.image.ref.name"] == inputs.OCI_REF
+    blobs = layout / "blobs" / "sha256"
+    for blob in blobs.iterdir():  # every blob's name is its sha256
+        assert hashlib.sha256(blob.read_bytes()).hexdigest() == blob.name
+    manifest = json.loads((blobs / desc["digest"].split(":")[1]).read_text())
+    assert desc["size"] == (blobs / desc["digest"].split(":")[1]).stat().st_size
+    (layer,) = manifest["layers"]
+    assert layer["mediaType"] == "application/vnd.oci.image.layer.v1.tar"
+    assert layer["size"] == data.stats.tar_bytes
+    layer_blob = blobs / layer["digest"].split(":")[1]
+    assert layer_blob.stat().st_ino == data.tar.stat().st_ino  # a hardlink, not a copy
+    config = json.loads((blobs / manifest["config"]["digest"].split(":")[1]).read_text())
+    assert config["rootfs"] == {"type": "layers", "diff_ids": [layer["digest"]]}
+    assert inputs.layout_layers(layout, inputs.OCI_REF) == [
+        {"media_type": layer["mediaType"], "size": data.stats.tar_bytes}
+    ]
+    with pytest.raises(ValueError, match="no image with ref 'nope'"):
+        inputs.layout_layers(layout, "nope")
+
+    # cached: the second call writes nothing; a half-written leftover is replaced
+    mtime = (layout / "index.json").stat().st_mtime_ns
+    assert inputs.ensure_oci_layout(data) == layout
+    assert (layout / "index.json").stat().st_mtime_ns == mtime
+    (layout / "index.json").unlink()
+    assert (inputs.ensure_oci_layout(data) / "index.json").read_text() == json.dumps(
+        index, sort_keys=True
+    ) + "\n"
+    assert [p.name for p in data.directory.iterdir() if p.name.startswith(".oci.")] == []
+
+
+@pytest.mark.skipif(shutil.which("umoci") is None, reason="umoci not installed")
+def test_umoci_unpacks_the_layout_into_the_input_tree(tmp_path: Path) -> None:
+    """External oracle: umoci (the baseline's own tool) reads the layout we write and
+    unpacks exactly the tarball's names, sizes and symlink targets."""
+    data = inputs.ensure_inputs(tmp_path, TINY)
+    layout = inputs.ensure_oci_layout(data)
+    bundle = tmp_path / "bundle"
+    subprocess.run(
+        ["umoci", "unpack", "--rootless", "--image", f"{layout}:{inputs.OCI_REF}", str(bundle)],
+        check=True,
+        capture_output=True,
+    )
+    rootfs = bundle / "rootfs"
+    with tarfile.open(data.tar) as tf:
+        members = [m for m in tf.getmembers() if m.name != "."]
+    assert len(members) == data.stats.entries
+    for m in members:
+        p = rootfs / m.name
+        if m.issym():
+            assert os.readlink(p) == m.linkname
+        elif m.isdir():
+            assert p.is_dir()
+        elif m.islnk():
+            assert os.path.samefile(p, rootfs / m.linkname)
+        else:
+            assert p.read_bytes() == tf_bytes(data.tar, m)
+    unpacked = sum(len(d) + len(f) for _, d, f in os.walk(rootfs))
+    assert unpacked == data.stats.entries
+
+
+def tf_bytes(tar: Path, m: tarfile.TarInfo) -> bytes:
+    with tarfile.open(tar) as tf:
+        f = tf.extractfile(m)
+        assert f is not None
+        return f.read()
+
+
+def test_tar_stats_counts_an_input_we_did_not_generate(tmp_path: Path) -> None:
+    tar = tmp_path / "rootfs.tar"
+    with tarfile.open(tar, "w", format=tarfile.PAX_FORMAT) as tf:
+
+        def add(name: str, kind: bytes, data: bytes = b"", link: str = "") -> None:
+            ti = tarfile.TarInfo(name)
+            ti.type, ti.size, ti.linkname = kind, len(data), link
+            tf.addfile(ti, io.BytesIO(data) if data else None)
+
+        add("./", tarfile.DIRTYPE)
+        add("./etc", tarfile.DIRTYPE)
+        add("./etc/a", tarfile.REGTYPE, b"x" * 100)
+        add("./etc/b", tarfile.LNKTYPE, link="./etc/a")
+        add("./etc/c", tarfile.SYMTYPE, link="a")
+        add("./etc/d", tarfile.REGTYPE, b"")
+    st = inputs.tar_stats(tar)
+    assert (st.entries, st.directories, st.regular_names, st.regular_inodes) == (5, 1, 3, 2)
+    assert (st.hardlinks, st.symlinks, st.content_bytes) == (1, 1, 100)
+    assert st.tar_bytes == tar.stat().st_size

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -38,9 +41,44 @@ def test_equal_checksums_but_different_bytes_are_kept_apart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # every content gets the same CRC: only the byte comparison can tell them apart
-    monkeypatch.setattr(packs_mod.crc32c, "crc32c", lambda data, value=0: 7)
+    monkeypatch.setattr(packs_mod.crc32c, "crc32c", lambda data, value=0, gil_release_mode=-1: 7)
     pw = PackWriter(str(tmp_path), keep_inline=0, chunk_size=4096)
     a, b, c = put(pw, b"a" * 5000), put(pw, b"b" * 5000), put(pw, b"a" * 5000)
     assert a is not b and c is a
     (info,) = pw.finish()
     assert Path(info.path).read_bytes() == b"a" * 5000 + b"b" * 5000
+
+
+@pytest.mark.unit
+def test_pack_written_back_while_it_grows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(packs_mod, "FLUSH_STEP", 8192)
+    flushed: list[tuple[str, int]] = []
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        flushed.append((threading.current_thread().name, os.fstat(fd).st_size))
+        real(fd)
+
+    monkeypatch.setattr(packs_mod.os, "fdatasync", fdatasync)
+    pw = PackWriter(str(tmp_path), keep_inline=0, chunk_size=4096)
+    contents = [os.urandom(5000) for _ in range(20)]
+    for data in contents:
+        put(pw, data)
+    (info,) = pw.finish()
+    assert flushed and {name for name, _ in flushed} == {"pack-flush"}
+    assert Path(info.path).read_bytes() == b"".join(contents)
+
+
+@pytest.mark.unit
+def test_failed_write_back_fails_finish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the kernel reports a write-back error once: the final fsync would not see it again
+    monkeypatch.setattr(packs_mod, "FLUSH_STEP", 4096)
+
+    def fdatasync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(packs_mod.os, "fdatasync", fdatasync)
+    pw = PackWriter(str(tmp_path), keep_inline=0, chunk_size=4096)
+    put(pw, os.urandom(10000))
+    with pytest.raises(OSError, match="Input/output error"):
+        pw.finish()

@@ -275,6 +275,56 @@ def test_expect_id_and_bad_bundles_are_refused(no_leftovers: Path) -> None:
     assert status() == [] and not our_mounts(tmp)
 
 
+def test_meta_img_verified_record(no_leftovers: Path) -> None:
+    """A meta.img hashed once is not hashed again while its (dev, inode, size, mtime,
+    ctime) match the verified record; written since (even with its size and mtime put
+    back), it is hashed again and refused; a ctime too recent for a record gets none."""
+    tmp = no_leftovers
+    bundle, _, _ = build_bundle(tmp, "record", 31)  # a seed no other test uses
+    meta = bundle / "meta.img"
+    want = json.loads((bundle / "manifest.json").read_text())["files"]["meta.img"]["sha256"]
+    record = Path(os.environ["UBLKD_RUN_DIR"], "verified", want.removeprefix("sha256:") + ".json")
+    time.sleep(max(0.0, meta.stat().st_ctime + 2.2 - time.time()))  # no racy ctime
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    env = dict(os.environ, RUST_LOG="debug")
+
+    def mount() -> subprocess.CompletedProcess[str]:
+        assert UBLKD is not None
+        return subprocess.run([UBLKD, "mount", str(bundle), str(mnt), "--frontend", "fuse"],
+                              capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+
+    r = mount()
+    assert r.returncode == 0, r.stderr
+    assert "not hashed" not in r.stderr
+    ublkd("umount", mnt)
+    rec = json.loads(record.read_text())
+    st = meta.stat()
+    assert (rec["ino"], rec["size"], rec["ctime_ns"]) == (st.st_ino, st.st_size, st.st_ctime_ns)
+    assert record.stat().st_mode & 0o022 == 0 and record.parent.stat().st_mode & 0o777 == 0o700
+    r = mount()
+    assert r.returncode == 0 and "matches: not hashed" in r.stderr, r.stderr
+    ublkd("umount", mnt)
+    # one byte changed, size and mtime put back: only the ctime tells
+    with open(meta, "r+b") as f:
+        f.seek(70000)
+        b = f.read(1)
+        f.seek(70000)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(meta, ns=(st.st_atime_ns, st.st_mtime_ns))
+    r = mount()
+    assert r.returncode != 0 and "meta.img: sha256 is" in r.stderr, r.stderr
+    assert not record.exists()
+    with open(meta, "r+b") as f:
+        f.seek(70000)
+        f.write(b)
+    r = mount()  # hashed, matches; the ctime is too recent for a record
+    assert r.returncode == 0 and "not hashed" not in r.stderr, r.stderr
+    ublkd("umount", mnt)
+    assert not record.exists()
+    assert status() == []
+
+
 @pytest.mark.parametrize("frontend", ["fuse", pytest.param("ublk", marks=pytest.mark.vm)])
 def test_sprout_write_umount_mount_again(no_leftovers: Path, frontend: str) -> None:
     """Sprout, write, umount, mount again with the same --rw: the data is there and the seed

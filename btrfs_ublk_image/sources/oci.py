@@ -32,10 +32,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform as host_platform
 import re
 import stat
-import tarfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -99,7 +97,8 @@ _ARCH = {
 
 def host_platform_name() -> str:
     """The host's platform as an OCI ``os/architecture[/variant]``."""
-    arch, variant = _ARCH.get(host_platform.machine(), (host_platform.machine(), None))
+    machine = os.uname().machine  # what platform.machine() returns, without its import
+    arch, variant = _ARCH.get(machine, (machine, None))
     return "linux/" + arch + (f"/{variant}" if variant else "")
 
 
@@ -150,6 +149,8 @@ class _Store:
         self.members = self._index(self.file)
 
     def _index(self, f: BinaryIO) -> dict[str, tuple[int, int]]:
+        import tarfile  # archives only: a layout directory's build does not load it
+
         members: dict[str, tuple[int, int]] = {}
         links: dict[str, str] = {}
         try:

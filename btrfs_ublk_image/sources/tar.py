@@ -24,7 +24,6 @@ import base64
 import binascii
 import bz2
 import dataclasses
-import gzip
 import hashlib
 import lzma
 import os
@@ -42,6 +41,7 @@ from btrfs_ublk_image.hashing import BackgroundSha256
 from btrfs_ublk_image.packs import InPlacePack
 from btrfs_ublk_image.sources.base import WHITEOUT, LayerContext, SourceRecord
 from btrfs_ublk_image.sources.globs import normalize, selector
+from btrfs_ublk_image.sources.gunzip import InflateError, ThreadedGunzip
 from btrfs_ublk_image.sources.tarheader import (
     BLKTYPE,
     BLOCK,
@@ -219,6 +219,9 @@ class _DigestStream:
         self.hash.update(data)
         return data
 
+    def hexdigest(self) -> str:
+        return self.hash.hexdigest()
+
     def readable(self) -> bool:
         return True
 
@@ -226,8 +229,6 @@ class _DigestStream:
 def _decompressor(kind: str, raw: _HashingReader) -> _Readable:
     if kind == "none":
         return raw
-    if kind == "gzip":
-        return gzip.GzipFile(fileobj=cast(BinaryIO, raw), mode="rb")
     if kind == "zstd":
         return _ZstdReader(raw)
     if kind == "xz":
@@ -396,11 +397,19 @@ def read_tar(
     if in_place is not None and kind != "none":  # apply() checks first: a changed file
         raise _fail(tar_path, None, f"in_place needs an uncompressed tarball, this is {kind}")
     reader: TarReader | None = None
-    diff: _DigestStream | None = None
+    diff: _DigestStream | ThreadedGunzip | None = None
+    gunzip: ThreadedGunzip | None = None
     try:
-        stream = _decompressor(kind, raw)
-        if opts.diff_id and kind != "none":
-            stream = diff = _DigestStream(stream)
+        if kind == "gzip":  # inflated and hashed (raw and inflated) on a worker thread
+            raw.hash.hash_inline()
+            gunzip = ThreadedGunzip(raw, digest=opts.diff_id)
+            stream: _Readable = gunzip
+            if opts.diff_id:
+                diff = gunzip
+        else:
+            stream = _decompressor(kind, raw)
+            if opts.diff_id and kind != "none":
+                stream = diff = _DigestStream(stream)
         reader = TarReader(stream)
         _read_members(reader, tar_path, ctx, opts)
         # validate the compressed stream's end and hash every remaining byte
@@ -416,6 +425,7 @@ def read_tar(
         EOFError,
         OSError,
         zlib.error,
+        InflateError,
         lzma.LZMAError,
         zstandard.ZstdError,
     ) as e:
@@ -429,10 +439,13 @@ def read_tar(
         raise _fail(tar_path, None, f"{what}{at}: {e}") from None
     except (ValueError, OverflowError) as e:
         raise _fail(tar_path, reader.last_name if reader is not None else None, str(e)) from None
+    finally:
+        if gunzip is not None:
+            gunzip.close()
     raw_digest = "sha256:" + raw.hash.hexdigest()
     if in_place is not None:
         in_place.complete(raw.hash.chunk_digests(), raw.nbytes)
-    uncompressed = raw_digest if diff is None else "sha256:" + diff.hash.hexdigest()
+    uncompressed = raw_digest if diff is None else "sha256:" + diff.hexdigest()
     return TarDigests(raw_digest, uncompressed, kind)
 
 

@@ -50,27 +50,13 @@ pub struct Bundle {
     /// `sha256:<hex>` of manifest.json's bytes.
     pub image_id: String,
     pub blockmap: std::sync::Arc<Blockmap>,
+    /// meta.img, open, once checked against the manifest (`mount`): the loop devices are
+    /// put on this very file, never on one opened again by path.
+    pub meta: Option<File>,
 }
 
 pub fn sha256_hex(data: &[u8]) -> String {
     hex::encode(Sha256::digest(data))
-}
-
-/// sha256 of a file, streamed.
-pub fn sha256_file(path: &Path) -> Result<(String, u64)> {
-    let mut f = File::open(path).with_context(|| format!("{}: open", path.display()))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut total = 0u64;
-    loop {
-        let n = f.read(&mut buf).with_context(|| format!("{}: read", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-        total += n as u64;
-    }
-    Ok((hex::encode(h.finalize()), total))
 }
 
 fn strip_sha(s: &str) -> Result<&str> {
@@ -95,8 +81,9 @@ pub fn normalize_id(id: &str) -> Result<String> {
 }
 
 impl Bundle {
-    /// Open and verify a bundle. `verify_meta` also hashes meta.img (the mount command
-    /// does; the server, which never reads meta.img, does not).
+    /// Open and verify a bundle. `verify_meta` also checks meta.img against the manifest
+    /// and keeps it open in `meta` (the mount command does; the server, which never reads
+    /// meta.img, does not): see [`open_checked_meta`].
     pub fn open(dir: &Path, expect_id: Option<&str>, verify_meta: bool) -> Result<Bundle> {
         let dir = dir
             .canonicalize()
@@ -132,7 +119,7 @@ impl Bundle {
             mpath.display()
         );
 
-        let check = |name: &str, hash: bool| -> Result<PathBuf> {
+        let check = |name: &str| -> Result<PathBuf> {
             let info = manifest
                 .files
                 .get(name)
@@ -146,26 +133,26 @@ impl Bundle {
                 meta.len(),
                 info.size
             );
-            if hash {
-                let want =
-                    strip_sha(&info.sha256).with_context(|| format!("{}: files.{name}.sha256", mpath.display()))?;
-                let (got, _) = sha256_file(&path)?;
-                ensure!(
-                    got == want,
-                    "{}: sha256 is {got}, the manifest says {want}",
-                    path.display()
-                );
-            }
             Ok(path)
         };
-        let meta_path = check("meta.img", verify_meta)?;
+        let meta_path = check("meta.img")?;
+        let meta = if verify_meta {
+            let want = strip_sha(&manifest.files["meta.img"].sha256)
+                .with_context(|| format!("{}: files.meta.img.sha256", mpath.display()))?;
+            match open_checked_meta(&meta_path, want)? {
+                Ok(f) => Some(f),
+                Err(got) => bail!("{}: sha256 is {got}, the manifest says {want}", meta_path.display()),
+            }
+        } else {
+            None
+        };
         ensure!(
             std::fs::metadata(&meta_path)?.len() == manifest.devices[0].size,
             "{}: size differs from devices[0].size {}",
             meta_path.display(),
             manifest.devices[0].size
         );
-        let bm_path = check("blockmap", false)?;
+        let bm_path = check("blockmap")?;
         let bm_bytes = std::fs::read(&bm_path).with_context(|| format!("{}: read", bm_path.display()))?;
         let want = strip_sha(&manifest.files["blockmap"].sha256)?;
         let got = sha256_hex(&bm_bytes);
@@ -234,6 +221,7 @@ impl Bundle {
             manifest,
             image_id,
             blockmap: blockmap.into(),
+            meta,
         })
     }
 
@@ -244,4 +232,137 @@ impl Bundle {
     pub fn pack_paths(&self) -> Vec<PathBuf> {
         self.manifest.packs.iter().map(|p| self.dir.join(&p.path)).collect()
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// meta.img: hashed, or known good from a verified record
+
+/// Filesystems whose inode numbers and change times the kernel keeps itself, so that a
+/// file whose (dev, inode, size, mtime, ctime) did not change still holds the bytes it
+/// held when it was hashed. Network and FUSE filesystems report what a server says: a
+/// meta.img there is hashed on every mount.
+const RECORDED_FS: &[(i64, &str)] = &[
+    (0xEF53, "ext2/3/4"),
+    (0x5846_5342, "xfs"),
+    (0x9123_683E, "btrfs"),
+    (0x0102_1994, "tmpfs"),
+];
+
+/// A record is only written for a file whose ctime is this much older than the clock,
+/// so that a write in the same timestamp tick (coarse or 1 s granularity) cannot leave
+/// the ctime unchanged ("racy timestamps").
+const RACY_NS: i128 = 2_000_000_000;
+
+/// What `mount` wrote after hashing a meta.img whose sha256 matched its manifest: the
+/// identity and times of the file it hashed. Kept in `<run dir>/verified/<sha256>.json`
+/// (root's, 0700): while the same file still shows the same identity and times, it has
+/// not been written since, and it is not hashed again.
+#[derive(Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct MetaRecord {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime_ns: i128,
+    ctime_ns: i128,
+}
+
+impl MetaRecord {
+    fn of(md: &std::fs::Metadata) -> MetaRecord {
+        use std::os::unix::fs::MetadataExt;
+        MetaRecord {
+            dev: md.dev(),
+            ino: md.ino(),
+            size: md.len(),
+            mtime_ns: md.mtime() as i128 * 1_000_000_000 + md.mtime_nsec() as i128,
+            ctime_ns: md.ctime() as i128 * 1_000_000_000 + md.ctime_nsec() as i128,
+        }
+    }
+}
+
+fn records_dir() -> PathBuf {
+    crate::state::run_dir().join("verified")
+}
+
+/// The filesystem type of an open file, if records are trusted there.
+fn recorded_fs(f: &File) -> Option<&'static str> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: fstatfs fills the struct we own.
+    let mut sfs: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstatfs(f.as_raw_fd(), &mut sfs) } != 0 {
+        return None;
+    }
+    RECORDED_FS
+        .iter()
+        .find(|(magic, _)| sfs.f_type as i64 == *magic)
+        .map(|(_, name)| *name)
+}
+
+fn read_record(path: &Path) -> Option<MetaRecord> {
+    use std::os::unix::fs::MetadataExt;
+    let f = File::open(path).ok()?;
+    let md = f.metadata().ok()?;
+    // only a record written by us (root) counts
+    // SAFETY: trivial getter.
+    if md.uid() != unsafe { libc::geteuid() } || md.mode() & 0o022 != 0 {
+        return None;
+    }
+    serde_json::from_reader(std::io::BufReader::new(f)).ok()
+}
+
+fn write_record(path: &Path, rec: &MetaRecord) -> Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = path.parent().expect("records live in a directory");
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("{}: mkdir", dir.display()))?;
+    crate::state::write_atomic(path, &serde_json::to_vec(rec)?)
+}
+
+/// Open meta.img and check it against `want` (sha256 hex from the manifest): `Ok(file)`
+/// when it matches, `Err(actual sha256)` when it does not. A file with a verified record
+/// that still matches it is not read; otherwise it is hashed through the opened file,
+/// and a record is written when the hash matched, the file did not change while it was
+/// hashed, its filesystem is in [`RECORDED_FS`] and its ctime is not racy.
+pub fn open_checked_meta(path: &Path, want: &str) -> Result<std::result::Result<File, String>> {
+    let mut f = File::open(path).with_context(|| format!("{}: open", path.display()))?;
+    let before = MetaRecord::of(&f.metadata().with_context(|| format!("{}: stat", path.display()))?);
+    let fs = recorded_fs(&f);
+    let rec_path = records_dir().join(format!("{want}.json"));
+    if fs.is_some() && read_record(&rec_path).as_ref() == Some(&before) {
+        log::debug!(
+            "{}: verified record {} matches: not hashed",
+            path.display(),
+            rec_path.display()
+        );
+        // the kernel reads its trees from here right after: start reading it now
+        // SAFETY: fadvise on an fd we own.
+        unsafe { libc::posix_fadvise(std::os::fd::AsRawFd::as_raw_fd(&f), 0, 0, libc::POSIX_FADV_WILLNEED) };
+        return Ok(Ok(f));
+    }
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).with_context(|| format!("{}: read", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    let got = hex::encode(h.finalize());
+    if got != want {
+        let _ = std::fs::remove_file(&rec_path);
+        return Ok(Err(got));
+    }
+    let after = MetaRecord::of(&f.metadata().with_context(|| format!("{}: stat", path.display()))?);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i128);
+    if fs.is_some() && after == before && after.ctime_ns < now - RACY_NS {
+        if let Err(e) = write_record(&rec_path, &after) {
+            log::warn!("{}: verified record not written: {e:#}", rec_path.display());
+        }
+    }
+    Ok(Ok(f))
 }

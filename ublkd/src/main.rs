@@ -57,10 +57,23 @@ enum Cmd {
     Serve(server::ServeArgs),
 }
 
+/// `RUST_LOG=debug`: where a mount's time goes, as `timing <ms> <step>` lines in
+/// CLOCK_REALTIME milliseconds (comparable between `mount` and its server's log).
+pub fn timing(step: &str) {
+    if log::log_enabled!(log::Level::Debug) {
+        let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+        // SAFETY: clock_gettime fills the timespec we own.
+        if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut t) } == 0 {
+            log::debug!("timing {:.3} {step}", t.tv_sec as f64 * 1e3 + t.tv_nsec as f64 / 1e6);
+        }
+    }
+}
+
 fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info,fuser=error,libublk=warn"))
         .format_target(false)
         .init();
+    timing("start");
     let cli = Cli::parse();
     let res = match cli.cmd {
         Cmd::Mount(a) => ops::mount(a),

@@ -159,6 +159,7 @@ fn spawn_server(b: &BundleState, kind: Kind, cache_mb: u64, recover: Option<i32>
         });
     }
     let mut child = cmd.spawn().context("start ublkd serve")?;
+    crate::timing("server spawned");
     let pid = child.id() as i32;
     let stdout = child.stdout.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -286,10 +287,38 @@ fn attach_dev2_instance(srv: &ServerRecord, name: &Path) -> Result<loopdev::Loop
     Ok(l)
 }
 
-fn attach_meta(bundle: &Bundle) -> Result<loopdev::LoopDev> {
-    let meta_path = bundle.meta_path();
-    let meta = File::open(&meta_path).with_context(|| format!("{}: open", meta_path.display()))?;
-    loopdev::attach(&meta, &meta_path, &RO_OPTS)
+/// meta.img's loop devices read through the page cache: the pages `mount` just hashed
+/// (or asked to be read ahead) serve the kernel's metadata reads, and all mounts of the
+/// image share one copy.
+const META_OPTS: loopdev::AttachOptions = loopdev::AttachOptions {
+    direct_io: false,
+    ..RO_OPTS
+};
+
+/// meta.img on a loop device: the very file `mount` checked against the manifest.
+/// Attaching costs an fsync of the backing file (the loop driver does one on every
+/// LOOP_CONFIGURE: a disk cache flush on ext4), so it runs in a thread while the server
+/// starts; [`MetaLoop::get`] waits for it. An unused or failed attach goes away with
+/// its fd (AUTOCLEAR).
+struct MetaLoop(std::thread::JoinHandle<Result<loopdev::LoopDev>>);
+
+impl MetaLoop {
+    fn start(bundle: &Bundle) -> Result<MetaLoop> {
+        let meta = bundle
+            .meta
+            .as_ref()
+            .context("meta.img was not checked")?
+            .try_clone()
+            .context("meta.img: dup")?;
+        let path = bundle.meta_path();
+        Ok(MetaLoop(std::thread::spawn(move || {
+            loopdev::attach(&meta, &path, &META_OPTS)
+        })))
+    }
+
+    fn get(self) -> Result<loopdev::LoopDev> {
+        self.0.join().map_err(|_| anyhow!("attaching meta.img panicked"))?
+    }
 }
 
 /// `btrfs device scan` for a new instance of the image's seed devices.
@@ -434,10 +463,20 @@ fn ensure_server(b: &mut BundleState, asked: Kind, kind: Kind, cache_mb: u64, me
     Ok(srv)
 }
 
+/// Is this shared mount mounted and usable as it is?
+fn shared_is_up(sh: &SharedMount) -> Result<bool> {
+    Ok(sh.phase == "mounted" && is_mounted(&sh.path)?)
+}
+
 /// The bundle's shared mount (see [`SharedMount`]): the existing one, or a new one.
-fn ensure_shared(b: &mut BundleState, bundle: &Bundle, srv: &ServerRecord) -> Result<PathBuf> {
+fn ensure_shared(
+    b: &mut BundleState,
+    bundle: &Bundle,
+    srv: &ServerRecord,
+    meta_loop: Option<MetaLoop>,
+) -> Result<PathBuf> {
     if let Some(sh) = b.shared.clone() {
-        if sh.phase == "mounted" && is_mounted(&sh.path)? {
+        if shared_is_up(&sh)? {
             return Ok(PathBuf::from(sh.path));
         }
         teardown_shared(&sh).context("clean up a stale shared mount")?;
@@ -456,20 +495,27 @@ fn ensure_shared(b: &mut BundleState, bundle: &Bundle, srv: &ServerRecord) -> Re
         b.shared = Some(sh.clone());
         b.save()
     };
-    save(b, &sh)?;
+    // Until the filesystem holds them, the loop devices live only as long as our fds
+    // (AUTOCLEAR), so they are recorded once both are there, before the scan makes
+    // the kernel remember them (each save here costs a rename on the run dir's disk).
     let mut holds: Vec<File> = Vec::new();
     let d2 = attach_dev2_instance(srv, &dir)?;
+    crate::timing("shared: dev2 loop attached");
+    let m = match meta_loop {
+        Some(m) => m.get()?,
+        None => MetaLoop::start(bundle)?.get()?,
+    };
     sh.dev2_loop = Some(loop_record(&d2));
-    save(b, &sh)?;
-    let dev2 = d2.path.clone();
-    holds.push(d2.file);
-    let m = attach_meta(bundle)?;
     sh.meta_loop = Some(loop_record(&m));
     save(b, &sh)?;
-    let meta = m.path.clone();
+    let (dev2, meta) = (d2.path.clone(), m.path.clone());
+    holds.push(d2.file);
     holds.push(m.file);
+    crate::timing("shared: loops attached");
     scan_seed(&[&meta, &dev2], bundle)?;
+    crate::timing("shared: scanned");
     mnt::mount_btrfs(&meta, &path, &[&meta, &dev2], true, "")?;
+    crate::timing("shared: mount(2) done");
     sh.phase = "mounted".into();
     save(b, &sh)?;
     drop(holds);
@@ -563,7 +609,9 @@ pub fn mount(args: MountArgs) -> Result<()> {
         // read by the registry client here and inherited by the server (never in its argv)
         std::env::set_var(remote::AUTH_ENV, a);
     }
+    crate::timing("mount: args parsed");
     let (bundle, location) = remote::open_bundle(&args.bundle, &args.remote, args.expect_id.as_deref())?;
+    crate::timing("mount: bundle opened and checked");
     // checked before anything is locked or attached: a trace for another image is refused
     let prefetch = prefetch_trace(&args, &bundle)?;
     let mode = match (&args.rw, args.ephemeral) {
@@ -641,21 +689,29 @@ pub fn mount(args: MountArgs) -> Result<()> {
     };
     st.save()?;
 
+    crate::timing("mount: locked, state saved");
+    // a new instance of the image's devices needs meta.img on a loop device: attached
+    // while the server starts
+    let meta_loop = match (mode, &b.shared) {
+        ("ro" | "ephemeral", Some(sh)) if shared_is_up(sh)? => None,
+        _ => Some(MetaLoop::start(&bundle)?),
+    };
     // 1. the bundle's server (shared by all its mounts)
     let had_server = b.server.as_ref().is_some_and(state::server_alive);
     let srv = ensure_server(&mut b, args.frontend, kind, args.cache_mb, &id)?;
     let _same_fsid = claim_fsid(&b)?;
+    crate::timing("mount: server ready");
 
     let mp = mountpoint.clone();
     let note = match mode {
         "ro" => {
-            let shared = ensure_shared(&mut b, &bundle, &srv)?;
+            let shared = ensure_shared(&mut b, &bundle, &srv, meta_loop)?;
             mnt::bind_ro(&shared, &mountpoint)?;
             rb.push("umount", move || Ok(mnt::umount(&mp, false)?));
             format!(" (bind of {})", shared.display())
         }
         "ephemeral" => {
-            let shared = ensure_shared(&mut b, &bundle, &srv)?;
+            let shared = ensure_shared(&mut b, &bundle, &srv, meta_loop)?;
             let (upper, work) = (dir.join("upper"), dir.join("work"));
             for d in [&upper, &work] {
                 std::fs::create_dir(d).with_context(|| format!("{}: mkdir", d.display()))?;
@@ -666,12 +722,14 @@ pub fn mount(args: MountArgs) -> Result<()> {
         }
         _ => {
             sprout_shared(&mut b)?;
-            mount_rw(&args, &bundle, &srv, &mut st, &mut rb)?
+            mount_rw(&args, &bundle, &srv, meta_loop, &mut st, &mut rb)?
         }
     };
+    crate::timing("mount: mounted");
     st.phase = "mounted".into();
     st.save()?;
     rb.disarm();
+    crate::timing("mount: state saved");
     // the bundle's trace is applied by the mount that starts the server; an explicit
     // --prefetch by any mount
     let pf_note = match prefetch {
@@ -790,6 +848,7 @@ fn mount_rw(
     args: &MountArgs,
     bundle: &Bundle,
     srv: &ServerRecord,
+    meta_loop: Option<MetaLoop>,
     st: &mut MountState,
     rb: &mut Rollback,
 ) -> Result<String> {
@@ -804,7 +863,10 @@ fn mount_rw(
     let dev2 = d2.path.clone();
     holds.push(d2.file);
 
-    let m = attach_meta(bundle)?;
+    let m = match meta_loop {
+        Some(m) => m.get()?,
+        None => MetaLoop::start(bundle)?.get()?,
+    };
     let rec = loop_record(&m);
     st.meta_loop = Some(rec.clone());
     st.save()?;

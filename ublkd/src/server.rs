@@ -131,15 +131,18 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // SAFETY: ignoring SIGPIPE is always sound.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
 
+    crate::timing("serve: signals set up");
     let counters = Arc::new(Counters::default());
     let mut opened = remote::open_for_serving(&args.bundle, &args.remote, args.expect_id.as_deref(), counters.clone())?;
     if kind == Kind::Fuse {
         frontend::fuse::tune_fetching(&mut opened.fetching);
     }
+    crate::timing("serve: bundle opened");
     let location = opened.location.clone();
     let bundle_ranges = opened.bundle.blockmap.ranges.len();
     let image_id = opened.bundle.image_id.clone();
     let dev = open_device(opened, counters.clone(), args.cache_mb);
+    warm_superblock_chunk(&dev);
     if let Some(dir) = &args.dir {
         std::fs::create_dir_all(dir).with_context(|| format!("{}: mkdir", dir.display()))?;
         stats_writer(counters.clone(), dir.clone());
@@ -181,6 +184,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     match kind {
         Kind::Fuse => {
             let fe = frontend::fuse::start(dev.clone(), args.threads)?;
+            crate::timing("serve: fuse frontend up");
             let device = format!("/proc/{pid}/fd/{}/{}", fe.root.as_raw_fd(), frontend::fuse::FILE_NAME);
             announce(&Ready {
                 pid,
@@ -265,6 +269,24 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         }
         Kind::Auto => unreachable!(),
     }
+}
+
+/// Device 2's superblock (64 KiB in) is the first thing every mount reads (`btrfs device
+/// scan`, then `mount`): load and verify its pack chunk in the background while the
+/// frontend starts, as a prefetch (not a demand load; the scan's read still counts as
+/// an access for `record`).
+fn warm_superblock_chunk(dev: &Arc<Device2>) {
+    const SUPER: u64 = 65536;
+    let bm = dev.chunks.blockmap();
+    let Ok(segs) = bm.segments(SUPER, 4096) else { return };
+    let Some(crate::blockmap::Segment::Pack { pack, pack_offset, .. }) = segs.into_iter().next() else {
+        return;
+    };
+    let chunk = pack_offset >> bm.chunk_shift;
+    let dev = dev.clone();
+    let _ = std::thread::Builder::new()
+        .name("warm".into())
+        .spawn(move || dev.chunks.prefetch_run(pack, chunk..chunk + 1));
 }
 
 /// A ublk server must not share a mount namespace with users of its device (libublk

@@ -302,12 +302,17 @@ fn resolve(
     };
     let manifest: Manifest = serde_json::from_slice(&std::fs::read(dir.join("manifest.json"))?)
         .with_context(|| format!("{location}: manifest.json is not a valid manifest"))?;
+    let mut meta = None;
     for name in ["meta.img", "blockmap"] {
-        ensure_file(&store, location, &dir, name, &manifest, args.timeout(), verify_meta)?;
+        let checked = ensure_file(&store, location, &dir, name, &manifest, args.timeout(), verify_meta)?;
+        if name == "meta.img" {
+            meta = checked;
+        }
     }
-    // ensure_file checked meta.img: Bundle::open need not hash it again
-    let bundle =
+    // ensure_file checked meta.img: Bundle::open need not check it again
+    let mut bundle =
         Bundle::open(&dir, expect_id, false).with_context(|| format!("{location} (cached in {})", dir.display()))?;
+    bundle.meta = meta;
     for (i, p) in bundle.manifest.packs.iter().enumerate() {
         ensure!(
             !p.path.starts_with('/') && !p.path.split('/').any(|c| c == ".." || c.is_empty()),
@@ -472,7 +477,7 @@ fn ensure_file(
     m: &Manifest,
     timeout: Duration,
     verify: bool,
-) -> Result<()> {
+) -> Result<Option<std::fs::File>> {
     let info = m
         .files
         .get(name)
@@ -484,8 +489,11 @@ fn ensure_file(
         .to_ascii_lowercase();
     let path = dir.join(name);
     if std::fs::metadata(&path).is_ok_and(|md| md.len() == info.size) {
-        if !verify || crate::bundle::sha256_file(&path)?.0 == want {
-            return Ok(());
+        if !verify {
+            return Ok(None);
+        }
+        if let Ok(f) = crate::bundle::open_checked_meta(&path, &want)? {
+            return Ok(Some(f));
         }
         log::warn!(
             "{}: cached copy does not match the manifest; fetching it again",
@@ -533,7 +541,13 @@ fn ensure_file(
         bail!("{location}: fetching {name}: {m}");
     }
     std::fs::rename(&tmp, &path).with_context(|| format!("{}: rename", path.display()))?;
-    Ok(())
+    if !verify {
+        return Ok(None);
+    }
+    // hashed as it arrived; this is the file the loop device gets
+    Ok(Some(
+        std::fs::File::open(&path).with_context(|| format!("{}: open", path.display()))?,
+    ))
 }
 
 #[derive(Deserialize)]
