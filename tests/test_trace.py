@@ -18,7 +18,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_ublkd import build_bundle, make_tarball, our_mounts, read_file, status, status_of, ublkd
+from test_ublkd import (
+    build_bundle,
+    fresh_seed,
+    make_tarball,
+    our_mounts,
+    read_file,
+    status,
+    status_of,
+    ublkd,
+)
 from test_ublkd import no_leftovers as no_leftovers  # noqa: F401  (a fixture)
 
 from btrfs_ublk_image import trace
@@ -30,13 +39,6 @@ from bundletools import DEBIAN_CACHE, prepare_debian_inputs
 pytestmark = pytest.mark.root
 
 COMMAND_FILES = ["data/c.bin", "etc/extent", "data/a.bin"]
-
-
-def fresh_seed() -> int:
-    """Content no other test run has: two runs (each with its own UBLKD_RUN_DIR) mounting
-    the same image at once would share one kernel btrfs instance (same fsid and device
-    uuids), and one run's reads would show up in the other's server counters."""
-    return int.from_bytes(os.urandom(3), "little")
 
 
 def wait_stats(

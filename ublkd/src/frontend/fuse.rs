@@ -2,20 +2,27 @@
 //! never attached to any mount point. The server creates it with the new mount API
 //! (fsopen/fsconfig/fsmount gives a detached mount) and keeps only the mount's root fd
 //! (an O_PATH fd); `mount` opens `/proc/<server pid>/fd/<root fd>/dev2` ([`open_for_loop`])
-//! and puts a read-only, buffered loop device on it. The server never holds `dev2` open
+//! and puts a read-only loop device on it. The server never holds `dev2` open
 //! itself: closing a FUSE file can send FLUSH to its own server, and a server killed
 //! while holding one would wait for itself forever on exit. Nothing is left in any mount table, so a killed
 //! server leaves no stale FUSE mount behind: the detached mount goes away with the
 //! last file reference.
 //!
-//! `dev2` is page-cached (no FOPEN_DIRECT_IO) and kept cached across opens
-//! (FOPEN_KEEP_CACHE): the file never changes while its server lives and every page in
-//! the cache came from a read this server answered after verifying the chunk, so a
-//! repeated read is a copy out of the page cache in the loop worker (as for btrfs on a
-//! loop device over a local file) instead of a round trip through this server. A read
-//! that fails (corrupt or unreachable chunk) leaves no page behind. All of a bundle's
-//! loop devices share the one inode, hence one cache; it dies with the server's
-//! connection (a recovered server starts with an empty one).
+//! How `dev2` is cached is the server's [`Dev2Cache`] mode, fixed for its life; every
+//! loop device on it is attached to match ([`Dev2Cache::loop_direct_io`]).
+//!
+//! [`Dev2Cache::Page`]: `dev2` is page-cached (no FOPEN_DIRECT_IO) and kept cached
+//! across opens (FOPEN_KEEP_CACHE): the file never changes while its server lives and
+//! every page in the cache came from a read this server answered after verifying the
+//! chunk, so a repeated read is a copy out of the page cache in the loop worker (as for
+//! btrfs on a loop device over a local file) instead of a round trip through this
+//! server. A read that fails (corrupt or unreachable chunk) leaves no page behind. All
+//! of a bundle's loop devices share the one inode, hence one cache; it dies with the
+//! server's connection (a recovered server starts with an empty one). The buffered loop
+//! device sends one request at a time: cold misses of parallel readers wait in line.
+//!
+//! [`Dev2Cache::Direct`]: FOPEN_DIRECT_IO under a direct-I/O loop device: every read
+//! reaches the server, and with FUSE_ASYNC_DIO many at once (misses overlap).
 
 use crate::device::Device2;
 use anyhow::{Context, Result};
@@ -35,8 +42,45 @@ const ROOT: u64 = 1;
 const FILE: u64 = 2;
 const TTL: Duration = Duration::from_secs(86400);
 
+/// How device 2's FUSE file is cached (`--dev2-cache`), see the module comment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dev2Cache {
+    /// Page-cached FUSE file under buffered loop devices: warm reads at local-loop
+    /// speed, cold misses one at a time.
+    Page,
+    /// Direct-I/O FUSE file and loop devices: every read reaches the server, misses in
+    /// parallel.
+    Direct,
+}
+
+impl Dev2Cache {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Dev2Cache::Page => "page",
+            Dev2Cache::Direct => "direct",
+        }
+    }
+
+    /// The default for a bundle: `page` when its packs are local files (a miss costs a
+    /// pack read and a sha256), `direct` when they are fetched over the network (a miss
+    /// costs a round trip, and a buffered loop device would send misses one at a time).
+    pub fn default_for(location: &crate::remote::Location) -> Dev2Cache {
+        match location {
+            crate::remote::Location::Local(_) => Dev2Cache::Page,
+            _ => Dev2Cache::Direct,
+        }
+    }
+
+    /// Whether a loop device on `dev2` runs with direct I/O in this mode.
+    pub fn loop_direct_io(&self) -> bool {
+        *self == Dev2Cache::Direct
+    }
+}
+
 pub struct DevFs {
     dev: Arc<Device2>,
+    cache: Dev2Cache,
     uid: u32,
     gid: u32,
 }
@@ -69,8 +113,9 @@ impl DevFs {
 }
 
 impl Filesystem for DevFs {
-    /// FUSE_ASYNC_DIO lets direct I/O on `dev2` (a loop device attached with direct I/O
-    /// by an older ublkd, then recovered) reach us as many requests in flight.
+    /// FUSE_ASYNC_DIO lets the direct-I/O loop device of [`Dev2Cache::Direct`] reach us
+    /// as many requests in flight (without it each loop-issued read waits for the
+    /// previous one).
     fn init(&mut self, _req: &Request, config: &mut fuser::KernelConfig) -> std::io::Result<()> {
         if let Err(missing) = config.add_capabilities(fuser::InitFlags::FUSE_ASYNC_DIO) {
             log::warn!("FUSE kernel lacks {missing:?}: device-2 reads are serialized");
@@ -103,7 +148,11 @@ impl Filesystem for DevFs {
             self.dev.reject_write();
             return reply.error(Errno::EROFS);
         }
-        reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE);
+        let flags = match self.cache {
+            Dev2Cache::Page => FopenFlags::FOPEN_KEEP_CACHE,
+            Dev2Cache::Direct => FopenFlags::FOPEN_DIRECT_IO,
+        };
+        reply.opened(FileHandle(0), flags);
     }
 
     fn read(
@@ -232,13 +281,17 @@ fn sys_fsmount(fsfd: &OwnedFd) -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(r as i32) })
 }
 
-/// Open the server's `dev2` (`path`, see the module comment) for a loop device, which
-/// is to be attached WITHOUT direct I/O. POSIX_FADV_RANDOM marks this open file (the
-/// loop device keeps it) so that a loop request reads exactly its own range: no
-/// readahead on the FUSE file, which would fetch and verify chunks nobody asked for
-/// (btrfs already reads ahead on its own files, and its request sizes are what reach us).
-pub fn open_for_loop(path: &str) -> Result<File> {
+/// Open the server's `dev2` (`path`, see the module comment) for a loop device of a
+/// server in mode `cache`. Page: the loop device is attached WITHOUT direct I/O, and
+/// POSIX_FADV_RANDOM marks this open file (the loop device keeps it) so that a loop
+/// request reads exactly its own range: no readahead on the FUSE file, which would
+/// fetch and verify chunks nobody asked for (btrfs already reads ahead on its own
+/// files, and its request sizes are what reach us). Direct: a plain open.
+pub fn open_for_loop(path: &str, cache: Dev2Cache) -> Result<File> {
     let f = File::open(path).with_context(|| format!("open the server's device {path}"))?;
+    if cache == Dev2Cache::Direct {
+        return Ok(f);
+    }
     // SAFETY: posix_fadvise on an fd we own; returns an errno value, not -1.
     let r = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM) };
     if r != 0 {
@@ -247,7 +300,7 @@ pub fn open_for_loop(path: &str) -> Result<File> {
     Ok(f)
 }
 
-/// Local packs behind this frontend: verify the next chunk while the reader is served
+/// Local packs behind a [`Dev2Cache::Page`] frontend: verify the next chunk while the reader is served
 /// once a pack is read sequentially (three chunks in a row, the rule remote packs use,
 /// so reading one 1 MiB file still loads only the chunks it touches). The buffered loop
 /// device hands us one request at a time, so without it a cold sequential read waits
@@ -270,7 +323,7 @@ pub struct FuseFrontend {
     pub session: std::thread::JoinHandle<std::io::Result<()>>,
 }
 
-pub fn start(dev: Arc<Device2>, threads: usize) -> Result<FuseFrontend> {
+pub fn start(dev: Arc<Device2>, threads: usize, cache: Dev2Cache) -> Result<FuseFrontend> {
     crate::plumbing::ensure_module("/dev/fuse", "fuse");
     let fuse = std::fs::OpenOptions::new()
         .read(true)
@@ -293,7 +346,7 @@ pub fn start(dev: Arc<Device2>, threads: usize) -> Result<FuseFrontend> {
     let mut config = fuser::Config::default();
     config.n_threads = Some(threads.max(1));
     config.clone_fd = true;
-    let fs = DevFs { dev, uid, gid };
+    let fs = DevFs { dev, cache, uid, gid };
     let session = fuser::Session::from_fd(fs, fuse, fuser::SessionACL::All, config).context("FUSE handshake")?;
     let session = std::thread::Builder::new()
         .name("fuse".into())
@@ -324,13 +377,13 @@ mod tests {
         Ok(buf[skip..skip + len].to_vec())
     }
 
-    /// Root only: serve a synthetic device over FUSE and read it back through a real
-    /// read-only, buffered loop device opened O_DIRECT (so every read reaches the loop
-    /// worker): a 4 KiB read reaches the server as exactly 4 KiB (no readahead on the
-    /// FUSE file), a repeated read is served from the FUSE file's page cache, also after
-    /// another open of the file.
-    #[test]
-    fn synthetic_device_reads_back_through_a_loop_device() {
+    /// Root only: serve a synthetic device over FUSE in mode `cache` and read it back
+    /// through a real read-only loop device attached as `mount` does, opened O_DIRECT
+    /// (so every read reaches the loop device): a 4 KiB read reaches the server as
+    /// exactly 4 KiB (no readahead on the FUSE file); a repeated read, also after
+    /// another open of the file, comes from the FUSE file's page cache (page) or from
+    /// the server again (direct).
+    fn reads_back_through_a_loop_device(cache: Dev2Cache) {
         // SAFETY: trivial getter.
         if unsafe { libc::geteuid() } != 0
             || !Path::new("/dev/fuse").exists()
@@ -342,13 +395,13 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let (dev, expect, _) = crate::device::tests::synthetic(tmp.path(), 12);
         let dev = Arc::new(dev);
-        let fe = start(dev.clone(), 2).unwrap();
+        let fe = start(dev.clone(), 2, cache).unwrap();
         let dev2 = format!("/proc/self/fd/{}/{FILE_NAME}", fe.root.as_raw_fd());
-        let file = open_for_loop(&dev2).unwrap();
+        let file = open_for_loop(&dev2, cache).unwrap();
         assert_eq!(file.metadata().unwrap().len(), expect.len() as u64);
         let opts = loopdev::AttachOptions {
             read_only: true,
-            direct_io: false,
+            direct_io: cache.loop_direct_io(),
             block_size: 4096,
             autoclear: true,
         };
@@ -367,7 +420,7 @@ mod tests {
         let first = read_direct(&direct, 0, expect.len());
         let served_first = served();
         // another open (another mount's loop device) keeps the cache (FOPEN_KEEP_CACHE)
-        let another = open_for_loop(&dev2).unwrap();
+        let another = open_for_loop(&dev2, cache).unwrap();
         let second = read_direct(&direct, 0, expect.len());
         let served_second = served();
         // a read-only loop device refuses writes (open for write or the write itself)
@@ -382,19 +435,37 @@ mod tests {
         assert!(first.unwrap() == expect, "device bytes differ from the synthetic image");
         assert!(second.unwrap() == expect, "device bytes differ on the second read");
         assert!(write.is_err(), "a read-only loop device must refuse writes");
-        assert!(!direct_io, "the loop device should be buffered on the FUSE file");
+        assert_eq!(direct_io, cache.loop_direct_io(), "the loop device's direct I/O flag");
         assert_eq!(
             served_one, 4096,
             "a 4 KiB read must reach the server as 4 KiB (no readahead)"
         );
-        assert_eq!(
-            served_first,
-            expect.len() as u64,
-            "the first whole read is served once, less what the page cache already held"
-        );
-        assert_eq!(
-            served_second, served_first,
-            "a repeated read must come from the page cache"
-        );
+        let len = expect.len() as u64;
+        match cache {
+            Dev2Cache::Page => {
+                assert_eq!(
+                    served_first, len,
+                    "the first whole read is served once, less what the page cache already held"
+                );
+                assert_eq!(
+                    served_second, served_first,
+                    "a repeated read must come from the page cache"
+                );
+            }
+            Dev2Cache::Direct => {
+                assert_eq!(served_first, 4096 + len, "every read reaches the server");
+                assert_eq!(served_second, 4096 + 2 * len, "every read reaches the server");
+            }
+        }
+    }
+
+    #[test]
+    fn page_cached_device_reads_back_through_a_loop_device() {
+        reads_back_through_a_loop_device(Dev2Cache::Page);
+    }
+
+    #[test]
+    fn direct_io_device_reads_back_through_a_loop_device() {
+        reads_back_through_a_loop_device(Dev2Cache::Direct);
     }
 }
