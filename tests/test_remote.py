@@ -18,7 +18,16 @@ from pathlib import Path
 import pytest
 from servers import AccessRecord, TokenService, docker_registry, htpasswd_auth, nginx_serving
 from test_push import ok, push, write_trace
-from test_ublkd import CHUNK, kill_server, no_leftovers, read_file, status, status_of, ublkd
+from test_ublkd import (
+    CHUNK,
+    dev2_dio,
+    kill_server,
+    no_leftovers,
+    read_file,
+    status,
+    status_of,
+    ublkd,
+)
 
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.cli import main as cli
@@ -105,6 +114,9 @@ def test_http_mount_tree_one_file_fetch_and_persistent_cache(
         r = ublkd("mount", url, mnt, *FRONTEND)
         assert url in r.stdout
         try:
+            # a miss is a fetch: device 2 stays direct I/O, misses in parallel
+            assert "--dev2-cache direct (default for a remote bundle)" in r.stderr, r.stderr
+            assert dev2_dio(mnt) == "1"
             # manifest.json, the optional trace (none: 404), meta.img and blockmap; of
             # the packs only what mount(2) reads: device 2's superblock (one chunk)
             reqs = web.requests()
@@ -246,6 +258,7 @@ def test_http_server_gone_mid_read_eio_then_back_and_recover(
             web.stop()
             ublkd("recover", mnt)
             assert status_of(mnt)["server_alive"] is True
+            assert dev2_dio(mnt) == "1"  # the new server is direct I/O too
             web.start()
             assert read_file(mnt / "data" / "after.bin") == files["data/after.bin"]
         finally:

@@ -72,6 +72,23 @@ def status_of(mountpoint: Path) -> dict[str, object]:
     raise AssertionError(f"{mountpoint} not in ublkd status")
 
 
+def fresh_seed() -> int:
+    """Content no other test run has: two runs (each with its own UBLKD_RUN_DIR) mounting
+    the same image at once would share one kernel btrfs instance (same fsid and device
+    uuids), and one run's reads would show up in the other's server counters."""
+    return int.from_bytes(os.urandom(3), "little")
+
+
+def dev2_dio(mountpoint: Path) -> str:
+    """/sys/block/loopN/loop/dio ("1" direct I/O, "0" buffered) of the device-2 loop
+    device `ublkd status` lists for the mount (a ro mount: the shared mount's)."""
+    devices = status_of(mountpoint)["devices"]
+    assert isinstance(devices, list)
+    (dev2,) = [str(d) for d in devices if str(d).startswith("dev2=/dev/loop")]
+    loop = dev2.removeprefix("dev2=/dev/").split()[0]
+    return Path(f"/sys/block/{loop}/loop/dio").read_text().strip()
+
+
 def make_tarball(path: Path, seed: int) -> dict[str, bytes]:
     """Files of every type; returns name -> content of the regular files."""
     rnd = __import__("random").Random(seed)
@@ -423,11 +440,12 @@ def assert_only_bad_chunk_fails(
     mnt: Path, files: dict[str, bytes], chunks: dict[str, set[int]], bad_chunk: int, log_says: str
 ) -> None:
     """With pack chunk `bad_chunk` corrupted (make_tarball's files): reads of the files in
-    it fail with EIO, every other file reads right, the server counts and logs it."""
+    it fail with EIO (again when retried: a failed read leaves nothing in the page cache),
+    every other file reads right, the server counts and logs it."""
     affected = sorted(n for n, c in chunks.items() if bad_chunk in c)
     fine = sorted(n for n, c in chunks.items() if bad_chunk not in c)
     assert "data/b.bin" in affected and fine
-    for name in affected:
+    for name in affected * 2:
         assert read_file(mnt / name) == errno.EIO, name
     for name in fine:
         assert read_file(mnt / name) == files[name], name
@@ -487,6 +505,50 @@ def test_kill_9_server_then_recover_and_umount(no_leftovers: Path) -> None:
         assert isinstance(pid, int)
         os.kill(pid, signal.SIGKILL)
     finally:
+        ublkd("umount", mnt)
+    assert status() == []
+
+
+def test_dev2_cache_page_default_direct_on_request_one_mode_per_server(no_leftovers: Path) -> None:
+    """--dev2-cache: a local bundle's device-2 loop device is buffered by default
+    (page), direct I/O with `direct`; the mode belongs to the bundle's server: a mount
+    asking for another one while it runs is refused (nothing left behind), a mount
+    without the flag follows it, and `recover` starts the new server in it."""
+    tmp = no_leftovers
+    bundle, tarball, files = build_bundle(tmp, "dio", fresh_seed())
+    mnt, other = tmp / "mnt", tmp / "other"
+    mnt.mkdir()
+    other.mkdir()
+    r = ublkd("mount", bundle, mnt, "--frontend", "fuse")
+    try:
+        assert "--dev2-cache page (default for a local bundle)" in r.stderr, r.stderr
+        assert dev2_dio(mnt) == "0"
+        r = ublkd("mount", bundle, other, "--ephemeral", "--dev2-cache", "direct", check=False)
+        assert r.returncode != 0, r.stdout
+        assert "already served with --dev2-cache page" in r.stderr, r.stderr
+        assert not os.path.ismount(other) and len(status()) == 1
+        assert list_dir(mnt) == list_tar(tarball)
+    finally:
+        ublkd("umount", mnt)
+    assert status() == []
+
+    r = ublkd("mount", bundle, mnt, "--frontend", "fuse", "--dev2-cache", "direct")
+    try:
+        assert "--dev2-cache direct (requested)" in r.stderr, r.stderr
+        r = ublkd("mount", bundle, other, "--rw", tmp / "rw.img", "--rw-size", "1G")
+        assert "--dev2-cache direct (the bundle's server)" in r.stderr, r.stderr
+        for m in (mnt, other):
+            assert dev2_dio(m) == "1", m
+            assert list_dir(m) == list_tar(tarball)
+        kill_server(mnt)
+        ublkd("recover", other)
+        pid = status_of(mnt)["server_pid"]
+        assert b"direct" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        for m in (mnt, other):
+            assert dev2_dio(m) == "1", m
+            assert read_file(m / "data" / "b.bin") == files["data/b.bin"]
+    finally:
+        ublkd("umount", other, check=False)
         ublkd("umount", mnt)
     assert status() == []
 

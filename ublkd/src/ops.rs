@@ -2,6 +2,7 @@
 //! rollback of every step on failure.
 
 use crate::bundle::Bundle;
+use crate::frontend::fuse::Dev2Cache;
 use crate::frontend::{self, Kind};
 use crate::plumbing::{btrfs, loopdev, mount as mnt};
 use crate::remote::{self, RemoteArgs};
@@ -37,6 +38,16 @@ pub struct MountArgs {
     pub rw_size: u64,
     #[arg(long, value_enum, default_value = "auto")]
     pub frontend: Kind,
+    /// fuse frontend: how device 2 is cached, for every mount of the bundle (a property
+    /// of its server). page: FUSE file in the page cache under buffered loop devices
+    /// (warm reads as fast as btrfs on a local loop device, but cold misses reach the
+    /// server one at a time). direct: direct I/O end to end (every read reaches the
+    /// server, misses in parallel). Default: page for a local bundle, direct for an
+    /// http(s)/oci one, where a miss is a network round trip that parallel readers
+    /// must not wait for in line. A bundle whose server already runs in another mode is
+    /// refused (omit the flag to follow it). Ignored by the ublk frontend (direct I/O).
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub dev2_cache: Option<Dev2Cache>,
     /// Refuse to mount unless the image id (sha256 of manifest.json) is this.
     #[arg(long)]
     pub expect_id: Option<String>,
@@ -131,7 +142,13 @@ fn server_log_tail(dir: &Path) -> String {
 
 /// Start `ublkd serve` in the background (own session, log in `dir/server.log`) and wait
 /// for its READY line.
-fn spawn_server(b: &BundleState, kind: Kind, cache_mb: u64, recover: Option<i32>) -> Result<(Ready, ServerRecord)> {
+fn spawn_server(
+    b: &BundleState,
+    kind: Kind,
+    cache_mb: u64,
+    dev2_cache: Dev2Cache,
+    recover: Option<i32>,
+) -> Result<(Ready, ServerRecord)> {
     let (bundle, dir, image_id) = (b.bundle.as_str(), &b.dir(), b.image_id.as_str());
     let exe = std::env::current_exe().context("locate the ublkd executable")?;
     let log = OpenOptions::new()
@@ -146,6 +163,7 @@ fn spawn_server(b: &BundleState, kind: Kind, cache_mb: u64, recover: Option<i32>
         .arg("--dir")
         .arg(dir)
         .args(["--cache-mb", &cache_mb.to_string()])
+        .args(["--dev2-cache", dev2_cache.as_str()])
         .args(&b.serve_args);
     if let Some(id) = recover {
         cmd.args(["--ublk-recover", &id.to_string()]);
@@ -182,6 +200,7 @@ fn spawn_server(b: &BundleState, kind: Kind, cache_mb: u64, recover: Option<i32>
                 frontend: r.frontend.clone(),
                 device: r.device.clone(),
                 ublk_id: r.ublk_id,
+                dev2_cache: r.dev2_cache,
             };
             // the server outlives us; it is reaped by init once we exit
             std::mem::forget(child);
@@ -259,14 +278,29 @@ const RO_OPTS: loopdev::AttachOptions = loopdev::AttachOptions {
 /// receives the relocated SYSTEM chunk and a little metadata before going read-only).
 const SHARED_SCRATCH_SIZE: u64 = 1 << 30;
 
-/// A new device-2 instance: a read-only, direct-I/O loop device on the server's device
-/// node (the FUSE file, or /dev/ublkbN). Each mounted filesystem needs its own block
-/// device; all instances are served by the bundle's one server. `name` goes into
-/// lo_file_name (the state dir: tells whose instance it is).
+/// A new device-2 instance: a read-only loop device on the server's device node (the
+/// FUSE file, buffered or direct I/O as the server's `--dev2-cache` says, see
+/// frontend::fuse; or /dev/ublkbN with direct I/O, that node has its own page cache).
+/// Each mounted filesystem needs its own block device; all instances are served by the
+/// bundle's one server. `name` goes into lo_file_name (the state dir: tells whose
+/// instance it is).
 fn attach_dev2_instance(srv: &ServerRecord, name: &Path) -> Result<loopdev::LoopDev> {
-    let f = File::open(&srv.device).with_context(|| format!("open the server's device {}", srv.device))?;
-    let l = loopdev::attach(&f, name, &RO_OPTS)?;
-    if !l.direct_io {
+    let (f, direct_io) = match srv.ublk_id {
+        Some(_) => (
+            File::open(&srv.device).with_context(|| format!("open the server's device {}", srv.device))?,
+            true,
+        ),
+        None => {
+            let cache = srv.fuse_dev2_cache();
+            (
+                frontend::fuse::open_for_loop(&srv.device, cache)?,
+                cache.loop_direct_io(),
+            )
+        }
+    };
+    let opts = loopdev::AttachOptions { direct_io, ..RO_OPTS };
+    let l = loopdev::attach(&f, name, &opts)?;
+    if opts.direct_io && !l.direct_io {
         eprintln!(
             "ublkd: warning: {} on {} runs without direct I/O",
             l.path.display(),
@@ -418,7 +452,14 @@ fn gc_bundle(key: &str) -> Result<()> {
 }
 
 /// The bundle's server: the running one, or a new one.
-fn ensure_server(b: &mut BundleState, asked: Kind, kind: Kind, cache_mb: u64, me: &str) -> Result<ServerRecord> {
+fn ensure_server(
+    b: &mut BundleState,
+    asked: Kind,
+    kind: Kind,
+    cache_mb: u64,
+    dev2_cache: (Dev2Cache, bool),
+    me: &str,
+) -> Result<ServerRecord> {
     if let Some(s) = &b.server {
         if state::server_alive(s) {
             ensure!(
@@ -428,6 +469,15 @@ fn ensure_server(b: &mut BundleState, asked: Kind, kind: Kind, cache_mb: u64, me
                 s.frontend,
                 s.pid,
                 s.frontend
+            );
+            let (cache, explicit) = dev2_cache;
+            ensure!(
+                !explicit || s.ublk_id.is_some() || s.fuse_dev2_cache() == cache,
+                "bundle {} is already served with --dev2-cache {} (pid {}; the mode holds for all its mounts): omit \
+                 --dev2-cache to follow it, or unmount the bundle's mounts first",
+                b.bundle,
+                s.fuse_dev2_cache().as_str(),
+                s.pid
             );
             return Ok(s.clone());
         }
@@ -446,7 +496,7 @@ fn ensure_server(b: &mut BundleState, asked: Kind, kind: Kind, cache_mb: u64, me
         );
     }
     std::fs::create_dir_all(b.dir()).with_context(|| format!("{}: mkdir", b.dir().display()))?;
-    let (_ready, srv) = spawn_server(b, kind, cache_mb, None)?;
+    let (_ready, srv) = spawn_server(b, kind, cache_mb, dev2_cache.0, None)?;
     b.server = Some(srv.clone());
     b.save()?;
     Ok(srv)
@@ -645,12 +695,27 @@ pub fn mount(args: MountArgs) -> Result<()> {
             _ => args.remote.to_args(),
         };
     }
-    let (kind, why) = match b.server.as_ref().filter(|s| state::server_alive(s)) {
+    let running = b.server.as_ref().filter(|s| state::server_alive(s));
+    let (kind, why) = match running {
         Some(s) if s.frontend == "ublk" => (Kind::Ublk, format!("ublk (the bundle's server, pid {})", s.pid)),
         Some(s) => (Kind::Fuse, format!("fuse (the bundle's server, pid {})", s.pid)),
         None => frontend::choose(args.frontend)?,
     };
-    eprintln!("ublkd: frontend {why}");
+    let (dev2_cache, cache_why) = match (args.dev2_cache, running) {
+        (Some(c), _) => (c, "requested"),
+        (None, Some(s)) => (s.fuse_dev2_cache(), "the bundle's server"),
+        (None, None) => match remote::Location::parse(&location)? {
+            l @ remote::Location::Local(_) => (Dev2Cache::default_for(&l), "default for a local bundle"),
+            l => (Dev2Cache::default_for(&l), "default for a remote bundle"),
+        },
+    };
+    match kind {
+        Kind::Fuse => eprintln!(
+            "ublkd: frontend {why}, --dev2-cache {} ({cache_why})",
+            dev2_cache.as_str()
+        ),
+        _ => eprintln!("ublkd: frontend {why}"),
+    }
 
     let mut rb = Rollback(Vec::new());
     {
@@ -687,7 +752,14 @@ pub fn mount(args: MountArgs) -> Result<()> {
     };
     // 1. the bundle's server (shared by all its mounts)
     let had_server = b.server.as_ref().is_some_and(state::server_alive);
-    let srv = ensure_server(&mut b, args.frontend, kind, args.cache_mb, &id)?;
+    let srv = ensure_server(
+        &mut b,
+        args.frontend,
+        kind,
+        args.cache_mb,
+        (dev2_cache, args.dev2_cache.is_some()),
+        &id,
+    )?;
     let _same_fsid = claim_fsid(&b)?;
     crate::timing("mount: server ready");
 
@@ -1042,14 +1114,22 @@ pub fn recover(mountpoint: &Path) -> Result<()> {
     match old.ublk_id {
         Some(id) => {
             frontend::ublk::begin_recovery(id)?;
-            let (_r, srv) = spawn_server(&b, Kind::Ublk, 256, Some(id))?;
+            let (_r, srv) = spawn_server(&b, Kind::Ublk, 256, Dev2Cache::Direct, Some(id))?;
             b.server = Some(srv);
         }
         None => {
-            let (r, srv) = spawn_server(&b, Kind::Fuse, 256, None)?;
-            let f = File::open(&r.device).with_context(|| format!("open {}", r.device))?;
+            // the new server caches `dev2` as the old one did: the loop devices keep
+            // their direct-I/O flag across LOOP_CHANGE_FD
             let mut loops: Vec<LoopRecord> = b.shared.iter().filter_map(|s| s.dev2_loop.clone()).collect();
             loops.extend(mounts_of(&key)?.into_iter().filter_map(|m| m.dev2_loop));
+            let cache = match old.dev2_cache {
+                Some(c) => c,
+                // a record from before the choice: the loop devices tell
+                None if loops.iter().any(|l| !l.direct_io) => Dev2Cache::Page,
+                None => Dev2Cache::Direct,
+            };
+            let (r, srv) = spawn_server(&b, Kind::Fuse, 256, cache, None)?;
+            let f = frontend::fuse::open_for_loop(&r.device, cache)?;
             for l in &loops {
                 if let Err(e) = loopdev::change_fd(l.number, &f) {
                     let _ = stop_server(&srv);

@@ -8,6 +8,7 @@
 //! devices, and more ublk devices could be added over the same `Arc<Device2>`.
 
 use crate::device::Device2;
+use crate::frontend::fuse::Dev2Cache;
 use crate::frontend::{self, Kind};
 use crate::remote::{self, Opened, RemoteArgs};
 use crate::state::write_atomic;
@@ -41,6 +42,10 @@ pub struct ServeArgs {
     /// Memory for verified chunks, in MiB.
     #[arg(long, default_value_t = 256)]
     pub cache_mb: u64,
+    /// fuse frontend: how device 2's FUSE file is cached (default: page for a local
+    /// bundle, direct for a remote one; see `ublkd mount --help`). ublk: ignored.
+    #[arg(long, value_enum)]
+    pub dev2_cache: Option<Dev2Cache>,
     /// FUSE worker threads / ublk queues.
     #[arg(long, default_value_t = 4)]
     pub threads: usize,
@@ -60,6 +65,9 @@ pub struct Ready {
     pub device: String,
     pub ublk_id: Option<i32>,
     pub image_id: String,
+    /// fuse: how `dev2` is cached (the loop devices on it must match); ublk: none.
+    #[serde(default)]
+    pub dev2_cache: Option<Dev2Cache>,
 }
 
 enum Event {
@@ -133,7 +141,14 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 
     crate::timing("serve: signals set up");
     let counters = Arc::new(Counters::default());
-    let opened = remote::open_for_serving(&args.bundle, &args.remote, args.expect_id.as_deref(), counters.clone())?;
+    let mut opened = remote::open_for_serving(&args.bundle, &args.remote, args.expect_id.as_deref(), counters.clone())?;
+    let dev2_cache = match args.dev2_cache {
+        Some(c) => c,
+        None => Dev2Cache::default_for(&remote::Location::parse(&opened.location)?),
+    };
+    if kind == Kind::Fuse && dev2_cache == Dev2Cache::Page {
+        frontend::fuse::tune_fetching(&mut opened.fetching);
+    }
     crate::timing("serve: bundle opened");
     let location = opened.location.clone();
     let bundle_ranges = opened.bundle.blockmap.ranges.len();
@@ -145,9 +160,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         stats_writer(counters.clone(), dir.clone());
     }
     log::info!(
-        "serving {location} ({image_id}), device 2 = {} bytes, {bundle_ranges} ranges, frontend {}",
+        "serving {location} ({image_id}), device 2 = {} bytes, {bundle_ranges} ranges, frontend {}, dev2 cache {}",
         dev.size(),
-        kind.as_str()
+        kind.as_str(),
+        dev2_cache.as_str()
     );
 
     let (tx, rx) = mpsc::channel::<Event>();
@@ -180,7 +196,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 
     match kind {
         Kind::Fuse => {
-            let fe = frontend::fuse::start(dev.clone(), args.threads)?;
+            let fe = frontend::fuse::start(dev.clone(), args.threads, dev2_cache)?;
             crate::timing("serve: fuse frontend up");
             let device = format!("/proc/{pid}/fd/{}/{}", fe.root.as_raw_fd(), frontend::fuse::FILE_NAME);
             announce(&Ready {
@@ -189,6 +205,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 device,
                 ublk_id: None,
                 image_id,
+                dev2_cache: Some(dev2_cache),
             })?;
             let tx2 = tx.clone();
             let session = fe.session;
@@ -226,6 +243,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                         device: path,
                         ublk_id: Some(id),
                         image_id: img,
+                        dev2_cache: None,
                     }));
                 };
                 let r = frontend::ublk::run(d, opts, ready, st);

@@ -11,6 +11,7 @@
 //! are removed by the holder when the directory goes; [`lock`] re-checks that the file
 //! it locked is still the one at the path, so a waiter never holds a stale lock.
 
+use crate::frontend::fuse::Dev2Cache;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
@@ -129,6 +130,17 @@ pub struct ServerRecord {
     pub device: String,
     #[serde(default)]
     pub ublk_id: Option<i32>,
+    /// fuse: how the server caches `dev2` (`--dev2-cache`); none for ublk, and in
+    /// records written before the choice existed (their FUSE file was direct I/O).
+    #[serde(default)]
+    pub dev2_cache: Option<Dev2Cache>,
+}
+
+impl ServerRecord {
+    /// The mode of a fuse server's `dev2`, which every loop device on it follows.
+    pub fn fuse_dev2_cache(&self) -> Dev2Cache {
+        self.dev2_cache.unwrap_or(Dev2Cache::Direct)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
