@@ -298,7 +298,9 @@ def update_doc(path: Path, section: str, body: str) -> None:
 MOUNT_NOTE = (
     'Wall time from the start of the command until the "first file" has been read whole'
     " (page cache dropped before every run; mounts are torn down untimed): `ublkd mount`"
-    " (verifies the bundle, hashes meta.img, starts the server, loop devices, mount) then"
+    " (verifies the bundle; hashes meta.img unless its verified record from an earlier"
+    " mount still matches, docs/ublkd.md, so the first run of an image pays the hash;"
+    " starts the server, loop devices, mount) then"
     " the read; `squashfuse IMG MNT` then the read; `mount(2)` of the erofs file"
     " (file-backed, no loop device) then the read; `tar -x` of the whole image tarball"
     ' (the tree is only usable when it ends). "+ writeback" adds the untimed `sync` after'
