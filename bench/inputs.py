@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from btrfs_ublk_image.bundle import file_sha256
+
 GENERATOR_VERSION = 1
 OCI_REF = "latest"  # the ref name of the synthetic input's OCI layout
 LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
@@ -295,14 +297,6 @@ def tar_stats(tar: Path) -> InputStats:
     return st
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(4 << 20):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
-
-
 def _put_blob(layout: Path, data: bytes) -> dict[str, Any]:
     """Write ``data`` as a blob of ``layout``; its digest and size (a descriptor's core)."""
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
@@ -313,7 +307,7 @@ def _put_blob(layout: Path, data: bytes) -> dict[str, Any]:
 def write_oci_layout(layout: Path, tar: Path, ref: str) -> None:
     """An OCI image layout at ``layout`` (must not exist) whose one uncompressed layer is
     ``tar`` itself, hardlinked into ``blobs/`` (same filesystem; nothing copied)."""
-    diff_id = _sha256_file(tar)  # uncompressed layer: blob digest == diff_id
+    diff_id = file_sha256(str(tar))  # uncompressed layer: blob digest == diff_id
     blobs = layout / "blobs" / "sha256"
     blobs.mkdir(parents=True)
     (layout / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}\n')
