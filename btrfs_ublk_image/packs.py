@@ -42,6 +42,7 @@ import hashlib
 import os
 import queue
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol
 
@@ -157,16 +158,7 @@ class PackWriter:
         Referenced there (or kept inline when small, or an earlier copy): nothing is written."""
         if size <= self.keep_inline:
             return self.put_stream(src, size, where)
-        crc = 0
-        got = 0
-        for piece in _Reader(src, size, where):
-            crc = crc32c.crc32c(piece, crc, _KEEP_GIL)
-            got += len(piece)
-            if self.progress is not None:
-                self.progress.add_bytes(len(piece))
-        if got != size:
-            raise SourceError(f"{where}: truncated: expected {size} bytes, got {got}")
-        self.bytes_in += size
+        crc = self._take(_Reader(src, size, where), size, where, None)
         key = size << 32 | crc
         for old in self._candidates(key):
             if self._same_bytes(old.pack, old.offset, pack.index, offset, size):
@@ -176,6 +168,29 @@ class PackWriter:
         self._remember(key, blob)
         self.bytes_in_place += size
         return blob
+
+    def _take(
+        self,
+        pieces: Iterable[bytes],
+        size: int,
+        where: str,
+        write: Callable[[bytes], object] | None,
+    ) -> int:
+        """The CRC-32C of ``pieces``, which must be exactly ``size`` bytes (each also given
+        to ``write`` when set); counted as offered content and in the progress."""
+        crc = 0
+        got = 0
+        for piece in pieces:
+            crc = crc32c.crc32c(piece, crc, _KEEP_GIL)
+            if write is not None:
+                write(piece)
+            got += len(piece)
+            if self.progress is not None:
+                self.progress.add_bytes(len(piece))
+        if got != size:
+            raise SourceError(f"{where}: truncated: expected {size} bytes, got {got}")
+        self.bytes_in += size
+        return crc
 
     def _candidates(self, key: int) -> list[Blob]:
         found = self._by_key.get(key)
@@ -202,17 +217,7 @@ class PackWriter:
         self, pieces: list[bytes] | _Reader, size: int, where: str, dedupe: bool = True
     ) -> Content:
         start = self._size
-        crc = 0
-        written = 0
-        for piece in pieces:
-            crc = crc32c.crc32c(piece, crc, _KEEP_GIL)
-            self._write(piece)
-            written += len(piece)
-            if self.progress is not None:
-                self.progress.add_bytes(len(piece))
-        if written != size:
-            raise SourceError(f"{where}: truncated: expected {size} bytes, got {written}")
-        self.bytes_in += size
+        crc = self._take(pieces, size, where, self._write)
         key = size << 32 | crc
         if dedupe:
             for old in self._candidates(key):

@@ -28,7 +28,6 @@ import hashlib
 import lzma
 import os
 import urllib.parse
-import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -424,7 +423,6 @@ def read_tar(
         TarFormatError,
         EOFError,
         OSError,
-        zlib.error,
         InflateError,
         lzma.LZMAError,
         zstandard.ZstdError,
