@@ -71,11 +71,10 @@ enum Cmd {
 /// CLOCK_REALTIME milliseconds (comparable between `mount` and its server's log).
 pub fn timing(step: &str) {
     if log::log_enabled!(log::Level::Debug) {
-        let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-        // SAFETY: clock_gettime fills the timespec we own.
-        if unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut t) } == 0 {
-            log::debug!("timing {:.3} {step}", t.tv_sec as f64 * 1e3 + t.tv_nsec as f64 / 1e6);
-        }
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        log::debug!("timing {:.3} {step}", t.as_secs_f64() * 1e3);
     }
 }
 
@@ -92,13 +91,9 @@ fn main() {
         Cmd::Recover { mountpoint } => ops::recover(&mountpoint),
         Cmd::Record { mountpoint, output } => ops::record(&mountpoint, &output),
         Cmd::Serve(a) => server::serve(a),
-        Cmd::UblkNull { size_mb, threads } => frontend::ublk::serve_null(
-            size_mb << 20,
-            frontend::ublk::Options {
-                nr_queues: threads.clamp(1, 4) as u16,
-                ..Default::default()
-            },
-        ),
+        Cmd::UblkNull { size_mb, threads } => {
+            frontend::ublk::serve_null(size_mb << 20, frontend::ublk::Options::with_threads(threads))
+        }
     };
     if let Err(e) = res {
         eprintln!("ublkd: error: {e:#}");

@@ -342,6 +342,11 @@ impl MetaLoop {
     fn get(self) -> Result<loopdev::LoopDev> {
         self.0.join().map_err(|_| anyhow!("attaching meta.img panicked"))?
     }
+
+    /// The loop device `started` attaches, or (none started) one attached now.
+    fn get_or_attach(started: Option<MetaLoop>, bundle: &Bundle) -> Result<loopdev::LoopDev> {
+        started.map_or_else(|| MetaLoop::start(bundle), Ok)?.get()
+    }
 }
 
 /// `btrfs device scan` for a new instance of the image's seed devices.
@@ -540,10 +545,7 @@ fn ensure_shared(
     let mut holds: Vec<File> = Vec::new();
     let d2 = attach_dev2_instance(srv, &dir)?;
     crate::timing("shared: dev2 loop attached");
-    let m = match meta_loop {
-        Some(m) => m.get()?,
-        None => MetaLoop::start(bundle)?.get()?,
-    };
+    let m = MetaLoop::get_or_attach(meta_loop, bundle)?;
     sh.dev2_loop = Some(loop_record(&d2));
     sh.meta_loop = Some(loop_record(&m));
     save(b, &sh)?;
@@ -704,10 +706,14 @@ pub fn mount(args: MountArgs) -> Result<()> {
     let (dev2_cache, cache_why) = match (args.dev2_cache, running) {
         (Some(c), _) => (c, "requested"),
         (None, Some(s)) => (s.fuse_dev2_cache(), "the bundle's server"),
-        (None, None) => match remote::Location::parse(&location)? {
-            l @ remote::Location::Local(_) => (Dev2Cache::default_for(&l), "default for a local bundle"),
-            l => (Dev2Cache::default_for(&l), "default for a remote bundle"),
-        },
+        (None, None) => {
+            let l = remote::Location::parse(&location)?;
+            let why = match l {
+                remote::Location::Local(_) => "default for a local bundle",
+                _ => "default for a remote bundle",
+            };
+            (Dev2Cache::default_for(&l), why)
+        }
     };
     match kind {
         Kind::Fuse => eprintln!(
@@ -924,10 +930,7 @@ fn mount_rw(
     let dev2 = d2.path.clone();
     holds.push(d2.file);
 
-    let m = match meta_loop {
-        Some(m) => m.get()?,
-        None => MetaLoop::start(bundle)?.get()?,
-    };
+    let m = MetaLoop::get_or_attach(meta_loop, bundle)?;
     let rec = loop_record(&m);
     st.meta_loop = Some(rec.clone());
     st.save()?;

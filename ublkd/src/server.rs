@@ -226,9 +226,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         Kind::Ublk => {
             let stopper = frontend::ublk::Stopper::default();
             let opts = frontend::ublk::Options {
-                nr_queues: args.threads.clamp(1, 4) as u16,
                 recover_id: args.ublk_recover,
-                ..Default::default()
+                ..frontend::ublk::Options::with_threads(args.threads)
             };
             let tx_ready = tx.clone();
             let tx_end = tx.clone();
@@ -291,9 +290,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 /// frontend starts, as a prefetch (not a demand load; the scan's read still counts as
 /// an access for `record`).
 fn warm_superblock_chunk(dev: &Arc<Device2>) {
-    const SUPER: u64 = 65536;
     let bm = dev.chunks.blockmap();
-    let Ok(segs) = bm.segments(SUPER, 4096) else { return };
+    let Ok(segs) = bm.segments(crate::plumbing::btrfs::SUPER_OFFSET, 4096) else {
+        return;
+    };
     let Some(crate::blockmap::Segment::Pack { pack, pack_offset, .. }) = segs.into_iter().next() else {
         return;
     };

@@ -22,6 +22,17 @@ pub struct Options {
     pub recover_id: Option<i32>,
 }
 
+impl Options {
+    /// `threads` queues (1 to 4: the kernel gives at most one per CPU anyway), the rest
+    /// default: what `serve --threads` and `ublk-null --threads` both use.
+    pub fn with_threads(threads: usize) -> Options {
+        Options {
+            nr_queues: threads.clamp(1, 4) as u16,
+            ..Default::default()
+        }
+    }
+}
+
 impl Default for Options {
     fn default() -> Self {
         Options {
