@@ -10,4 +10,11 @@ PY=.venv/bin/python
 "$PY" -m ruff format --check btrfs_ublk_image tests bench
 "$PY" -m ruff check btrfs_ublk_image tests bench
 "$PY" -m mypy
+# ublkd: rustfmt and clippy where the toolchain has them (rustup's does; Debian's cargo
+# package has neither, and setup falls back to it only without rustup)
+if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1; then
+  (cd ublkd && cargo fmt --check && cargo clippy --release --locked -q -- -D warnings)
+else
+  echo "test.sh: cargo fmt/clippy not installed: ublkd's format and lints NOT checked" >&2
+fi
 exec "$PY" -m pytest "$@"

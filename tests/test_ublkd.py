@@ -513,7 +513,8 @@ def test_dev2_cache_page_default_direct_on_request_one_mode_per_server(no_leftov
     """--dev2-cache: a local bundle's device-2 loop device is buffered by default
     (page), direct I/O with `direct`; the mode belongs to the bundle's server: a mount
     asking for another one while it runs is refused (nothing left behind), a mount
-    without the flag follows it, and `recover` starts the new server in it."""
+    without the flag follows it, and `recover` starts the new server in it (and with the
+    first mount's --cache-mb); `status` shows both."""
     tmp = no_leftovers
     bundle, tarball, files = build_bundle(tmp, "dio", fresh_seed())
     mnt, other = tmp / "mnt", tmp / "other"
@@ -523,6 +524,7 @@ def test_dev2_cache_page_default_direct_on_request_one_mode_per_server(no_leftov
     try:
         assert "--dev2-cache page (default for a local bundle)" in r.stderr, r.stderr
         assert dev2_dio(mnt) == "0"
+        assert (status_of(mnt)["dev2_cache"], status_of(mnt)["cache_mb"]) == ("page", 256)
         r = ublkd("mount", bundle, other, "--ephemeral", "--dev2-cache", "direct", check=False)
         assert r.returncode != 0, r.stdout
         assert "already served with --dev2-cache page" in r.stderr, r.stderr
@@ -532,9 +534,13 @@ def test_dev2_cache_page_default_direct_on_request_one_mode_per_server(no_leftov
         ublkd("umount", mnt)
     assert status() == []
 
-    r = ublkd("mount", bundle, mnt, "--frontend", "fuse", "--dev2-cache", "direct")
+    r = ublkd(
+        "mount", bundle, mnt, "--frontend", "fuse", "--dev2-cache", "direct", "--cache-mb", "64"
+    )
     try:
         assert "--dev2-cache direct (requested)" in r.stderr, r.stderr
+        assert (status_of(mnt)["dev2_cache"], status_of(mnt)["cache_mb"]) == ("direct", 64)
+        assert "dev2-cache direct, chunk cache 64 MiB" in ublkd("status").stdout
         r = ublkd("mount", bundle, other, "--rw", tmp / "rw.img", "--rw-size", "1G")
         assert "--dev2-cache direct (the bundle's server)" in r.stderr, r.stderr
         for m in (mnt, other):
@@ -543,7 +549,9 @@ def test_dev2_cache_page_default_direct_on_request_one_mode_per_server(no_leftov
         kill_server(mnt)
         ublkd("recover", other)
         pid = status_of(mnt)["server_pid"]
-        assert b"direct" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert b"direct" in argv and argv[argv.index(b"--cache-mb") + 1] == b"64", argv
+        assert (status_of(mnt)["dev2_cache"], status_of(mnt)["cache_mb"]) == ("direct", 64)
         for m in (mnt, other):
             assert dev2_dio(m) == "1", m
             assert read_file(m / "data" / "b.bin") == files["data/b.bin"]

@@ -53,7 +53,7 @@ pub struct MountArgs {
     pub expect_id: Option<String>,
     /// Memory for the server's verified chunk cache, in MiB (the bundle's first mount
     /// starts its server; later mounts share it).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = DEFAULT_CACHE_MB)]
     pub cache_mb: u64,
     /// Registry credentials USER:PASSWORD (also from $UBLKD_REGISTRY_AUTH).
     #[arg(long)]
@@ -140,6 +140,9 @@ fn server_log_tail(dir: &Path) -> String {
     lines[lines.len().saturating_sub(8)..].join("\n")
 }
 
+/// `--cache-mb` when not given (and for servers recorded before the value was kept).
+const DEFAULT_CACHE_MB: u64 = 256;
+
 /// Start `ublkd serve` in the background (own session, log in `dir/server.log`) and wait
 /// for its READY line.
 fn spawn_server(
@@ -201,6 +204,7 @@ fn spawn_server(
                 device: r.device.clone(),
                 ublk_id: r.ublk_id,
                 dev2_cache: r.dev2_cache,
+                cache_mb: Some(cache_mb),
             };
             // the server outlives us; it is reaped by init once we exit
             std::mem::forget(child);
@@ -1114,10 +1118,12 @@ pub fn recover(mountpoint: &Path) -> Result<()> {
         "server pid {} is alive: nothing to recover",
         old.pid
     );
+    // the new server gets the old one's chunk cache size
+    let cache_mb = old.cache_mb.unwrap_or(DEFAULT_CACHE_MB);
     match old.ublk_id {
         Some(id) => {
             frontend::ublk::begin_recovery(id)?;
-            let (_r, srv) = spawn_server(&b, Kind::Ublk, 256, Dev2Cache::Direct, Some(id))?;
+            let (_r, srv) = spawn_server(&b, Kind::Ublk, cache_mb, Dev2Cache::Direct, Some(id))?;
             b.server = Some(srv);
         }
         None => {
@@ -1131,7 +1137,7 @@ pub fn recover(mountpoint: &Path) -> Result<()> {
                 None if loops.iter().any(|l| !l.direct_io) => Dev2Cache::Page,
                 None => Dev2Cache::Direct,
             };
-            let (r, srv) = spawn_server(&b, Kind::Fuse, 256, cache, None)?;
+            let (r, srv) = spawn_server(&b, Kind::Fuse, cache_mb, cache, None)?;
             let f = frontend::fuse::open_for_loop(&r.device, cache)?;
             for l in &loops {
                 if let Err(e) = loopdev::change_fd(l.number, &f) {
@@ -1170,10 +1176,19 @@ struct StatusEntry<'a> {
     mounted: bool,
     server_pid: Option<i32>,
     server_alive: bool,
+    /// fuse: the server's `--dev2-cache` mode (page/direct)
+    dev2_cache: Option<&'static str>,
+    /// the server's `--cache-mb` (none for servers recorded before it was kept)
+    cache_mb: Option<u64>,
     devices: Vec<String>,
     /// the bundle server's counters (shared by every mount of the bundle)
     #[serde(flatten)]
     stats: Snapshot,
+}
+
+/// A fuse server's `dev2` mode for status; none for ublk (always direct I/O).
+fn server_dev2_cache(s: &ServerRecord) -> Option<&'static str> {
+    (s.frontend == Kind::Fuse.as_str()).then(|| s.fuse_dev2_cache().as_str())
 }
 
 fn loop_desc(kind: &str, r: &LoopRecord) -> String {
@@ -1225,6 +1240,8 @@ pub fn status(json: bool) -> Result<()> {
                 .any(|m| m.mount_point == st.mountpoint && (m.fstype == "btrfs" || m.fstype == "overlay")),
             server_pid: b.server.as_ref().map(|s| s.pid),
             server_alive: b.server.as_ref().is_some_and(state::server_alive),
+            dev2_cache: b.server.as_ref().and_then(server_dev2_cache),
+            cache_mb: b.server.as_ref().and_then(|s| s.cache_mb),
             devices,
             stats,
         });
@@ -1243,7 +1260,7 @@ pub fn status(json: bool) -> Result<()> {
         println!("  image    {}", b.image_id);
         match &b.server {
             Some(s) => println!(
-                "  server   {} pid {} ({}), device {}",
+                "  server   {} pid {} ({}), device {}{}{}",
                 s.frontend,
                 s.pid,
                 if state::server_alive(s) {
@@ -1251,7 +1268,9 @@ pub fn status(json: bool) -> Result<()> {
                 } else {
                     "NOT RUNNING"
                 },
-                s.device
+                s.device,
+                server_dev2_cache(s).map_or(String::new(), |c| format!(", dev2-cache {c}")),
+                s.cache_mb.map_or(String::new(), |m| format!(", chunk cache {m} MiB")),
             ),
             None => println!("  server   -"),
         }

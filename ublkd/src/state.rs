@@ -134,6 +134,10 @@ pub struct ServerRecord {
     /// records written before the choice existed (their FUSE file was direct I/O).
     #[serde(default)]
     pub dev2_cache: Option<Dev2Cache>,
+    /// The server's `--cache-mb`, so that `recover` starts its successor with the same;
+    /// none in records written before it was kept.
+    #[serde(default)]
+    pub cache_mb: Option<u64>,
 }
 
 impl ServerRecord {
