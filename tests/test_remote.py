@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import re
 import time
@@ -160,7 +161,33 @@ def test_http_mount_tree_one_file_fetch_and_persistent_cache(
             assert isinstance(st["disk_cache_hits"], int) and st["disk_cache_hits"] >= 30
             assert st["fetch_bytes"] == 0 and st["disk_cache_corrupt"] == 0
             text = ublkd("status").stdout
-            assert "chunk cache" in text and "fetched  0 bytes" in text, text
+            assert "chunk cache 0 hits" not in text and "fetched  0 bytes" in text, text
+        finally:
+            ublkd("umount", mnt)
+        assert status() == []
+        # meta.img's sha256 has a verified record, the blockmap's has none (Bundle::open
+        # hashes it on every start)
+        manifest = json.loads((bundle / "manifest.json").read_bytes())
+        verified = sorted(p.name for p in Path(os.environ["UBLKD_RUN_DIR"], "verified").iterdir())
+        assert verified == [
+            manifest["files"]["meta.img"]["sha256"].removeprefix("sha256:") + ".json"
+        ]
+        # a cached blockmap that no longer matches (same size) is fetched again
+        bm = img / "blockmap"
+        data = bytearray(bm.read_bytes())
+        data[-1] ^= 0xFF
+        bm.write_bytes(bytes(data))
+        web.clear_log()
+        r = ublkd("mount", url, mnt, *FRONTEND)
+        try:
+            assert "blockmap: cached copy does not match the manifest" in r.stderr, r.stderr
+            assert [r.path.rsplit("/", 1)[1] for r in web.requests()][:3] == [
+                "manifest.json",
+                "prefetch.trace",
+                "blockmap",
+            ]
+            assert bm.read_bytes() == (bundle / "blockmap").read_bytes()
+            assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
         finally:
             ublkd("umount", mnt)
     assert status() == []
