@@ -10,6 +10,7 @@ from test_ublkd import (  # noqa: F401 - no_leftovers is a fixture
     CHUNK,
     assert_only_bad_chunk_fails,
     chunks_of_files,
+    fresh_seed,
     make_tarball,
     no_leftovers,
     read_file,
@@ -29,7 +30,7 @@ def test_in_place_mount_then_corrupt_tar_byte_fails_that_chunk(
 ) -> None:
     tmp = no_leftovers
     tarball = tmp / "rootfs.tar"
-    files = make_tarball(tarball, 7)
+    files = make_tarball(tarball, fresh_seed())
     (tmp / "spec.yaml").write_text(
         "version: 1\nname: inplace\nlayers:\n  - tar: {path: rootfs.tar, in_place: true}\n"
     )

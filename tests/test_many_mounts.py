@@ -63,7 +63,7 @@ def _unchanged(tree: dict[str, object]) -> dict[str, object]:
 
 
 def many_mounts(tmp: Path, modes: list[str], frontend: str, workers: int) -> None:
-    bundle, tarball, files = build_bundle(tmp, "many", 21)
+    bundle, tarball, files = build_bundle(tmp, "many")
     expected = list_tar(tarball)
     mnts = []
     for i, mode in enumerate(modes):
@@ -186,7 +186,7 @@ def test_shared_mount_sprouts_only_when_an_instance_needs_the_fsid(tmp_path: Pat
     mount of the same image, or a mount of ANOTHER image with the same filesystem (same
     tree from a different spec file: another image id, the same fsid), sprouts it first,
     so the kernel accepts the new device instances."""
-    bundle, tarball, _ = build_bundle(tmp_path, "lazy", 5)
+    bundle, tarball, _ = build_bundle(tmp_path, "lazy")
     expected = list_tar(tarball)
     # the same tree from a spec that differs by one comment: another image id, same fsid
     spec2 = tmp_path / "src-lazy" / "spec-copy.yaml"

@@ -95,7 +95,7 @@ def loaded(st: dict[str, object]) -> int:
 
 def test_recorded_trace_makes_the_command_need_no_demand_loads(no_leftovers: Path) -> None:
     tmp = no_leftovers
-    bundle, _, files = build_bundle(tmp, "rec", fresh_seed())
+    bundle, _, files = build_bundle(tmp, "rec")
     manifest, image_id = read_manifest(str(bundle))
     mnt = tmp / "mnt"
     mnt.mkdir()
@@ -146,8 +146,8 @@ def test_recorded_trace_makes_the_command_need_no_demand_loads(no_leftovers: Pat
 
 def test_trace_for_another_image_is_refused_before_mounting(no_leftovers: Path) -> None:
     tmp = no_leftovers
-    a, _, _ = build_bundle(tmp, "a", fresh_seed())
-    b, _, _ = build_bundle(tmp, "b", fresh_seed())
+    a, _, _ = build_bundle(tmp, "a")
+    b, _, _ = build_bundle(tmp, "b")
     _, id_a = read_manifest(str(a))
     _, id_b = read_manifest(str(b))
     mnt = tmp / "mnt"

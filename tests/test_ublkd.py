@@ -130,12 +130,14 @@ def make_tarball(path: Path, seed: int) -> dict[str, bytes]:
     return files
 
 
-def build_bundle(tmp: Path, name: str, seed: int) -> tuple[Path, Path, dict[str, bytes]]:
-    """-> (bundle dir, tarball, files)."""
+def build_bundle(
+    tmp: Path, name: str, seed: int | None = None
+) -> tuple[Path, Path, dict[str, bytes]]:
+    """-> (bundle dir, tarball, files); content from `seed`, by default a fresh one."""
     work = tmp / f"src-{name}"
     work.mkdir()
     tarball = work / "rootfs.tar"
-    files = make_tarball(tarball, seed)
+    files = make_tarball(tarball, fresh_seed() if seed is None else seed)
     spec = work / "spec.yaml"
     spec.write_text(f"version: 1\nname: {name}\nlayers:\n  - tar: {{path: rootfs.tar}}\n")
     bundle = tmp / f"{name}.bundle"
@@ -241,7 +243,7 @@ def no_leftovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
 # --- tests ----------------------------------------------------------------------------
 def test_mount_tree_identical_then_umount(no_leftovers: Path) -> None:
     tmp = no_leftovers
-    bundle, tarball, _ = build_bundle(tmp, "one", 1)
+    bundle, tarball, _ = build_bundle(tmp, "one")
     mnt = tmp / "mnt"
     mnt.mkdir()
     r = ublkd("mount", bundle, mnt, "--frontend", "fuse")
@@ -268,7 +270,7 @@ def test_mount_tree_identical_then_umount(no_leftovers: Path) -> None:
 
 def test_expect_id_and_bad_bundles_are_refused(no_leftovers: Path) -> None:
     tmp = no_leftovers
-    bundle, _, _ = build_bundle(tmp, "bad", 2)
+    bundle, _, _ = build_bundle(tmp, "bad")
     mnt = tmp / "mnt"
     mnt.mkdir()
     r = ublkd(
@@ -297,7 +299,7 @@ def test_meta_img_verified_record(no_leftovers: Path) -> None:
     ctime) match the verified record; written since (even with its size and mtime put
     back), it is hashed again and refused; a ctime too recent for a record gets none."""
     tmp = no_leftovers
-    bundle, _, _ = build_bundle(tmp, "record", 31)  # a seed no other test uses
+    bundle, _, _ = build_bundle(tmp, "record")
     meta = bundle / "meta.img"
     want = json.loads((bundle / "manifest.json").read_text())["files"]["meta.img"]["sha256"]
     record = Path(os.environ["UBLKD_RUN_DIR"], "verified", want.removeprefix("sha256:") + ".json")
@@ -349,7 +351,7 @@ def test_sprout_write_umount_mount_again(no_leftovers: Path, frontend: str) -> N
     tmp = no_leftovers
     if frontend == "ublk":
         subprocess.run(["modprobe", "ublk_drv"], check=False)
-    bundle, tarball, files = build_bundle(tmp, "sprout", 3)
+    bundle, tarball, files = build_bundle(tmp, "sprout")
     mnt = tmp / "mnt"
     mnt.mkdir()
     rw = tmp / "rw.img"
@@ -386,8 +388,8 @@ def test_sprout_write_umount_mount_again(no_leftovers: Path, frontend: str) -> N
 
 def test_two_bundles_at_once(no_leftovers: Path) -> None:
     tmp = no_leftovers
-    b1, t1, _ = build_bundle(tmp, "first", 4)
-    b2, t2, _ = build_bundle(tmp, "second", 5)
+    b1, t1, _ = build_bundle(tmp, "first")
+    b2, t2, _ = build_bundle(tmp, "second")
     m1, m2 = tmp / "m1", tmp / "m2"
     m1.mkdir()
     m2.mkdir()
@@ -462,7 +464,7 @@ def assert_only_bad_chunk_fails(
 
 def test_corrupt_pack_byte_fails_reads_of_that_chunk_only(no_leftovers: Path) -> None:
     tmp = no_leftovers
-    clean, _, files = build_bundle(tmp, "corrupt", 6)
+    clean, _, files = build_bundle(tmp, "corrupt")
     bundle = tmp / "corrupted.bundle"
     shutil.copytree(clean, bundle)
     (pack,) = list((bundle / "packs").iterdir())
@@ -487,7 +489,7 @@ def test_kill_9_server_then_recover_and_umount(no_leftovers: Path) -> None:
     read-only loop device (LOOP_CHANGE_FD), reads work again without unmounting;
     after another kill -9, `ublkd umount` still removes everything."""
     tmp = no_leftovers
-    bundle, _, files = build_bundle(tmp, "kill", 7)
+    bundle, _, files = build_bundle(tmp, "kill")
     mnt = tmp / "mnt"
     mnt.mkdir()
     ublkd("mount", bundle, mnt, "--frontend", "fuse", "--rw", tmp / "rw.img", "--rw-size", "1G")
@@ -516,7 +518,7 @@ def test_dev2_cache_page_default_direct_on_request_one_mode_per_server(no_leftov
     without the flag follows it, and `recover` starts the new server in it (and with the
     first mount's --cache-mb); `status` shows both."""
     tmp = no_leftovers
-    bundle, tarball, files = build_bundle(tmp, "dio", fresh_seed())
+    bundle, tarball, files = build_bundle(tmp, "dio")
     mnt, other = tmp / "mnt", tmp / "other"
     mnt.mkdir()
     other.mkdir()
@@ -569,7 +571,7 @@ def test_ublk_mount_kill_during_reads_recover(no_leftovers: Path) -> None:
     reattaches to the same /dev/ublkbN and the read completes, without unmounting."""
     tmp = no_leftovers
     subprocess.run(["modprobe", "ublk_drv"], check=False)
-    bundle, tarball, files = build_bundle(tmp, "vmublk", 8)
+    bundle, tarball, files = build_bundle(tmp, "vmublk")
     mnt = tmp / "mnt"
     mnt.mkdir()
     r = ublkd("mount", bundle, mnt, "--frontend", "auto", "--rw", tmp / "rw.img", "--rw-size", "1G")
