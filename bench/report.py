@@ -487,6 +487,15 @@ def randread_section(doc: dict[str, Any]) -> str:
         "",
         randread_table(rr, [("ours_fuse", "btrfs_loop"), ("ours_fuse", "squashfuse")]).rstrip("\n"),
     ]
+    if rr.get("interleaved"):
+        lines += ["", f"{' and '.join(SHORT[t] for t in rr['interleaved'])} took turns per fio"
+                  " job (order alternating), each mounted afresh and warmed right before it."]  # fmt: skip
+    served = {j: r["server_reads"] for j, r in rr["targets"].get("ours_fuse", {}).items()
+              if isinstance(r, dict) and "server_reads" in r}  # fmt: skip
+    if served:
+        lines += ["", "Reads that reached ours' server during each job (device 2's page cache"
+                  " missed, e.g. pages reclaimed since the warm-up): "
+                  + ", ".join(f"{j} {n:,}" for j, n in served.items()) + "."]  # fmt: skip
     for t, e in rr.get("errors", {}).items():
         lines.append(f"\n{t}: {e}")
     vm = doc.get("randread_vm")

@@ -24,7 +24,14 @@ from bench.report import (  # noqa: E402
     randread_table,
     remote_section,
 )
-from bench.runtime import VM_INTERLEAVED, parse_queues, vm_job_result, vm_script  # noqa: E402
+from bench.runtime import (  # noqa: E402
+    INTERLEAVED,
+    VM_INTERLEAVED,
+    parse_queues,
+    randread_schedule,
+    vm_job_result,
+    vm_script,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -168,6 +175,28 @@ def test_runtime_tables_and_sections() -> None:
 
     lz = laziness_section(doc)
     assert "| read /x | 1 | 1.0 MiB | 2 | 2.0 MiB | 2.00x |" in lz
+
+
+def test_randread_schedule_alternates_targets_per_job() -> None:
+    jobs = list(MATRIX[:3])
+    got = [(j.name, t) for j, t in randread_schedule(jobs, INTERLEAVED)]
+    assert got == [
+        ("io_uring-qd1-j1", "ours_fuse"), ("io_uring-qd1-j1", "btrfs_loop"),
+        ("io_uring-qd1-j2", "btrfs_loop"), ("io_uring-qd1-j2", "ours_fuse"),
+        ("io_uring-qd16-j1", "ours_fuse"), ("io_uring-qd16-j1", "btrfs_loop"),
+    ]  # fmt: skip
+
+
+def test_randread_section_reports_interleaving_and_server_reads() -> None:
+    doc = _doc()
+    rr = doc["randread"]
+    rr["interleaved"] = list(INTERLEAVED)
+    first = next(iter(rr["targets"]["ours_fuse"]))
+    rr["targets"]["ours_fuse"][first]["server_reads"] = 1234
+    sec = randread_section(doc)
+    assert "ours fuse and btrfs loop took turns per fio job" in sec
+    assert f"{first} 1,234." in sec
+    assert "took turns" not in randread_section(_doc())
 
 
 def test_remote_section_medians_and_ratio() -> None:
