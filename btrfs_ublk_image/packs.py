@@ -46,10 +46,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import BinaryIO, Protocol
 
-import crc32c
-import zstandard
-
 from btrfs_ublk_image.blockmap import StoredChunk
+from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.tree import Blob, Content
 
@@ -181,7 +179,7 @@ class PackWriter:
         crc = 0
         got = 0
         for piece in pieces:
-            crc = crc32c.crc32c(piece, crc, _KEEP_GIL)
+            crc = crc32c(piece, crc, _KEEP_GIL)
             if write is not None:
                 write(piece)
             got += len(piece)
@@ -307,6 +305,8 @@ def _name_pack(path: str, directory: str, size: int, digests: list[bytes]) -> Pa
 def _compress_pack(path: str, directory: str, size: int, chunk_size: int) -> PackInfo:
     """Rewrite the finished pack at ``path`` as one zstd frame per chunk (raw where the frame
     would not be smaller); digests over the stored bytes; name it by its id."""
+    import zstandard  # compressed packs only: its 11 MiB library is not loaded otherwise
+
     out_path = path + ".zst"
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
     digests: list[bytes] = []
