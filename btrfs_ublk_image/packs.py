@@ -114,8 +114,10 @@ class PackWriter:
         self.chunk_size = chunk_size
         self.progress = progress
         self._path = os.path.join(directory, "pack.tmp")
-        # closed by finish or abort
-        self._file = open(self._path, "w+b", buffering=PACK_BUFFER)  # noqa: SIM115
+        # read back only with pread on its fd (hashing, dedup): a BufferedWriter on an O_RDWR
+        # fd, as a BufferedRandom would lseek(2) (and release the GIL) after every flush
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        self._file = open(fd, "wb", buffering=PACK_BUFFER)  # noqa: SIM115 (finish or abort)
         # chunks go to the hasher (and the file to the kernel) this many at a time
         self._submit_step = max(1, PACK_BUFFER // chunk_size)
         self._size = 0
@@ -475,6 +477,7 @@ class _Flusher:
     def __init__(self, fd: int) -> None:
         self.fd = fd
         self._wanted = threading.Event()
+        self._pending = False  # a flush was asked for and has not started
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._error: OSError | None = None
@@ -483,28 +486,33 @@ class _Flusher:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pack-flush", daemon=True)
             self._thread.start()
+        self._pending = True
         self._wanted.set()
 
     def _run(self) -> None:
         while True:
             self._wanted.wait()
             self._wanted.clear()
+            if self._pending:
+                self._pending = False
+                try:
+                    os.fdatasync(self.fd)
+                except OSError as e:
+                    self._error = self._error or e
             if self._stopping:
                 return
-            try:
-                os.fdatasync(self.fd)
-            except OSError as e:
-                self._error = self._error or e
 
-    def stop(self) -> None:
+    def stop(self, drop_pending: bool = True) -> None:
         if self._thread is not None:
+            if drop_pending:
+                self._pending = False
             self._stopping = True
             self._wanted.set()
             self._thread.join()
             self._thread = None
 
     def finish(self) -> None:
-        self.stop()
+        self.stop(drop_pending=False)  # a flush asked for just before still runs
         if self._error is not None:
             raise self._error
 
