@@ -14,8 +14,6 @@ import struct
 from dataclasses import dataclass
 from typing import BinaryIO
 
-import zstandard
-
 from btrfs_ublk_image.errors import ImageError
 
 MAGIC = b"BUIBMAP\0"
@@ -216,6 +214,8 @@ def read_chunk(f: BinaryIO, bm: BlockMap, pack: int, index: int, where: str) -> 
         )
     if not c.zstd:
         return data
+    import zstandard  # compressed packs only: its 11 MiB library is not loaded otherwise
+
     logical = min(bm.chunk_size, entry.size - index * bm.chunk_size)
     try:
         out = zstandard.ZstdDecompressor().decompress(data, max_output_size=logical)

@@ -20,12 +20,18 @@ from btrfs_ublk_image.progress import Progress, human_bytes
 from btrfs_ublk_image.tree import Tree
 
 PROG = "btrfs-ublk-image"
+# how long a thread waiting for the GIL lets the holder run before asking for it (the
+# default is 5 ms). A build's parsing thread holds the GIL nearly all the time (its writes
+# are buffered); the inflate and hash threads need it for a moment between C calls that
+# each release it, and with the default they waited up to 5 ms each time, hundreds of times
+SWITCH_INTERVAL = 250e-6
 
 
 def cmd_build(args: argparse.Namespace) -> int:
     from btrfs_ublk_image.sources import build_sources
     from btrfs_ublk_image.spec import load_spec
 
+    sys.setswitchinterval(SWITCH_INTERVAL)
     spec_path = Path(args.spec)
     spec = load_spec(spec_path)
     out = args.output or f"{spec.name}.bundle"

@@ -15,6 +15,7 @@ class BackgroundSha256:
 
     Updates are applied in order; ``digest`` waits for the queued ones. At most
     ``depth`` buffers wait, so memory stays bounded when the hasher falls behind.
+    ``abandon`` (error paths) stops the thread without a digest.
 
     With ``chunk_size``, the same pass also digests every ``chunk_size`` bytes of the
     stream on their own (``chunk_digests``; the last chunk may be short): the chunk
@@ -31,6 +32,7 @@ class BackgroundSha256:
         self._chunk_fill = 0  # bytes in the current chunk
         self._chunk_digests: list[bytes] = []
         self._inline = False
+        self._abandoned = False
 
     def hash_inline(self) -> None:
         """From now on hash in the caller's thread (the caller is a worker thread itself)."""
@@ -68,9 +70,21 @@ class BackgroundSha256:
 
     def _run(self) -> None:
         while (data := self._queue.get()) is not None:
-            self._apply(data)
+            if not self._abandoned:  # else only drained, up to the stop marker
+                self._apply(data)
+
+    def abandon(self) -> None:
+        """Stop the hashing thread, if any, without a digest (the stream failed): it would
+        otherwise wait on its queue until the process exits. No digest after this."""
+        self._abandoned = True
+        if self._thread is not None and self._done is None:
+            self._queue.put(None)
+            self._thread.join()
+        self._thread = None
 
     def _finish(self) -> hashlib._Hash:
+        if self._abandoned:
+            raise ValueError("no digest: the hashing was abandoned")
         if self._done is None:
             if self._thread is not None:
                 self._queue.put(None)

@@ -32,11 +32,10 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import crc32c as _crc32c
-
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.bundle import BLOCKMAP, META_IMG, read_bundle_file, read_manifest
+from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import ImageError
 
 # --- on-disk layouts (little-endian) ----------------------------------------------------
@@ -259,7 +258,7 @@ class DataDevice:
 # --- the filesystem ------------------------------------------------------------------------
 def _crc_ok(block: bytes | memoryview) -> tuple[bool, int, int]:
     stored = struct.unpack_from("<I", block, 0)[0]
-    computed = _crc32c.crc32c(block[32:])
+    computed = crc32c(block[32:])
     return stored == computed, stored, computed
 
 

@@ -150,6 +150,9 @@ def _unpack_times(times: _Times) -> tuple[int, int | None, int | None]:
 
 # content up to this size stays in memory (a reference to set-aside content costs about this)
 _ASIDE_MIN = 96
+# the set-aside file's write buffer: a write(2) per few small files released the GIL each
+# time, and the parsing thread then waited to get it back from the inflate/hash threads
+_ASIDE_BUFFER = 1 << 20
 
 
 class AsideFile:
@@ -157,7 +160,8 @@ class AsideFile:
     a build would otherwise keep every small file's bytes in memory to the end."""
 
     def __init__(self, directory: str) -> None:
-        self._file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (lives with the tree)
+        # lives with the tree
+        self._file = tempfile.TemporaryFile(dir=directory, buffering=_ASIDE_BUFFER)  # noqa: SIM115
         weakref.finalize(self, self._file.close)  # closed (and gone) with the tree
         self._end = 0
         self._dirty = False

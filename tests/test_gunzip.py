@@ -112,3 +112,30 @@ def test_close_stops_the_worker_midway() -> None:
     r.close()
     assert not [t for t in threading.enumerate() if t.name == "gunzip"]
     assert r.read(10) == b""
+
+
+def _helpers() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name in ("gunzip", "sha256")]
+
+
+@pytest.mark.unit
+def test_inflate_error_stops_every_helper_thread() -> None:
+    """A stream that fails midway stops the inflating thread AND the diff_id hashing thread
+    (which would otherwise wait on its queue until the process exits)."""
+    assert _helpers() == []
+    raw = _gz(os.urandom(3 << 20))
+    r = ThreadedGunzip(io.BytesIO(raw[: len(raw) // 2]), digest=True)
+    with pytest.raises(EOFError):
+        _read_all(r)
+    assert _helpers() == []
+    with pytest.raises(ValueError):
+        r.hexdigest()  # no digest of a stream that failed
+
+
+@pytest.mark.unit
+def test_close_midway_stops_the_hashing_thread() -> None:
+    r = ThreadedGunzip(io.BytesIO(_gz(os.urandom(1 << 20) * 16)), digest=True, depth=1)
+    while r.read(OUT_SIZE) and not _helpers().count("sha256"):
+        pass  # until the hashing thread runs
+    r.close()
+    assert _helpers() == []

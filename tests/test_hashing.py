@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 
 import pytest
 
@@ -39,3 +40,16 @@ def test_background_sha256_chunk_digests_in_the_same_pass() -> None:
     assert exact.chunk_digests() == [hashlib.sha256(bytes(chunk)).digest()] * 2
     with pytest.raises(ValueError):
         BackgroundSha256().chunk_digests()
+
+
+@pytest.mark.unit
+def test_abandon_stops_the_thread_without_a_digest() -> None:
+    h = BackgroundSha256(depth=1)
+    for _ in range(4):
+        h.update(bytes(1 << 20))  # large: hashed on the thread
+    assert [t for t in threading.enumerate() if t.name == "sha256"]
+    h.abandon()
+    assert not [t for t in threading.enumerate() if t.name == "sha256"]
+    with pytest.raises(ValueError, match="abandoned"):
+        h.digest()
+    h.abandon()  # again: nothing to stop

@@ -41,7 +41,7 @@ def test_equal_checksums_but_different_bytes_are_kept_apart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # every content gets the same CRC: only the byte comparison can tell them apart
-    monkeypatch.setattr(packs_mod.crc32c, "crc32c", lambda data, value=0, gil_release_mode=-1: 7)
+    monkeypatch.setattr(packs_mod, "crc32c", lambda data, value=0, gil_release_mode=-1: 7)
     pw = PackWriter(str(tmp_path), keep_inline=0, chunk_size=4096)
     a, b, c = put(pw, b"a" * 5000), put(pw, b"b" * 5000), put(pw, b"a" * 5000)
     assert a is not b and c is a
@@ -52,6 +52,7 @@ def test_equal_checksums_but_different_bytes_are_kept_apart(
 @pytest.mark.unit
 def test_pack_written_back_while_it_grows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(packs_mod, "FLUSH_STEP", 8192)
+    monkeypatch.setattr(packs_mod, "PACK_BUFFER", 8192)  # chunks submitted (and flushed) early
     flushed: list[tuple[str, int]] = []
     real = os.fdatasync
 

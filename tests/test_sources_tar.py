@@ -12,6 +12,7 @@ import shutil
 import stat
 import subprocess
 import tarfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -595,6 +596,18 @@ def test_truncated_in_trailing_padding(tmp_path: Path, build: Build, kind: str) 
     raw = make_tar([member("f", data=b"x")])  # padded to 10240 bytes
     data = compress(raw, kind)
     expect_error(tmp_path, build, data[:-6], "corrupt or truncated archive")
+
+
+@unit
+def test_error_stops_the_hashing_thread(tmp_path: Path, build: Build) -> None:
+    """A tarball that fails midway leaves no thread behind: the source digest's hashing
+    thread (started for reads of 64 KiB and more) is stopped, not left waiting on its queue
+    until the process exits."""
+    data = make_tar([member(f"f{i}", data=os.urandom(400_000)) for i in range(8)])
+    before = set(threading.enumerate())
+    expect_error(tmp_path, build, data[: len(data) * 2 // 3], "truncated")
+    left = [t.name for t in threading.enumerate() if t not in before]
+    assert [n for n in left if n != "pack-sha256"] == []  # the pack writer's: the fixture's
 
 
 @unit

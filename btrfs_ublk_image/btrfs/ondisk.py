@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import struct
 
-import crc32c as _crc32c
+from btrfs_ublk_image.crc import crc32c
 
 # --- sizes ---------------------------------------------------------------
 SECTORSIZE = 4096
@@ -109,12 +109,12 @@ _U64 = 0xFFFFFFFFFFFFFFFF
 # --- checksums and hashes -------------------------------------------------
 def csum(data: bytes | bytearray | memoryview) -> bytes:
     """CRC-32C of a tree block or superblock (from byte 32), as stored: 4 bytes LE + zero pad."""
-    return struct.pack("<I", _crc32c.crc32c(data)) + bytes(28)
+    return struct.pack("<I", crc32c(data)) + bytes(28)
 
 
 def _raw_crc32c(seed: int, data: bytes) -> int:
     """The kernel's ``crc32c(seed, data)``: no pre/post inversion."""
-    return (~_crc32c.crc32c(data, (~seed) & _MASK32)) & _MASK32
+    return (~crc32c(data, (~seed) & _MASK32)) & _MASK32
 
 
 def name_hash(name: bytes) -> int:

@@ -51,7 +51,8 @@ class ThreadedGunzip:
     from the first ``read``; errors (``InflateError``, ``EOFError`` for a truncated
     stream, ``GzipError``, and whatever ``raw`` raises) come out of ``read``. The end
     (``b""``) comes only after ``raw`` is read to its end and every member checked.
-    ``close`` stops the worker early (on the caller's errors).
+    ``close`` stops the worker early (on the caller's errors). The digest is complete
+    when the end is read; an error or an early ``close`` stops the hashing thread too.
     """
 
     def __init__(self, raw: _Readable, digest: bool = False, depth: int = 4) -> None:
@@ -63,6 +64,7 @@ class ThreadedGunzip:
         self._piece = b""
         self._off = 0
         self._ended = False
+        self._complete = False  # the end was read: the stream is whole, its digest final
 
     # ---- consumer (the parsing thread) ----
 
@@ -76,12 +78,16 @@ class ThreadedGunzip:
                 self._thread.start()
             item = self._queue.get()
             if item is None:
-                self._ended = True
+                self._ended = self._complete = True
                 self._thread.join()
+                if self._hash is not None:
+                    self._hash.digest()  # waits for the hashing thread, which then ends
                 return b""
             if isinstance(item, BaseException):
                 self._ended = True
                 self._thread.join()
+                if self._hash is not None:
+                    self._hash.abandon()
                 raise item
             self._piece, self._off = item, 0
         if n < 0:
@@ -101,7 +107,7 @@ class ThreadedGunzip:
 
     def hexdigest(self) -> str:
         """sha256 of the whole inflated stream (after the end was read)."""
-        if self._hash is None or not self._ended:
+        if self._hash is None or not self._complete:
             raise ValueError("no digest: not asked for, or the stream was not read to its end")
         return self._hash.hexdigest()
 
@@ -110,11 +116,12 @@ class ThreadedGunzip:
         self._ended = True
         self._piece, self._off = b"", 0
         thread = self._thread
-        if thread is None:
-            return
-        self._stop = True  # a worker waiting to hand over a piece gives up within 50 ms
-        thread.join()
-        self._thread = None
+        if thread is not None:
+            self._stop = True  # a worker waiting to hand over a piece gives up within 50 ms
+            thread.join()
+            self._thread = None
+        if self._hash is not None and not self._complete:
+            self._hash.abandon()
 
     # ---- worker ----
 

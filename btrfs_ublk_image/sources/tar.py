@@ -22,18 +22,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-import bz2
 import dataclasses
 import hashlib
-import lzma
 import os
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, cast
-
-import zstandard
 
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.hashing import BackgroundSha256
@@ -153,6 +149,8 @@ class _ZstdReader:
     """zstd frames, one after another, with an error for a truncated last frame."""
 
     def __init__(self, raw: _Readable) -> None:
+        import zstandard  # zstd layers only: its 11 MiB library is not loaded otherwise
+
         self.raw = raw
         self.dctx = zstandard.ZstdDecompressor()
         self.obj = self.dctx.decompressobj()
@@ -225,15 +223,23 @@ class _DigestStream:
         return True
 
 
-def _decompressor(kind: str, raw: _HashingReader) -> _Readable:
+def _decompressor(kind: str, raw: _HashingReader) -> tuple[_Readable, tuple[type[Exception], ...]]:
+    """The reader of ``kind`` (not gzip) and what its library raises for corrupt data; each
+    library is imported when its format is met (not at every start)."""
     if kind == "none":
-        return raw
+        return raw, ()
     if kind == "zstd":
-        return _ZstdReader(raw)
+        import zstandard
+
+        return _ZstdReader(raw), (zstandard.ZstdError,)
     if kind == "xz":
-        return lzma.LZMAFile(cast(BinaryIO, raw), mode="rb")
+        import lzma
+
+        return lzma.LZMAFile(cast(BinaryIO, raw), mode="rb"), (lzma.LZMAError,)
     if kind == "bzip2":
-        return bz2.BZ2File(cast(BinaryIO, raw), mode="rb")
+        import bz2
+
+        return bz2.BZ2File(cast(BinaryIO, raw), mode="rb"), ()  # bz2 raises OSError
     raise AssertionError(kind)
 
 
@@ -398,6 +404,8 @@ def read_tar(
     reader: TarReader | None = None
     diff: _DigestStream | ThreadedGunzip | None = None
     gunzip: ThreadedGunzip | None = None
+    corrupt: tuple[type[Exception], ...] = (TarFormatError, EOFError, OSError, InflateError)
+    read_whole = False
     try:
         if kind == "gzip":  # inflated and hashed (raw and inflated) on a worker thread
             raw.hash.hash_inline()
@@ -406,7 +414,8 @@ def read_tar(
             if opts.diff_id:
                 diff = gunzip
         else:
-            stream = _decompressor(kind, raw)
+            stream, more = _decompressor(kind, raw)
+            corrupt += more
             if opts.diff_id and kind != "none":
                 stream = diff = _DigestStream(stream)
         reader = TarReader(stream)
@@ -415,18 +424,12 @@ def read_tar(
         while stream.read(READ_SIZE):
             pass
         raw.drain()
+        read_whole = True
     except SourceError:
         raise
     except MemberError as e:
         raise _fail(tar_path, e.name, str(e)) from None
-    except (
-        TarFormatError,
-        EOFError,
-        OSError,
-        InflateError,
-        lzma.LZMAError,
-        zstandard.ZstdError,
-    ) as e:
+    except corrupt as e:
         if isinstance(e, OSError) and e.errno is not None:
             raise  # a system error (the pack's disk is full, ...), not a problem of the archive
         what = "corrupt or truncated archive"
@@ -440,6 +443,8 @@ def read_tar(
     finally:
         if gunzip is not None:
             gunzip.close()
+        if not read_whole:
+            raw.hash.abandon()  # its thread would wait on its queue until the process exits
     raw_digest = "sha256:" + raw.hash.hexdigest()
     if in_place is not None:
         in_place.complete(raw.hash.chunk_digests(), raw.nbytes)
