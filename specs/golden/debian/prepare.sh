@@ -27,14 +27,17 @@ if [ ! -e rootfs.tar ]; then
   mv rootfs.tar.tmp rootfs.tar
 fi
 
-if [ ! -e oci.done ]; then
+# oci.done holds the layout's version: 2 = two layers (version 1, from before
+# --refresh-bundle, had the second repack's whole tree as its only layer)
+if [ "$(cat oci.done 2>/dev/null)" != 2 ]; then
   rm -rf oci oci-bundle
   umoci init --layout oci
   umoci new --image oci:bookworm
   umoci unpack --image oci:bookworm oci-bundle
   tar -C rootfs --numeric-owner --xattrs --xattrs-include='*' -cf - . \
     | tar -C oci-bundle/rootfs --numeric-owner --xattrs --xattrs-include='*' -xpf -
-  umoci repack --image oci:bookworm oci-bundle
+  # --refresh-bundle: the next repack diffs against this layer, not the empty image
+  umoci repack --refresh-bundle --image oci:bookworm oci-bundle
   # layer 2: one file added, two removed (whiteouts in the layer)
   echo "golden-debian $SUITE" >oci-bundle/rootfs/etc/golden-release
   rm -f oci-bundle/rootfs/var/log/bootstrap.log oci-bundle/rootfs/var/cache/apt/*.bin
@@ -43,7 +46,7 @@ if [ ! -e oci.done ]; then
     --config.workingdir /
   umoci gc --layout oci
   rm -rf oci-bundle
-  touch oci.done
+  echo 2 >oci.done
 fi
 
 rm -rf overlay
