@@ -598,3 +598,60 @@ def test_ublk_mount_kill_during_reads_recover(no_leftovers: Path) -> None:
         ublkd("umount", mnt, timeout=120)
     assert status() == []
     assert not list(Path("/dev").glob("ublkb*"))
+
+
+@pytest.mark.vm
+def test_ublk_poll_mount_read_recover_sigterm(no_leftovers: Path) -> None:
+    """`--ublk-poll`: the server polls its (one) queue; files read back with their
+    checksums; the mode is the bundle server's (another value is refused, no value
+    follows it, `recover` keeps it); SIGTERM stops a polling server, then umount cleans
+    up."""
+    tmp = no_leftovers
+    subprocess.run(["modprobe", "ublk_drv"], check=False)
+    bundle, tarball, files = build_bundle(tmp, "vmpoll", fresh_seed())
+    mnt, mnt2 = tmp / "mnt", tmp / "mnt2"
+    mnt.mkdir()
+    mnt2.mkdir()
+    ublkd("mount", bundle, mnt, "--frontend", "ublk", "--ublk-poll=300000")
+    try:
+        st = status_of(mnt)
+        assert (st["frontend"], st["ublk_poll_us"]) == ("ublk", 300000)
+        pid = st["server_pid"]
+        assert isinstance(pid, int)
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert b"--ublk-poll=300000" in cmdline
+        # one queue: the polling thread is not pinned to the CPU of its submitters
+        (dev,) = [str(d).rsplit(" on ", 1)[1] for d in st["devices"] if " on /dev/ublkb" in str(d)]  # type: ignore[attr-defined]
+        assert len(list(Path(f"/sys/block/{Path(dev).name}/mq").iterdir())) == 1
+        assert list_dir(mnt) == list_tar(tarball)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        for name in ("data/a.bin", "data/b.bin", "data/c.bin"):
+            assert (
+                hashlib.sha256((mnt / name).read_bytes()).digest()
+                == hashlib.sha256(files[name]).digest()
+            ), name
+        r = ublkd("mount", bundle, mnt2, "--ublk-poll=5", check=False)
+        assert r.returncode != 0 and "--ublk-poll=300000" in r.stderr, r.stderr
+        ublkd("mount", bundle, mnt2)  # no value: follows the bundle's server
+        assert status_of(mnt2)["server_pid"] == pid
+        ublkd("umount", mnt2)
+        # kill -9, recover: the new server polls as the old one did
+        kill_server(mnt, wait_s=10)
+        ublkd("recover", mnt, timeout=120)
+        st = status_of(mnt)
+        assert st["server_alive"] is True and st["ublk_poll_us"] == 300000
+        old, pid = pid, st["server_pid"]
+        assert isinstance(pid, int) and pid != old
+        assert b"--ublk-poll=300000" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        assert (mnt / "data" / "b.bin").read_bytes() == files["data/b.bin"]
+        # SIGTERM while the queue polls: the server stops its device and exits
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while status_of(mnt)["server_alive"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status_of(mnt)["server_alive"] is False, "the polling server ignored SIGTERM"
+    finally:
+        ublkd("umount", mnt, timeout=120)
+    assert status() == []
+    assert not list(Path("/dev").glob("ublkb*"))

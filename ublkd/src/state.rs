@@ -134,6 +134,9 @@ pub struct ServerRecord {
     /// records written before the choice existed (their FUSE file was direct I/O).
     #[serde(default)]
     pub dev2_cache: Option<Dev2Cache>,
+    /// ublk: the server's `--ublk-poll` (microseconds of busy-polling), none: it sleeps.
+    #[serde(default)]
+    pub ublk_poll_us: Option<u64>,
 }
 
 impl ServerRecord {
