@@ -622,6 +622,8 @@ def test_ublk_poll_mount_read_recover_umount(no_leftovers: Path) -> None:
         # one queue: the polling thread is not pinned to the CPU of its submitters
         (dev,) = [str(d).rsplit(" on ", 1)[1] for d in st["devices"] if " on /dev/ublkb" in str(d)]  # type: ignore[attr-defined]
         assert len(list(Path(f"/sys/block/{Path(dev).name}/mq").iterdir())) == 1
+        # and no I/O scheduler (the kernel's default for one hw queue is mq-deadline)
+        assert "[none]" in Path(f"/sys/block/{Path(dev).name}/queue/scheduler").read_text()
         assert list_dir(mnt) == list_tar(tarball)
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
         for name in ("data/a.bin", "data/b.bin", "data/c.bin"):

@@ -209,6 +209,17 @@ fn poll_loop(q: &UblkQueue, mut handler: impl FnMut(&UblkQueue, u16), spin: Dura
     }
 }
 
+/// With one hw queue the kernel gives the device mq-deadline (with several: none); its
+/// reads are 4 KiB-aligned random reads a scheduler only adds a lock and a queue to, and
+/// the loop devices it is compared with run without one (loop opts out of the default).
+fn no_scheduler(bdev: &str) {
+    let name = bdev.rsplit('/').next().unwrap_or(bdev);
+    let f = format!("/sys/block/{name}/queue/scheduler");
+    if let Err(e) = std::fs::write(&f, "none") {
+        log::warn!("{f}: set none: {e}");
+    }
+}
+
 /// Prepare a quiesced device for a new server (START_USER_RECOVERY).
 pub fn begin_recovery(id: i32) -> Result<()> {
     let ctrl = UblkCtrl::new_simple(id).map_err(|e| anyhow!("ublk device {id}: {e}"))?;
@@ -268,7 +279,14 @@ pub fn run<R: Reads>(
     let d = dev.clone();
     let poll = opts.poll;
     let q_handler = move |qid, udev: &_| queue_fn(qid, udev, d.clone(), poll);
-    let on_live = move |c: &UblkCtrl| ready(c.get_bdev_path(), c.dev_info().dev_id as i32);
+    let one_queue = opts.nr_queues == 1;
+    let on_live = move |c: &UblkCtrl| {
+        let (path, id) = (c.get_bdev_path(), c.dev_info().dev_id as i32);
+        if one_queue {
+            no_scheduler(&path);
+        }
+        ready(path, id)
+    };
     ctrl.run_target(tgt_init, q_handler, on_live)
         .map_err(|e| anyhow!("ublk device: {e}"))
         .context("run ublk target")?;
