@@ -51,6 +51,8 @@ from bench.measure import Result, drop_caches, pipeline, remove, run_measured, t
 from bench.report import (
     TAR_BASELINE,
     UMOCI_BASELINE,
+    VM_FS_RATIOS,
+    VM_RAW_RATIOS,
     build_inputs,
     build_section,
     build_summary,
@@ -625,11 +627,7 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
         failed += [f"randread {k}" for k in doc["randread"].get("errors", {})]
     if "randread_vm" in doc:
         print("\nRandom reads in the VM (ratios only):\n")
-        print(
-            randread_table(
-                doc["randread_vm"], [("ours_ublk", "btrfs_loop"), ("ours_fuse", "btrfs_loop")]
-            )
-        )
+        print(randread_table(doc["randread_vm"], VM_FS_RATIOS + VM_RAW_RATIOS))
         failed += [f"randread_vm {k}" for k in doc["randread_vm"].get("errors", {})]
     if "remote" in doc:
         print("\nRemote cold start over nginx (Debian image):\n")

@@ -341,6 +341,9 @@ RANDREAD_TARGETS = {
     "ours_ublk_raw": "**ours** /dev/ublkbN (device 2), raw",
     "loop_raw": "loop over device 2 in RAM, raw",
     "ours_ublk": "**ours** (ublk frontend)",
+    "null_ublk_poll": "null ublk target `--ublk-poll`, raw device",
+    "ours_ublk_poll_raw": "**ours** /dev/ublkbN `--ublk-poll`, raw",
+    "ours_ublk_poll": "**ours** (ublk frontend, `--ublk-poll`)",
     "ours_fuse": "**ours** (fuse frontend)",
     "btrfs_loop": "btrfs, device 2 on a local loop",
     "erofs_loop": "erofs on a loop device",
@@ -348,6 +351,8 @@ RANDREAD_TARGETS = {
 }
 SHORT = {"null_ublk": "null ublk", "ours_ublk_raw": "ours ublkb raw", "loop_raw": "loop raw",
          "ours_ublk": "ours ublk", "ours_fuse": "ours fuse", "btrfs_loop": "btrfs loop",
+         "null_ublk_poll": "null ublk poll", "ours_ublk_poll_raw": "ours ublkb raw poll",
+         "ours_ublk_poll": "ours ublk poll",
          "erofs_loop": "erofs", "squashfuse": "squashfuse"}  # fmt: skip
 
 
@@ -459,7 +464,23 @@ def mount_section(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-VM_FS_TARGETS = ("ours_ublk", "ours_fuse", "btrfs_loop")
+VM_FS_TARGETS = ("ours_ublk", "ours_ublk_poll", "ours_fuse", "btrfs_loop")
+VM_FS_RATIOS = [("ours_ublk", "btrfs_loop"), ("ours_ublk_poll", "btrfs_loop"),
+                ("ours_fuse", "btrfs_loop")]  # fmt: skip
+VM_RAW_RATIOS = [("null_ublk", "loop_raw"), ("null_ublk_poll", "loop_raw"),
+                 ("ours_ublk_raw", "loop_raw"), ("ours_ublk_poll_raw", "loop_raw"),
+                 ("ours_ublk_raw", "null_ublk")]  # fmt: skip
+
+
+def cpu_note(server_cpu: dict[str, dict[str, float]]) -> str:
+    """The ublk servers' CPU use during each fio job (CPUs busy: CPU time / wall time)."""
+    if not server_cpu:
+        return ""
+    parts = [
+        f"{SHORT.get(t, t)} " + ", ".join(f"{j} {c:.2f}" for j, c in sorted(js.items()))
+        for t, js in server_cpu.items()
+    ]
+    return " Server CPU during each job (CPUs busy, mean of rounds): " + "; ".join(parts) + "."
 
 
 def queue_note(queues: dict[str, dict[str, str]]) -> str:
@@ -512,7 +533,7 @@ def randread_section(doc: dict[str, Any]) -> str:
             "",
             randread_table(
                 {"targets": {t: v for t, v in vm["targets"].items() if t in VM_FS_TARGETS}},
-                [("ours_ublk", "btrfs_loop"), ("ours_fuse", "btrfs_loop")],
+                VM_FS_RATIOS,
             ).rstrip("\n"),
         ]
         raw = {t: v for t, v in vm["targets"].items() if t not in VM_FS_TARGETS}
@@ -523,13 +544,10 @@ def randread_section(doc: dict[str, Any]) -> str:
                 " transport under TCG (a null ublk target, same queue setup as ours, that"
                 " completes every read at once), ours' device 2, and a loop device over a copy"
                 " of device 2 in the guest's RAM; these and ours through btrfs (above) ran each"
-                " fio job in turn." + queue_note(vm.get("queues", {})),
+                " fio job in turn (the `--ublk-poll` mount of ours: right after the others)."
+                + queue_note(vm.get("queues", {})) + cpu_note(vm.get("server_cpu", {})),
                 "",
-                randread_table(
-                    {"targets": raw},
-                    [("null_ublk", "loop_raw"), ("ours_ublk_raw", "loop_raw"),
-                     ("ours_ublk_raw", "null_ublk")],
-                ).rstrip("\n"),
+                randread_table({"targets": raw}, VM_RAW_RATIOS).rstrip("\n"),
             ]  # fmt: skip
         for t, e in vm.get("errors", {}).items():
             lines.append(f"\nVM {t}: {e}")

@@ -387,10 +387,17 @@ def measure_randread(
 # device 2 on a loop device. Raw block devices, to split the gap: a null ublk target
 # (`ublkd ublk-null`, same queue setup, completes every read at once: the transport's
 # ceiling), ours' /dev/ublkbN (device 2) and a loop device over device 2's bytes in RAM.
-VM_TARGETS = ("null_ublk", "ours_ublk_raw", "loop_raw", "ours_ublk", "ours_fuse", "btrfs_loop")
+# `_poll`: the same with `--ublk-poll` (the server busy-polls its queue between requests).
+VM_TARGETS = ("null_ublk", "null_ublk_poll", "ours_ublk_raw", "ours_ublk_poll_raw", "loop_raw",
+              "ours_ublk", "ours_ublk_poll", "ours_fuse", "btrfs_loop")  # fmt: skip
 # targets live at the same time run each fio job in turn (A/B/C/D per job, not one target's
 # whole matrix after the other): TCG is noisy, drift then hits every target alike
-VM_INTERLEAVED = ("null_ublk", "loop_raw", "ours_ublk_raw", "ours_ublk")
+VM_INTERLEAVED = ("null_ublk", "null_ublk_poll", "loop_raw", "ours_ublk_raw", "ours_ublk")
+# then ours again, mounted with --ublk-poll (one server per bundle: one mode at a time)
+VM_INTERLEAVED_POLL = ("ours_ublk_poll_raw", "ours_ublk_poll")
+# the server whose CPU time each ublk target's fio job costs (utime+stime, $O/cpu.txt)
+VM_SERVER_PID = {"null_ublk": "$NP", "null_ublk_poll": "$NPP", "ours_ublk_raw": "$SP",
+                 "ours_ublk": "$SP", "ours_ublk_poll_raw": "$SP", "ours_ublk_poll": "$SP"}  # fmt: skip
 # every target's whole matrix this many times (mounting afresh each round); a job's figure
 # is its best round
 VM_ROUNDS = 2
@@ -410,25 +417,35 @@ fiojob() {{  # TAG PATH JOB ARGS...: one fio job, its JSON in $O/TAG/JOB.rROUND.
   local tag=$1 path=$2 job=$3; shift 3; mkdir -p $O/$tag
   fio --filename=$path "$@" > $O/$tag/$job.r$R.json 2>>$O/fio.err
 }}
+cpujob() {{  # PID TAG PATH JOB ARGS...: fiojob, and PID's CPU ticks over it to cpu.txt
+  local pid=$1 c0 c1 t0 t1; shift
+  c0=$(awk '{{print $14+$15}}' /proc/$pid/stat); t0=$(date +%s%N)
+  fiojob "$@"
+  c1=$(awk '{{print $14+$15}}' /proc/$pid/stat); t1=$(date +%s%N)
+  echo "$1 $3 $R $((c1 - c0)) $(getconf CLK_TCK) $((t1 - t0))" >> $O/cpu.txt
+}}
+server_pid() {{ $U status --json | jq '.[] | select(.mountpoint == "/tmp/m") | .server_pid'; }}
 runfio() {{  # TAG: every fio job on /tmp/m/$F
   dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
 {fio_lines}
 }}
 cp $D /tmp/dev2.img
 $U ublk-null --size-mb $(( $(stat -c %s $D) >> 20 )) > /tmp/null.dev 2>/tmp/null.err & NP=$!
-for i in $(seq 100); do [ -s /tmp/null.dev ] && break; sleep 0.2; done
-NULL=$(cat /tmp/null.dev)
+$U ublk-null --ublk-poll --size-mb $(( $(stat -c %s $D) >> 20 )) > /tmp/nullp.dev 2>/tmp/nullp.err & NPP=$!
+for i in $(seq 100); do [ -s /tmp/null.dev ] && [ -s /tmp/nullp.dev ] && break; sleep 0.2; done
+NULL=$(cat /tmp/null.dev); NULLP=$(cat /tmp/nullp.dev)
 LR=$(losetup -f --show -r /tmp/dev2.img)
 L1=$(losetup -f --show -r $B/meta.img); L2=$(losetup -f --show -r /tmp/dev2.img)
 [ -n "$NULL" ] || echo "VM: ublkd ublk-null failed: $(cat /tmp/null.err)"
+[ -n "$NULLP" ] || echo "VM: ublkd ublk-null --ublk-poll failed: $(cat /tmp/nullp.err)"
 for R in $(seq {rounds}); do
   # the null target, ours over ublk (its /dev/ublkbN raw and through btrfs) and a loop
   # device over device 2 in RAM are live at once: each fio job runs on each in turn
-  if [ -n "$NULL" ] && $U mount --frontend ublk --cache-mb 256 $B /tmp/m; then
-    UB=$(ls -t /dev/ublkb* | grep -vx "$NULL" | head -1)
+  if [ -n "$NULL" ] && [ -n "$NULLP" ] && $U mount --frontend ublk --cache-mb 256 $B /tmp/m; then
+    UB=$(ls -t /dev/ublkb* | grep -vx -e "$NULL" -e "$NULLP" | head -1); SP=$(server_pid)
     if [ $R = 1 ]; then
-      qsettings null_ublk $NULL; qsettings loop_raw $LR; qsettings ours_ublk $UB
-      qsettings btrfs_loop $L2
+      qsettings null_ublk $NULL; qsettings null_ublk_poll $NULLP; qsettings loop_raw $LR
+      qsettings ours_ublk $UB; qsettings btrfs_loop $L2
     fi
     dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
     dd if=$UB of=/dev/null bs=1M iflag=direct status=none
@@ -436,6 +453,14 @@ for R in $(seq {rounds}); do
 {interleaved}
     $U umount /tmp/m
   else echo "VM: ublkd mount --frontend ublk failed"; fi
+  if $U mount --frontend ublk --ublk-poll --cache-mb 256 $B /tmp/m; then
+    UB=$(ls -t /dev/ublkb* | grep -vx -e "$NULL" -e "$NULLP" | head -1); SP=$(server_pid)
+    [ $R = 1 ] && qsettings ours_ublk_poll $UB
+    dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
+    dd if=$UB of=/dev/null bs=1M iflag=direct status=none
+{interleaved_poll}
+    $U umount /tmp/m
+  else echo "VM: ublkd mount --frontend ublk --ublk-poll failed"; fi
   if $U mount --frontend fuse --cache-mb 256 $B /tmp/m; then
     runfio ours_fuse
     $U umount /tmp/m
@@ -447,7 +472,7 @@ for R in $(seq {rounds}); do
   fi
   btrfs device scan --forget $L1 $L2 || true
 done
-kill $NP; wait $NP
+kill $NP $NPP; wait $NP $NPP
 losetup -d $LR $L1 $L2
 echo "VM: bench done"
 """
@@ -464,16 +489,20 @@ def vm_script(
 ) -> str:
     def line(tag: str, path: str, j: FioJob, indent: str) -> str:
         args = shlex.join(fio_args(j, "X", runtime_s)[2:])  # all but --name, --filename
-        return f"{indent}fiojob {tag} {path} {j.name} --name=randread {args}"
+        pid = VM_SERVER_PID.get(tag)
+        run = f"cpujob {pid} {tag}" if pid else f"fiojob {tag}"
+        return f"{indent}{run} {path} {j.name} --name=randread {args}"
 
-    paths = {"null_ublk": "$NULL", "loop_raw": "$LR", "ours_ublk_raw": "$UB",
-             "ours_ublk": "/tmp/m/$F"}  # fmt: skip
+    paths = {"null_ublk": "$NULL", "null_ublk_poll": "$NULLP", "loop_raw": "$LR",
+             "ours_ublk_raw": "$UB", "ours_ublk": "/tmp/m/$F", "ours_ublk_poll_raw": "$UB",
+             "ours_ublk_poll": "/tmp/m/$F"}  # fmt: skip
     inter = [line(t, paths[t], j, "    ") for j in jobs for t in VM_INTERLEAVED]
+    inter_poll = [line(t, paths[t], j, "    ") for j in jobs for t in VM_INTERLEAVED_POLL]
     seq = [line("$1", "/tmp/m/$F", j, "  ") for j in jobs]
     return VM_SCRIPT.format(
         ublkd=shlex.quote(ublkd), bundle=shlex.quote(str(bundle)), data=shlex.quote(str(data)),
-        file=shlex.quote(file), interleaved="\n".join(inter), fio_lines="\n".join(seq),
-        rounds=rounds,
+        file=shlex.quote(file), interleaved="\n".join(inter),
+        interleaved_poll="\n".join(inter_poll), fio_lines="\n".join(seq), rounds=rounds,
     )  # fmt: skip
 
 
@@ -506,6 +535,23 @@ def parse_queues(text: str) -> dict[str, dict[str, str]]:
     return out
 
 
+def parse_cpu(text: str) -> dict[str, dict[str, float]]:
+    """``TAG JOB ROUND TICKS HZ NS`` lines (cpujob) -> {tag: {job: CPUs busy}}: the server's
+    CPU time over the fio job's wall time, the mean over rounds."""
+    got: dict[str, dict[str, list[float]]] = {}
+    for ln in text.splitlines():
+        parts = ln.split()
+        if len(parts) != 6:
+            continue
+        tag, job, _, ticks, hz, ns = parts
+        try:
+            cpus = int(ticks) / int(hz) / (int(ns) / 1e9)
+        except (ValueError, ZeroDivisionError):
+            continue
+        got.setdefault(tag, {}).setdefault(job, []).append(cpus)
+    return {t: {j: round(sum(v) / len(v), 3) for j, v in js.items()} for t, js in got.items()}
+
+
 def measure_randread_vm(
     workdir: Path, jobs: Sequence[FioJob], runtime_s: float, log: Path
 ) -> dict[str, Any]:
@@ -530,7 +576,7 @@ def measure_randread_vm(
     res = harness.run_in_vm(
         harness.SCRIPT_BODY.format(script="/vmout/script.sh"),
         files={"script.sh": script.encode()},
-        timeout=float(os.environ.get("BUI_VM_TIMEOUT", 900)),
+        timeout=float(os.environ.get("BUI_VM_TIMEOUT", 1200)),
     )
     targets: dict[str, Any] = {}
     errors: dict[str, str] = {}
@@ -543,10 +589,12 @@ def measure_randread_vm(
         targets[tag] = {j.name: vm_job_result(d, j.name) for j in jobs}
     qf = fio_dir / "queues.txt"
     queues = parse_queues(qf.read_text()) if qf.exists() else {}
+    cf = fio_dir / "cpu.txt"
+    server_cpu = parse_cpu(cf.read_text()) if cf.exists() else {}
     remove(work)
     return {"kernel": res.kver, "rc": res.rc, "results_dir": str(res.out), "file": file,
             "file_bytes": VM_INPUT.large_bytes, "runtime_s": runtime_s, "rounds": VM_ROUNDS,
-            "targets": targets, "queues": queues, "errors": errors,
+            "targets": targets, "queues": queues, "server_cpu": server_cpu, "errors": errors,
             "guest_log_tail": res.read("pytest.log")[-1500:]}  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from bench.report import (  # noqa: E402
 from bench.runtime import (  # noqa: E402
     INTERLEAVED,
     VM_INTERLEAVED,
+    parse_cpu,
     parse_queues,
     randread_schedule,
     vm_job_result,
@@ -100,8 +101,12 @@ def _doc() -> dict[str, Any]:
                     "btrfs_loop": {"psync-j1": {"iops": 1000.0}},
                     "null_ublk": {"psync-j1": {"iops": 1500.0}},
                     "ours_ublk_raw": {"psync-j1": {"iops": 1200.0}},
-                    "loop_raw": {"psync-j1": {"iops": 2000.0}}},
+                    "loop_raw": {"psync-j1": {"iops": 2000.0}},
+                    "null_ublk_poll": {"psync-j1": {"iops": 1800.0}},
+                    "ours_ublk_poll_raw": {"psync-j1": {"iops": 1600.0}},
+                    "ours_ublk_poll": {"psync-j1": {"iops": 950.0}}},
         "queues": {"null_ublk": {"scheduler": "none", "nr_hw_queues": "2", "nr_requests": "64"}},
+        "server_cpu": {"null_ublk_poll": {"psync-j1": 0.42}},
     }  # fmt: skip
     return {
         "command": "bench/run --quick",
@@ -168,10 +173,14 @@ def test_runtime_tables_and_sections() -> None:
     assert "9,000" in rt[2] and "| 0.90x | 2.00x |" in rt[2]
     assert "failed" in rt[3] and rt[3].endswith("| 0.90x |  |")
     sec = randread_section(doc)
-    assert "6.12.0" in sec and "| 0.80x |" in sec and "VM ours_fuse: not run" in sec
-    # the raw-device table: null / loop, ours raw / loop, ours raw / null; queue settings
-    assert "| 0.75x | 0.60x | 0.80x |" in sec and "best of 2 rounds" in sec
+    assert "6.12.0" in sec and "VM ours_fuse: not run" in sec
+    # through btrfs: ours ublk / loop, ours ublk --ublk-poll / loop (no fuse row: not run)
+    assert "| psync-j1 | 800 | 950 | 1,000 | 0.80x | 0.95x |" in sec, sec
+    # the raw-device table: null / loop, null poll / loop, ours raw / loop, ours raw poll /
+    # loop, ours raw / null; queue settings; the servers' CPU
+    assert "| 0.75x | 0.90x | 0.60x | 0.80x | 0.80x |" in sec and "best of 2 rounds" in sec
     assert "null ublk: hw queues 2, scheduler none, nr_requests 64" in sec
+    assert "null ublk poll psync-j1 0.42" in sec
 
     lz = laziness_section(doc)
     assert "| read /x | 1 | 1.0 MiB | 2 | 2.0 MiB | 2.00x |" in lz
@@ -238,19 +247,39 @@ def test_from_json_renders_runtime_sections(
 
 def test_vm_script_runs_every_job_for_each_target() -> None:
     s = vm_script("/bin/ublkd x", Path("/b"), Path("/d.img"), "large/blob-0.bin", MATRIX, 2.0, 3)
+    targets = (("null_ublk", "$NULL", "$NP"), ("null_ublk_poll", "$NULLP", "$NPP"),
+               ("loop_raw", "$LR", None), ("ours_ublk_raw", "$UB", "$SP"),
+               ("ours_ublk", "/tmp/m/$F", "$SP"), ("ours_ublk_poll_raw", "$UB", "$SP"),
+               ("ours_ublk_poll", "/tmp/m/$F", "$SP"))  # fmt: skip
     for j in MATRIX:
-        for tag, path in (("null_ublk", "$NULL"), ("loop_raw", "$LR"),
-                          ("ours_ublk_raw", "$UB"), ("ours_ublk", "/tmp/m/$F")):  # fmt: skip
-            assert f"fiojob {tag} {path} {j.name} --name=randread" in s
+        for tag, path, pid in targets:
+            # the ublk targets' fio jobs also record their server's CPU time
+            run = f"cpujob {pid} {tag}" if pid else f"fiojob {tag}"
+            assert f"{run} {path} {j.name} --name=randread" in s
         assert f"fiojob $1 /tmp/m/$F {j.name} --name=randread" in s
-    # interleaved: per job, each live target in turn
-    first = s.index("fiojob null_ublk $NULL " + MATRIX[1].name)
-    assert all(s.index(f"fiojob {t} ", 0) < first for t in VM_INTERLEAVED)
+    # interleaved: per job, each live target in turn; the --ublk-poll mount after them
+    first = s.index("cpujob $NP null_ublk $NULL " + MATRIX[1].name)
+    assert all(s.index(f" {t} ", 0) < first for t in VM_INTERLEAVED)
+    poll_mount = s.index("--ublk-poll --cache-mb")
+    assert s.rindex("cpujob $SP ours_ublk /tmp/m") < poll_mount
+    assert s.index("cpujob $SP ours_ublk_poll ") > poll_mount
     assert "$O/$tag/$job.r$R.json" in s and "for R in $(seq 3)" in s
     assert "U='/bin/ublkd x'" in s and "$U ublk-null --size-mb" in s
+    assert "$U ublk-null --ublk-poll --size-mb" in s
     assert "--frontend ublk" in s and "--frontend fuse" in s
     assert "runfio ours_fuse" in s and "runfio btrfs_loop" in s and "losetup -d $LR $L1 $L2" in s
-    assert "qsettings ours_ublk $UB" in s and "--runtime=2" in s
+    assert "qsettings ours_ublk $UB" in s and "qsettings ours_ublk_poll $UB" in s
+    assert "--runtime=2" in s and "kill $NP $NPP" in s
+
+
+def test_parse_cpu_is_the_mean_over_rounds() -> None:
+    text = (
+        "null_ublk psync-j1 1 50 100 1000000000\n"  # 0.5 s of CPU over 1 s
+        "null_ublk psync-j1 2 30 100 2000000000\n"  # 0.3 s over 2 s
+        "ours_ublk psync-j1 1 0 100 0\n"  # no wall time: skipped
+        "garbage\n"
+    )
+    assert parse_cpu(text) == {"null_ublk": {"psync-j1": 0.325}}
 
 
 def _fio_json(iops: float) -> str:

@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -27,7 +28,7 @@ import pytest
 
 from btrfs_ublk_image.cli import main as cli
 
-from bundletools import list_dir, list_tar
+from bundletools import list_dir, list_tar, materialize_data_device
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 1 << 20
@@ -608,3 +609,95 @@ def test_ublk_mount_kill_during_reads_recover(no_leftovers: Path) -> None:
         ublkd("umount", mnt, timeout=120)
     assert status() == []
     assert not list(Path("/dev").glob("ublkb*"))
+
+
+@pytest.mark.vm
+def test_ublk_poll_mount_read_recover_umount(no_leftovers: Path) -> None:
+    """`--ublk-poll`: the server polls its (one) queue; files read back with their
+    checksums; the mode is the bundle server's (another value is refused, no value
+    follows it, `recover` keeps it); umount stops the polling server and cleans up."""
+    tmp = no_leftovers
+    subprocess.run(["modprobe", "ublk_drv"], check=False)
+    bundle, tarball, files = build_bundle(tmp, "vmpoll", fresh_seed())
+    mnt, mnt2 = tmp / "mnt", tmp / "mnt2"
+    mnt.mkdir()
+    mnt2.mkdir()
+    ublkd("mount", bundle, mnt, "--frontend", "ublk", "--ublk-poll=300000")
+    try:
+        st = status_of(mnt)
+        assert (st["frontend"], st["ublk_poll_us"]) == ("ublk", 300000)
+        pid = st["server_pid"]
+        assert isinstance(pid, int)
+        assert b"--ublk-poll=300000" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        # one queue: the polling thread is not pinned to the CPU of its submitters
+        (dev,) = [str(d).rsplit(" on ", 1)[1] for d in st["devices"] if " on /dev/ublkb" in str(d)]  # type: ignore[attr-defined]
+        assert len(list(Path(f"/sys/block/{Path(dev).name}/mq").iterdir())) == 1
+        # and no I/O scheduler (the kernel's default for one hw queue is mq-deadline)
+        assert "[none]" in Path(f"/sys/block/{Path(dev).name}/queue/scheduler").read_text()
+        assert list_dir(mnt) == list_tar(tarball)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        for name in ("data/a.bin", "data/b.bin", "data/c.bin"):
+            got = hashlib.sha256((mnt / name).read_bytes()).hexdigest()
+            assert got == hashlib.sha256(files[name]).hexdigest(), name
+        r = ublkd("mount", bundle, mnt2, "--ublk-poll=5", check=False)
+        assert r.returncode != 0 and "--ublk-poll=300000" in r.stderr, r.stderr
+        ublkd("mount", bundle, mnt2)  # no value: follows the bundle's server
+        assert status_of(mnt2)["server_pid"] == pid
+        ublkd("umount", mnt2)
+        # kill -9, recover: the new server polls as the old one did
+        kill_server(mnt, wait_s=10)
+        ublkd("recover", mnt, timeout=120)
+        st = status_of(mnt)
+        assert st["server_alive"] is True and st["ublk_poll_us"] == 300000
+        old, pid = pid, st["server_pid"]
+        assert isinstance(pid, int) and pid != old
+        assert b"--ublk-poll=300000" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        assert (mnt / "data" / "b.bin").read_bytes() == files["data/b.bin"]
+    finally:
+        ublkd("umount", mnt, timeout=120)
+    assert status() == []
+    assert not list(Path("/dev").glob("ublkb*"))
+
+
+@pytest.mark.vm
+def test_ublk_poll_serve_raw_device_checksum_sigterm(no_leftovers: Path) -> None:
+    """`ublkd serve --ublk-poll` in the foreground: /dev/ublkbN reads back as device 2
+    (materialized from the packs by the test's own reader), then SIGTERM, which arrives
+    while the queue polls (10 s after the last request), stops and deletes the device
+    and the server exits 0."""
+    tmp = no_leftovers
+    subprocess.run(["modprobe", "ublk_drv"], check=False)
+    bundle, _, _ = build_bundle(tmp, "vmpollserve", fresh_seed())
+    want = tmp / "dev2.img"
+    materialize_data_device(bundle, want)
+    assert UBLKD is not None
+    p = subprocess.Popen(
+        [UBLKD, "serve", str(bundle), "--frontend", "ublk", "--ublk-poll=10000000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout is not None and p.stderr is not None
+        ready, _, _ = select.select([p.stdout], [], [], 60)
+        assert ready, "ublkd serve printed no READY line within 60 s"
+        line = p.stdout.readline()
+        assert line.startswith("READY "), line
+        dev = Path(json.loads(line.removeprefix("READY "))["device"])
+        ctrl = Path(f"/dev/ublkc{dev.name.removeprefix('ublkb')}")
+        h = hashlib.sha256()
+        with open(dev, "rb", buffering=0) as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        assert h.hexdigest() == hashlib.sha256(want.read_bytes()).hexdigest()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0, p.stderr.read()
+        deadline = time.monotonic() + 10
+        while (dev.exists() or ctrl.exists()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not dev.exists() and not ctrl.exists(), "device left after SIGTERM"
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -26,12 +26,14 @@ def _gone(path: Path, timeout: float = 10.0) -> bool:
     return True
 
 
-def test_ublk_null_serves_reads_and_sigterm_deletes_it() -> None:
+# --ublk-poll=1000 s: SIGTERM arrives while the queue thread spins, never in its sleep
+@pytest.mark.parametrize("poll", [[], ["--ublk-poll=1000000000"]], ids=["sleep", "poll"])
+def test_ublk_null_serves_reads_and_sigterm_deletes_it(poll: list[str]) -> None:
     exe = ublkd_binary()
     assert exe is not None
     subprocess.run(["modprobe", "ublk_drv"], check=True)
     p = subprocess.Popen(
-        [exe, "ublk-null", "--size-mb", "8", "--threads", "2"],
+        [exe, "ublk-null", "--size-mb", "8", "--threads", "2", *poll],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

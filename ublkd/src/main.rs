@@ -64,6 +64,10 @@ enum Cmd {
         /// ublk queues (as `serve --threads`).
         #[arg(long, default_value_t = 4)]
         threads: usize,
+        /// Busy-poll each queue US microseconds after its last request (as `serve
+        /// --ublk-poll`).
+        #[arg(long, value_name = "US", num_args = 0..=1, require_equals = true, default_missing_value = frontend::ublk::DEFAULT_POLL_US)]
+        ublk_poll: Option<u64>,
     },
 }
 
@@ -91,12 +95,46 @@ fn main() {
         Cmd::Recover { mountpoint } => ops::recover(&mountpoint),
         Cmd::Record { mountpoint, output } => ops::record(&mountpoint, &output),
         Cmd::Serve(a) => server::serve(a),
-        Cmd::UblkNull { size_mb, threads } => {
-            frontend::ublk::serve_null(size_mb << 20, frontend::ublk::Options::with_threads(threads))
-        }
+        Cmd::UblkNull {
+            size_mb,
+            threads,
+            ublk_poll,
+        } => frontend::ublk::serve_null(
+            size_mb << 20,
+            frontend::ublk::Options::with_threads(threads).with_poll(ublk_poll),
+        ),
     };
     if let Err(e) = res {
         eprintln!("ublkd: error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mount_poll(args: &[&str]) -> Option<u64> {
+        let base = ["ublkd", "mount", "/b", "/m"];
+        let cli = Cli::try_parse_from(base.iter().chain(args)).unwrap();
+        match cli.cmd {
+            Cmd::Mount(a) => a.ublk_poll,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn ublk_poll_is_off_by_default_and_takes_an_optional_value() {
+        assert_eq!(mount_poll(&[]), None);
+        let default: u64 = frontend::ublk::DEFAULT_POLL_US.parse().unwrap();
+        assert_eq!(mount_poll(&["--ublk-poll"]), Some(default));
+        assert_eq!(mount_poll(&["--ublk-poll=50"]), Some(50));
+        // a bare flag does not swallow the next argument as its value
+        let cli = Cli::try_parse_from(["ublkd", "serve", "--ublk-poll", "/b"]).unwrap();
+        match cli.cmd {
+            Cmd::Serve(a) => assert_eq!((a.ublk_poll, a.bundle.as_str()), (Some(default), "/b")),
+            _ => unreachable!(),
+        }
+        assert!(Cli::try_parse_from(["ublkd", "mount", "/b", "/m", "--ublk-poll=x"]).is_err());
     }
 }

@@ -67,6 +67,13 @@ pub struct MountArgs {
     /// Do not apply the bundle's prefetch.trace.
     #[arg(long, conflicts_with = "prefetch")]
     pub no_prefetch: bool,
+    /// ublk frontend: after each request, busy-poll the queue for US microseconds
+    /// before sleeping (default with the flag alone: 2000), so a request arriving
+    /// meanwhile costs no wakeup of the server; one queue instead of one per CPU. Costs
+    /// CPU while requests keep coming (docs/ublkd.md). A property of the bundle's server,
+    /// like --dev2-cache.
+    #[arg(long, value_name = "US", num_args = 0..=1, require_equals = true, default_missing_value = crate::frontend::ublk::DEFAULT_POLL_US)]
+    pub ublk_poll: Option<u64>,
 }
 
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -150,6 +157,7 @@ fn spawn_server(
     kind: Kind,
     cache_mb: u64,
     dev2_cache: Dev2Cache,
+    ublk_poll: Option<u64>,
     recover: Option<i32>,
 ) -> Result<(Ready, ServerRecord)> {
     let (bundle, dir, image_id) = (b.bundle.as_str(), &b.dir(), b.image_id.as_str());
@@ -170,6 +178,9 @@ fn spawn_server(
         .args(&b.serve_args);
     if let Some(id) = recover {
         cmd.args(["--ublk-recover", &id.to_string()]);
+    }
+    if let (Kind::Ublk, Some(us)) = (kind, ublk_poll) {
+        cmd.arg(format!("--ublk-poll={us}"));
     }
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log));
     // SAFETY: setsid is async-signal-safe; the server must not die with our terminal.
@@ -205,6 +216,7 @@ fn spawn_server(
                 ublk_id: r.ublk_id,
                 dev2_cache: r.dev2_cache,
                 cache_mb: Some(cache_mb),
+                ublk_poll_us: r.ublk_id.and(ublk_poll),
             };
             // the server outlives us; it is reaped by init once we exit
             std::mem::forget(child);
@@ -467,6 +479,7 @@ fn ensure_server(
     kind: Kind,
     cache_mb: u64,
     dev2_cache: (Dev2Cache, bool),
+    ublk_poll: Option<u64>,
     me: &str,
 ) -> Result<ServerRecord> {
     if let Some(s) = &b.server {
@@ -488,6 +501,15 @@ fn ensure_server(
                 s.fuse_dev2_cache().as_str(),
                 s.pid
             );
+            ensure!(
+                ublk_poll.is_none() || s.ublk_id.is_none() || s.ublk_poll_us == ublk_poll,
+                "bundle {} is already served {} (pid {}; the mode holds for all its mounts): omit --ublk-poll to \
+                 follow it, or unmount the bundle's mounts first",
+                b.bundle,
+                s.ublk_poll_us
+                    .map_or("without --ublk-poll".into(), |us| format!("with --ublk-poll={us}")),
+                s.pid
+            );
             return Ok(s.clone());
         }
         let others: Vec<String> = mounts_of(&b.key)?
@@ -505,7 +527,7 @@ fn ensure_server(
         );
     }
     std::fs::create_dir_all(b.dir()).with_context(|| format!("{}: mkdir", b.dir().display()))?;
-    let (_ready, srv) = spawn_server(b, kind, cache_mb, dev2_cache.0, None)?;
+    let (_ready, srv) = spawn_server(b, kind, cache_mb, dev2_cache.0, ublk_poll, None)?;
     b.server = Some(srv.clone());
     b.save()?;
     Ok(srv)
@@ -768,6 +790,7 @@ pub fn mount(args: MountArgs) -> Result<()> {
         kind,
         args.cache_mb,
         (dev2_cache, args.dev2_cache.is_some()),
+        args.ublk_poll,
         &id,
     )?;
     let _same_fsid = claim_fsid(&b)?;
@@ -1123,7 +1146,8 @@ pub fn recover(mountpoint: &Path) -> Result<()> {
     match old.ublk_id {
         Some(id) => {
             frontend::ublk::begin_recovery(id)?;
-            let (_r, srv) = spawn_server(&b, Kind::Ublk, cache_mb, Dev2Cache::Direct, Some(id))?;
+            // the new server polls as the old one did
+            let (_r, srv) = spawn_server(&b, Kind::Ublk, cache_mb, Dev2Cache::Direct, old.ublk_poll_us, Some(id))?;
             b.server = Some(srv);
         }
         None => {
@@ -1137,7 +1161,7 @@ pub fn recover(mountpoint: &Path) -> Result<()> {
                 None if loops.iter().any(|l| !l.direct_io) => Dev2Cache::Page,
                 None => Dev2Cache::Direct,
             };
-            let (r, srv) = spawn_server(&b, Kind::Fuse, cache_mb, cache, None)?;
+            let (r, srv) = spawn_server(&b, Kind::Fuse, cache_mb, cache, None, None)?;
             let f = frontend::fuse::open_for_loop(&r.device, cache)?;
             for l in &loops {
                 if let Err(e) = loopdev::change_fd(l.number, &f) {
@@ -1180,6 +1204,8 @@ struct StatusEntry<'a> {
     dev2_cache: Option<&'static str>,
     /// the server's `--cache-mb` (none for servers recorded before it was kept)
     cache_mb: Option<u64>,
+    /// ublk: the server's `--ublk-poll` in microseconds (none: it does not poll)
+    ublk_poll_us: Option<u64>,
     devices: Vec<String>,
     /// the bundle server's counters (shared by every mount of the bundle)
     #[serde(flatten)]
@@ -1242,6 +1268,7 @@ pub fn status(json: bool) -> Result<()> {
             server_alive: b.server.as_ref().is_some_and(state::server_alive),
             dev2_cache: b.server.as_ref().and_then(server_dev2_cache),
             cache_mb: b.server.as_ref().and_then(|s| s.cache_mb),
+            ublk_poll_us: b.server.as_ref().and_then(|s| s.ublk_poll_us),
             devices,
             stats,
         });
@@ -1260,7 +1287,7 @@ pub fn status(json: bool) -> Result<()> {
         println!("  image    {}", b.image_id);
         match &b.server {
             Some(s) => println!(
-                "  server   {} pid {} ({}), device {}{}{}",
+                "  server   {} pid {} ({}), device {}{}{}{}",
                 s.frontend,
                 s.pid,
                 if state::server_alive(s) {
@@ -1271,6 +1298,7 @@ pub fn status(json: bool) -> Result<()> {
                 s.device,
                 server_dev2_cache(s).map_or(String::new(), |c| format!(", dev2-cache {c}")),
                 s.cache_mb.map_or(String::new(), |m| format!(", chunk cache {m} MiB")),
+                s.ublk_poll_us.map_or(String::new(), |us| format!(", --ublk-poll={us}")),
             ),
             None => println!("  server   -"),
         }

@@ -52,6 +52,10 @@ pub struct ServeArgs {
     /// Reattach to an existing ublk device left by a dead server (USER_RECOVERY).
     #[arg(long)]
     pub ublk_recover: Option<i32>,
+    /// ublk: busy-poll each queue US microseconds after its last request (see `ublkd
+    /// mount --help`); one queue.
+    #[arg(long, value_name = "US", num_args = 0..=1, require_equals = true, default_missing_value = frontend::ublk::DEFAULT_POLL_US)]
+    pub ublk_poll: Option<u64>,
     #[command(flatten)]
     pub remote: RemoteArgs,
 }
@@ -227,7 +231,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             let stopper = frontend::ublk::Stopper::default();
             let opts = frontend::ublk::Options {
                 recover_id: args.ublk_recover,
-                ..frontend::ublk::Options::with_threads(args.threads)
+                ..frontend::ublk::Options::with_threads(args.threads).with_poll(args.ublk_poll)
             };
             let tx_ready = tx.clone();
             let tx_end = tx.clone();

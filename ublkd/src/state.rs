@@ -138,6 +138,9 @@ pub struct ServerRecord {
     /// none in records written before it was kept.
     #[serde(default)]
     pub cache_mb: Option<u64>,
+    /// ublk: the server's `--ublk-poll` (microseconds of busy-polling), none: it sleeps.
+    #[serde(default)]
+    pub ublk_poll_us: Option<u64>,
 }
 
 impl ServerRecord {

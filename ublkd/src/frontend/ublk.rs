@@ -13,6 +13,7 @@ use libublk::io::{BufDescList, UblkDev, UblkIOCtx, UblkQueue};
 use libublk::{sys, BufDesc, UblkFlags, UblkIORes};
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 pub struct Options {
     pub nr_queues: u16,
@@ -20,6 +21,9 @@ pub struct Options {
     pub io_buf_bytes: u32,
     /// Reattach to this existing (quiesced) device instead of adding a new one.
     pub recover_id: Option<i32>,
+    /// Busy-poll the queue rings for this long after the last request before sleeping
+    /// (None: sleep in io_uring_enter at once, libublk's loop). See [`poll_loop`].
+    pub poll: Option<Duration>,
 }
 
 impl Options {
@@ -31,7 +35,24 @@ impl Options {
             ..Default::default()
         }
     }
+
+    /// `--ublk-poll[=US]`: poll for `us` microseconds, with ONE queue: the kernel pins
+    /// queue N's thread to CPU N, the CPU whose submitters it serves, where a polling
+    /// thread would compete with them; one queue's thread may run on any CPU.
+    pub fn with_poll(self, us: Option<u64>) -> Options {
+        match us {
+            Some(us) => Options {
+                nr_queues: 1,
+                poll: Some(Duration::from_micros(us)),
+                ..self
+            },
+            None => self,
+        }
+    }
 }
+
+/// `--ublk-poll` without a value, in microseconds.
+pub const DEFAULT_POLL_US: &str = "2000";
 
 impl Default for Options {
     fn default() -> Self {
@@ -40,6 +61,7 @@ impl Default for Options {
             depth: 64,
             io_buf_bytes: 512 << 10,
             recover_id: None,
+            poll: None,
         }
     }
 }
@@ -104,10 +126,29 @@ fn handle<R: Reads>(dev: &R, q: &UblkQueue, tag: u16, buf: &mut [u8]) -> i32 {
     }
 }
 
-fn queue_fn<R: Reads>(qid: u16, udev: &UblkDev, dev: Arc<R>) {
+fn queue_fn<R: Reads>(qid: u16, udev: &UblkDev, dev: Arc<R>, poll: Option<Duration>) {
+    if poll.is_some() {
+        // the spin checks IORING_SQ_TASKRUN in memory instead of entering the kernel
+        let ring = libublk::ublk_init_task_ring(|cell| {
+            if cell.get().is_none() {
+                let r = io_uring::IoUring::builder()
+                    .setup_cqsize(udev.tgt.cq_depth.into())
+                    .setup_coop_taskrun()
+                    .setup_taskrun_flag()
+                    .build(udev.tgt.sq_depth.into())
+                    .map_err(libublk::UblkError::IOError)?;
+                let _ = cell.set(std::cell::RefCell::new(r));
+            }
+            Ok(())
+        });
+        if let Err(e) = ring {
+            log::error!("ublk queue {qid}: io_uring setup failed: {e}");
+            return;
+        }
+    }
     let bufs = Rc::new(udev.alloc_queue_io_bufs());
     let bufs2 = bufs.clone();
-    let handler = move |q: &UblkQueue, tag: u16, _io: &UblkIOCtx| {
+    let handler = move |q: &UblkQueue, tag: u16| {
         let b = &bufs2[tag as usize];
         // SAFETY: each tag's buffer is used by exactly one in-flight command, and only
         // from this queue thread; the kernel reads it after we complete the command.
@@ -126,7 +167,57 @@ fn queue_fn<R: Reads>(qid: u16, udev: &UblkDev, dev: Arc<R>) {
             return;
         }
     };
-    queue.wait_and_handle_io(handler);
+    match poll {
+        None => queue.wait_and_handle_io(move |q, tag, _io| handler(q, tag)),
+        Some(spin) => poll_loop(&queue, handler, spin),
+    }
+}
+
+/// The queue loop of `--ublk-poll`: after each batch keep checking the ring (in memory:
+/// IORING_SQ_TASKRUN, queued commits, posted CQEs) for `spin` before sleeping in
+/// io_uring_enter. A request arriving meanwhile costs no wakeup of this thread.
+fn poll_loop(q: &UblkQueue, mut handler: impl FnMut(&UblkQueue, u16), spin: Duration) {
+    let mut on_cqe = |_: u64, cqe: &io_uring::cqueue::Entry, _: bool| {
+        // what libublk's own loop hands its handler: fetched requests, not aborts
+        let data = cqe.user_data();
+        if cqe.result() == sys::UBLK_IO_RES_OK as i32 && data & libublk::UblkUringData::Target as u64 == 0 {
+            handler(q, UblkIOCtx::user_data_to_tag(data) as u16);
+        }
+    };
+    let mut last = Instant::now();
+    // after a batch, flush once more: it submits the commits and it is where libublk
+    // notices an aborted (stopped) queue and returns QueueIsDown
+    let mut again = false;
+    loop {
+        let pending = again
+            || libublk::io::with_task_io_ring_mut(|r| {
+                r.submission().taskrun() || !r.submission().is_empty() || !r.completion().is_empty()
+            });
+        if !pending && last.elapsed() < spin {
+            std::hint::spin_loop();
+            continue;
+        }
+        match q.flush_and_wake_io_tasks(&mut on_cqe, usize::from(!pending)) {
+            Ok(n) => {
+                again = n > 0;
+                if again {
+                    last = Instant::now();
+                }
+            }
+            Err(_) => break,
+        }
+    }
+}
+
+/// With one hw queue the kernel gives the device mq-deadline (with several: none); its
+/// reads are 4 KiB-aligned random reads a scheduler only adds a lock and a queue to, and
+/// the loop devices it is compared with run without one (loop opts out of the default).
+fn no_scheduler(bdev: &str) {
+    let name = bdev.rsplit('/').next().unwrap_or(bdev);
+    let f = format!("/sys/block/{name}/queue/scheduler");
+    if let Err(e) = std::fs::write(&f, "none") {
+        log::warn!("{f}: set none: {e}");
+    }
 }
 
 /// Prepare a quiesced device for a new server (START_USER_RECOVERY).
@@ -186,8 +277,16 @@ pub fn run<R: Reads>(
         Ok(())
     };
     let d = dev.clone();
-    let q_handler = move |qid, udev: &_| queue_fn(qid, udev, d.clone());
-    let on_live = move |c: &UblkCtrl| ready(c.get_bdev_path(), c.dev_info().dev_id as i32);
+    let poll = opts.poll;
+    let q_handler = move |qid, udev: &_| queue_fn(qid, udev, d.clone(), poll);
+    let one_queue = opts.nr_queues == 1;
+    let on_live = move |c: &UblkCtrl| {
+        let (path, id) = (c.get_bdev_path(), c.dev_info().dev_id as i32);
+        if one_queue {
+            no_scheduler(&path);
+        }
+        ready(path, id)
+    };
     ctrl.run_target(tgt_init, q_handler, on_live)
         .map_err(|e| anyhow!("ublk device: {e}"))
         .context("run ublk target")?;
@@ -248,4 +347,26 @@ pub fn serve_null(size: u64, opts: Options) -> Result<()> {
     let res = worker.join().map_err(|_| anyhow!("ublk null target thread panicked"))?;
     stopper.delete();
     res
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn polling_uses_one_queue_and_keeps_the_rest() {
+        let o = Options::with_threads(4);
+        assert_eq!((o.nr_queues, o.poll), (4, None));
+        let o = Options::with_threads(4).with_poll(None);
+        assert_eq!((o.nr_queues, o.poll), (4, None));
+        let o = Options {
+            recover_id: Some(3),
+            ..Options::with_threads(4).with_poll(Some(250))
+        };
+        assert_eq!(
+            (o.nr_queues, o.poll, o.recover_id),
+            (1, Some(Duration::from_micros(250)), Some(3))
+        );
+        assert_eq!(o.depth, Options::default().depth);
+    }
 }
