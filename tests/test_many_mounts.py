@@ -89,6 +89,13 @@ def many_mounts(tmp: Path, modes: list[str], frontend: str, workers: int) -> Non
         assert len({e["shared"] for e in st if e["mode"] != "rw"}) == 1
         if frontend == "fuse":
             assert len(our_servers(tmp)) == 1
+        else:
+            # the shared mount is on /dev/ublkbN itself, each --rw mount on a loop device
+            # over it
+            for e in st:
+                devs = [str(d) for d in e["devices"]]  # type: ignore[attr-defined]
+                want = "dev2=/dev/ublkb" if e["mode"] != "rw" else " on /dev/ublkb"
+                assert sum(want in d for d in devs) == 1, (e["mode"], devs)
         text = ublkd("status").stdout
         assert (
             sum(x.startswith("bundle ") for x in text.splitlines()) == 1

@@ -431,6 +431,10 @@ fn teardown_shared(sh: &SharedMount) -> Result<()> {
         umount_busy_msg(&sh.path, false)?;
     }
     forget_and_detach(&[&sh.rw_loop, &sh.meta_loop, &sh.dev2_loop])?;
+    if let Some(node) = &sh.dev2_node {
+        // the kernel's device list must not keep it for the next image on this node
+        let _ = btrfs::forget(Path::new(node));
+    }
     if let Some(p) = &sh.rw_path {
         match std::fs::remove_file(p) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e).context(format!("{p}: remove")),
@@ -569,14 +573,23 @@ fn ensure_shared(
     // (AUTOCLEAR), so they are recorded once both are there, before the scan makes
     // the kernel remember them (each save here costs a rename on the run dir's disk).
     let mut holds: Vec<File> = Vec::new();
-    let d2 = attach_dev2_instance(srv, &dir)?;
-    crate::timing("shared: dev2 loop attached");
+    // ublk: the first instance of device 2 is /dev/ublkbN itself. A loop device there
+    // would add a queue hop (a kernel worker wakeup) to every read; later instances
+    // (--rw mounts) need their own block devices and get loop devices on it.
+    let dev2 = if srv.ublk_id.is_some() {
+        sh.dev2_node = Some(srv.device.clone());
+        PathBuf::from(&srv.device)
+    } else {
+        let d2 = attach_dev2_instance(srv, &dir)?;
+        crate::timing("shared: dev2 loop attached");
+        sh.dev2_loop = Some(loop_record(&d2));
+        holds.push(d2.file);
+        d2.path
+    };
     let m = MetaLoop::get_or_attach(meta_loop, bundle)?;
-    sh.dev2_loop = Some(loop_record(&d2));
     sh.meta_loop = Some(loop_record(&m));
     save(b, &sh)?;
-    let (dev2, meta) = (d2.path.clone(), m.path.clone());
-    holds.push(d2.file);
+    let meta = m.path.clone();
     holds.push(m.file);
     crate::timing("shared: loops attached");
     scan_seed(&[&meta, &dev2], bundle)?;
@@ -1246,6 +1259,9 @@ pub fn status(json: bool) -> Result<()> {
         if let Some(r) = dev2 {
             devices.push(format!("{} on {server_dev}", loop_desc("dev2", r)));
         }
+        if let Some(node) = shared.and_then(|sh| sh.dev2_node.as_ref()) {
+            devices.push(format!("dev2={node} (the server's device)"));
+        }
         if let Some(r) = rw {
             devices.push(loop_desc(if shared.is_some() { "scratch" } else { "rw" }, r));
         }
@@ -1310,6 +1326,7 @@ pub fn status(json: bool) -> Result<()> {
             ]
             .iter()
             .filter_map(|(k, r)| r.as_ref().map(|r| loop_desc(k, r)))
+            .chain(sh.dev2_node.iter().map(|n| format!("dev2={n}")))
             .collect();
             println!("  shared   {} ({}) {}", sh.path, sh.phase, devs.join(" "));
         }

@@ -46,6 +46,10 @@ pub struct SharedMount {
     pub path: String,
     pub meta_loop: Option<LoopRecord>,
     pub dev2_loop: Option<LoopRecord>,
+    /// ublk: the server's /dev/ublkbN, which the shared mount uses itself (no
+    /// device-2 loop device then).
+    #[serde(default)]
+    pub dev2_node: Option<String>,
     pub rw_loop: Option<LoopRecord>,
     pub rw_path: Option<String>,
     /// "mounting" until it is up and read-only, then "mounted".
