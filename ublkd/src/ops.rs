@@ -148,7 +148,7 @@ fn server_log_tail(dir: &Path) -> String {
 }
 
 /// `--cache-mb` when not given (and for servers recorded before the value was kept).
-const DEFAULT_CACHE_MB: u64 = 256;
+pub const DEFAULT_CACHE_MB: u64 = 256;
 
 /// Start `ublkd serve` in the background (own session, log in `dir/server.log`) and wait
 /// for its READY line.

@@ -40,7 +40,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub expect_id: Option<String>,
     /// Memory for verified chunks, in MiB.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = crate::ops::DEFAULT_CACHE_MB)]
     pub cache_mb: u64,
     /// fuse frontend: how device 2's FUSE file is cached (default: page for a local
     /// bundle, direct for a remote one; see `ublkd mount --help`). ublk: ignored.
