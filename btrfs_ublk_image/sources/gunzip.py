@@ -1,12 +1,13 @@
-"""gzip streams inflated on a worker thread, hashed there too.
+"""gzip streams inflated on a worker thread, the compressed blob hashed there too.
 
 The tar reader parses on the main thread; this thread reads the compressed file,
 hashes it (the blob digest) and inflates it; the result (an OCI layer's diff_id) is
 hashed on a third thread (``BackgroundSha256``: the Debian OCI build 1.77 -> 1.68 s
-wall median, the inflating thread was the one the parser waited for). ISA-L's inflate (``isal``, about twice zlib's speed) and hashlib release
-the GIL while they work, and every call handles up to a MiB, so the two threads run
-on two cores with few hand-offs (Python's ``gzip.GzipFile`` inflates in 8 KiB steps
-and checks the CRC itself: thousands of GIL round trips, all on the parsing thread).
+wall median, the inflating thread was the one the parser waited for). ISA-L's
+inflate (``isal``, about twice zlib's speed) and hashlib release the GIL while they
+work, and every call handles up to a MiB, so the threads run on separate cores with
+few hand-offs (Python's ``gzip.GzipFile`` inflates in 8 KiB steps and checks the CRC
+itself: thousands of GIL round trips, all on the parsing thread).
 
 Semantics follow ``gzip.GzipFile``: members one after another, zero padding
 between or after them ignored, anything else after a member an error. The inflater
