@@ -12,6 +12,7 @@ and commit them with the change that caused them.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -118,6 +119,20 @@ def _ublkd_binary() -> str | None:
     return str(built) if built.exists() else shutil.which("ublkd")
 
 
+def _oci_layers(layout: Path, ref: str) -> list[str]:
+    """The media types of the layers of ``ref`` in an OCI image layout (read directly, not
+    through our source, so the test does not trust the code under test)."""
+    index = json.loads((layout / "index.json").read_text())
+    (desc,) = [
+        d
+        for d in index["manifests"]
+        if d.get("annotations", {}).get("org.opencontainers.image.ref.name") == ref
+    ]
+    algo, hexdigest = desc["digest"].split(":", 1)
+    manifest = json.loads((layout / "blobs" / algo / hexdigest).read_text())
+    return [layer["mediaType"] for layer in manifest["layers"]]
+
+
 def _sh(*cmd: str | Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env=CHROOT_ENV
@@ -141,6 +156,8 @@ def test_debian_acceptance(spec: str, tmp_path: Path, monkeypatch: pytest.Monkey
     paths = {e.path for e in ours}
     assert b"/usr/bin/dpkg" in paths and b"/usr/local/bin/acceptance.sh" in paths
     if spec == "spec-oci.yaml":  # the second OCI layer: one file added, two whited out
+        gzip_layer = "application/vnd.oci.image.layer.v1.tar+gzip"
+        assert _oci_layers(DEBIAN_CACHE / "oci", "bookworm") == [gzip_layer, gzip_layer]
         assert b"/etc/golden-release" in paths
         assert b"/var/log/bootstrap.log" not in paths
     assert cli(["ls", str(bundle), "/usr/bin/dpkg"]) == 0
