@@ -58,15 +58,26 @@ fi
 .venv/bin/python -m compileall -q btrfs_ublk_image
 ln -sf "$ROOT/.venv/bin/btrfs-ublk-image" /usr/local/bin/btrfs-ublk-image
 
-# ublkd (Rust). cargo comes from rustup where present, else Debian's package.
+# ublkd (Rust). cargo comes from rustup where present, else Debian's package. Debian 12's
+# `cargo`/`rustc` (1.63) are too old for ublkd's dependencies (Cargo.lock version 4 needs
+# cargo >= 1.78): its `cargo-web`/`rustc-web` (1.85 in bookworm, newer from
+# bookworm-security) are the ones to use.
+RUST_MIN=1.85
+cargo_new_enough() {
+  command -v cargo >/dev/null || return 1
+  local have
+  have=$(cargo --version | cut -d' ' -f2)
+  [ "$(printf '%s\n%s\n' "$RUST_MIN" "$have" | sort -V | head -1)" = "$RUST_MIN" ]
+}
 if [ -f ublkd/Cargo.toml ]; then
-  if ! command -v cargo >/dev/null; then
-    [ -x "$HOME/.cargo/bin/cargo" ] && export PATH="$HOME/.cargo/bin:$PATH"
+  if ! cargo_new_enough && [ -x "$HOME/.cargo/bin/cargo" ]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
   fi
-  if ! command -v cargo >/dev/null; then
-    log "cargo: not found, installing Debian's"
+  if ! cargo_new_enough; then
+    log "cargo: none >= $RUST_MIN found, installing Debian's cargo-web and rustc-web"
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-      -o Dir::Cache::archives=/var/cache/btrfs-ublk-image/apt cargo rustc
+      -o Dir::Cache::archives=/var/cache/btrfs-ublk-image/apt cargo-web rustc-web
+    cargo_new_enough || { log "cargo: $(cargo --version) is older than $RUST_MIN"; exit 1; }
   fi
   log "ublkd: cargo build --release"
   (cd ublkd && cargo build --release --locked -q)

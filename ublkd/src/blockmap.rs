@@ -116,7 +116,7 @@ impl Blockmap {
         );
         let device_size = u64_at(b, 16);
         ensure!(
-            device_size.is_multiple_of(4096),
+            device_size % 4096 == 0,
             "device_size {device_size} is not a multiple of 4096"
         );
         let n_packs = u32_at(b, 24) as usize;
@@ -187,7 +187,7 @@ impl Blockmap {
             ensure!(flags == 0, "range {i}: unknown flags {flags:#x}");
             ensure!(r.length > 0, "range {i}: length 0");
             ensure!(
-                r.dev_offset.is_multiple_of(4096),
+                r.dev_offset % 4096 == 0,
                 "range {i}: dev_offset {} not 4096-aligned",
                 r.dev_offset
             );
