@@ -310,6 +310,10 @@ class Inode:
         m, a, _ = _unpack_times(self._times)
         self._times = _pack_times(m, a, value)
 
+    def meta(self) -> tuple[FileType, int, int, int, Mapping[bytes, bytes] | None]:
+        """(type, mode, uid, gid, xattrs or None) in one go (the writer reads them all)."""
+        return self._meta
+
     def times(self) -> tuple[int, int | None, int | None]:
         """(mtime_ns, atime_ns, ctime_ns) in one go."""
         return _unpack_times(self._times)
