@@ -425,8 +425,11 @@ def split_path(path: bytes | str) -> list[bytes]:
     ``..`` never climbs above ``/``; absolute and relative paths are the same.
     """
     raw = path.encode() if isinstance(path, str) else path
+    comps = raw.split(b"/")
+    if b".." not in comps:  # nearly always: no component to climb back from
+        return [comp for comp in comps if comp and comp != b"."]
     parts: list[bytes] = []
-    for comp in raw.split(b"/"):
+    for comp in comps:
         if comp in (b"", b"."):
             continue
         if comp == b"..":

@@ -73,15 +73,16 @@ class LayerContext:
         return p if p.is_absolute() else self.spec_dir / p
 
     def _resolve_dir(
-        self, parts: list[bytes], where: str, create: bool, mtime_ns: int
+        self, parts: list[bytes], where: str, create: bool, mtime_of: Inode | None
     ) -> tuple[Inode, list[bytes]] | None:
         """The directory named by ``parts``, following symlinks INSIDE the image.
 
         A symlink's target is resolved as if the image root were ``/`` (an absolute target
         restarts at the image root, ``..`` stops there), like the kernel under chroot and
-        umoci's securejoin. Missing directories are created when ``create`` (else: None);
-        a non-directory that is not a symlink is replaced by a directory. Returns the
-        directory and its resolved path components.
+        umoci's securejoin. Missing directories are created when ``create`` (else: None),
+        with ``mtime_of``'s mtime (0 without) unless the spec fixes one; a non-directory
+        that is not a symlink is replaced by a directory. Returns the directory and its
+        resolved path components.
         """
         node = self.tree.root
         # fast path: plain directories all the way
@@ -123,7 +124,9 @@ class LayerContext:
                 if not create:
                     return None
                 check_name(comp, where)
-                mtime = self.dir_mtime_ns if self.dir_mtime_ns is not None else mtime_ns
+                mtime = self.dir_mtime_ns
+                if mtime is None:
+                    mtime = 0 if mtime_of is None else mtime_of.mtime_ns
                 child = Inode(FileType.DIR, mode=0o755, mtime_ns=mtime)
                 node.entries[comp] = child
             nodes.append(child)
@@ -134,7 +137,8 @@ class LayerContext:
         """Put ``inode`` at image path ``path`` (see the module docstring for the rules)."""
         parts = split_path(path)
         tree = self.tree
-        if inode.type == FileType.SYMLINK:
+        ftype = inode.type
+        if ftype is FileType.SYMLINK:
             target = inode.target
             if not target or len(target) >= PATH_MAX or b"\0" in target:
                 raise SourceError(
@@ -142,11 +146,11 @@ class LayerContext:
                     f" or containing NUL): {target[:40]!r}"
                 )
         if not parts:
-            if inode.type != FileType.DIR:
+            if ftype is not FileType.DIR:
                 raise SourceError(f"{where}: the image root can only be a directory")
             tree.root.take_metadata(inode)
             return
-        found = self._resolve_dir(parts[:-1], where, True, inode.mtime_ns)
+        found = self._resolve_dir(parts[:-1], where, True, inode)
         assert found is not None
         node, resolved = found
         name = parts[-1]
@@ -156,17 +160,17 @@ class LayerContext:
         old = entries.get(name)
         if old is None:
             check_name(name, where)
-        elif old.type == FileType.DIR and inode.type == FileType.DIR:
+        elif ftype is FileType.DIR and old.type is FileType.DIR:
             if old is not inode:
                 old.take_metadata(inode)
             return
-        if inode.type is FileType.REG:
+        if ftype is FileType.REG:
             tree.set_content_aside(inode, self.packs.directory)
         entries[name] = inode
 
     def ensure_dir(self, path: str | bytes, where: str) -> Inode:
         """The directory at ``path``, created (0755, root) if missing; symlinks followed."""
-        found = self._resolve_dir(split_path(path), where, True, 0)
+        found = self._resolve_dir(split_path(path), where, True, None)
         assert found is not None
         if self.upper is not None and found[1]:
             self._mark_upper(found[1][:-1], found[1][-1])
@@ -178,7 +182,7 @@ class LayerContext:
         parts = split_path(path)
         if not parts:
             return self.tree.root
-        found = self._resolve_dir(parts[:-1], str(path), False, 0)
+        found = self._resolve_dir(parts[:-1], str(path), False, None)
         return None if found is None else found[0].entries.get(parts[-1])
 
     def _mark_upper(self, resolved: list[bytes], name: bytes) -> None:
@@ -197,7 +201,7 @@ class LayerContext:
         if not parts:
             return
         name = parts[-1]
-        found = self._resolve_dir(parts[:-1], where, False, 0)
+        found = self._resolve_dir(parts[:-1], where, False, None)
         if found is None:
             return  # nothing to hide
         node, resolved = found
