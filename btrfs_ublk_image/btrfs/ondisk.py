@@ -120,8 +120,9 @@ def _raw_crc32c(seed: int, data: bytes) -> int:
 
 
 def name_hash(name: bytes) -> int:
-    """``btrfs_name_hash``: DIR_ITEM and XATTR_ITEM key offsets."""
-    return _raw_crc32c(~1 & _MASK32, name)
+    """``btrfs_name_hash``: DIR_ITEM and XATTR_ITEM key offsets: ``_raw_crc32c(~1, name)``,
+    written out (one call per directory entry)."""
+    return crc32c(name, 1) ^ _MASK32
 
 
 def extent_data_ref_hash(root: int, owner: int, offset: int) -> int:
@@ -393,20 +394,25 @@ def pack_leaf_payload(items: list[tuple[Key, bytes]], digest: Digest | None = No
     ``update`` per leaf: the key is the first ``DISK_KEY_SIZE`` bytes of the item header)."""
     end = LEAF_DATA_SIZE
     heads = []
+    datas = []
+    hashed: list[bytes] = []
     pack = _ITEM.pack
     for (objectid, type_, offset), data in items:
         size = len(data)
         end -= size
-        heads.append(pack(objectid, type_, offset, end, size))
+        head = pack(objectid, type_, offset, end, size)
+        heads.append(head)
+        datas.append(data)
+        if digest is not None:
+            hashed += (head[:DISK_KEY_SIZE], data)
     gap = end - len(items) * ITEM_SIZE
     if gap < 0:
         raise AssertionError("leaf overflow")
     if digest is not None:
-        hashed: list[bytes] = []
-        for head, (_, data) in zip(heads, items, strict=True):
-            hashed += (head[:DISK_KEY_SIZE], data)
         digest.update(b"".join(hashed))
-    return b"".join([*heads, bytes(gap), *[data for _, data in reversed(items)]])
+    heads.append(bytes(gap))
+    datas.reverse()
+    return b"".join(heads + datas)
 
 
 def pack_block(

@@ -53,6 +53,8 @@ from btrfs_ublk_image.tree import Blob, FileType, Inode, Tree
 GENERATION = 1
 MAX_INLINE = d.SECTORSIZE - 1  # btrfs check: inline ram_bytes <= sectorsize - 1
 LINK_MAX = 65535  # BTRFS_LINK_MAX
+# the fs tree spill file's write buffer: one write(2) per MiB, not one per 16 KiB leaf
+SPILL_BUFFER = 1 << 20
 
 _FT = {
     FileType.REG: d.FT_REG_FILE,
@@ -851,7 +853,9 @@ def _assign(
 def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
     """Write ``meta.img`` (device 1) for ``tree``; return device 2's layout."""
     # the fs tree's leaf payloads wait on disk (unnamed, next to meta.img), not in memory
-    with tempfile.TemporaryFile(dir=os.path.dirname(meta_path) or ".") as spill:
+    with tempfile.TemporaryFile(
+        dir=os.path.dirname(meta_path) or ".", buffering=SPILL_BUFFER
+    ) as spill:
         return _write_image(tree, meta_path, opts, spill)
 
 
