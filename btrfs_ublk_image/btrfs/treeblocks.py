@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import IO
 
 from btrfs_ublk_image.btrfs import ondisk as d
 
@@ -73,7 +73,7 @@ class LeafPacker:
     with ``spill``, the payloads go to that file (see ``unspill``); with ``digest``, every
     item's disk key and data go to it, in order."""
 
-    def __init__(self, spill: BinaryIO | None = None, digest: d.Digest | None = None) -> None:
+    def __init__(self, spill: IO[bytes] | None = None, digest: d.Digest | None = None) -> None:
         self.leaves: list[Leaf] = []
         self.spill = spill
         self.digest = digest
@@ -110,7 +110,7 @@ class LeafPacker:
         return self.leaves
 
 
-def unspill(leaves: Sequence[Leaf], spill: BinaryIO) -> Iterator[Leaf]:
+def unspill(leaves: Sequence[Leaf], spill: IO[bytes]) -> Iterator[Leaf]:
     """The leaves with their payloads read back from the spill file, one at a time."""
     spill.flush()
     fd = spill.fileno()

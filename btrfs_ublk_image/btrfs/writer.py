@@ -23,7 +23,7 @@ import uuid
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO, overload
+from typing import IO, overload
 
 from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.btrfs.layout import (
@@ -347,7 +347,7 @@ class _FsTree:
 
 
 def _fs_tree_items(
-    num: _Numbering, placer: _DataPlacer, imax: int, spill: BinaryIO | None = None
+    num: _Numbering, placer: _DataPlacer, imax: int, spill: IO[bytes] | None = None
 ) -> _FsTree:
     gen = GENERATION
     items_hash = hashlib.sha256()  # over every item's disk key and data, in order
@@ -854,12 +854,12 @@ def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
     """Write ``meta.img`` (device 1) for ``tree``; return device 2's layout."""
     # the fs tree's leaf payloads wait on disk (unnamed, next to meta.img), not in memory
     with tempfile.TemporaryFile(
-        dir=os.path.dirname(meta_path) or ".", buffering=SPILL_BUFFER
+        "w+b", buffering=SPILL_BUFFER, dir=os.path.dirname(meta_path) or "."
     ) as spill:
         return _write_image(tree, meta_path, opts, spill)
 
 
-def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: BinaryIO) -> ImageLayout:
+def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: IO[bytes]) -> ImageLayout:
     imax = inline_max(opts)
     numbering = _number(tree)
     sys_chunk = system_chunk()
