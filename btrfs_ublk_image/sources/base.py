@@ -36,6 +36,7 @@ class LayerContext:
     """Everything a source needs to apply one layer to the tree."""
 
     __slots__ = (
+        "_last_dir",
         "dir_mtime_ns",
         "index",
         "packs",
@@ -66,6 +67,11 @@ class LayerContext:
         # OCI layers: resolved paths placed by this layer and their ancestors (whiteouts
         # only remove what lower layers made); None: not tracked
         self.upper: set[bytes] | None = None
+        # the directory ``place`` resolved last: (its path components as given, the directory,
+        # its resolved components). Archives list a directory's entries together, so most
+        # entries reuse it. Valid while no entry is replaced or removed (only those can change
+        # where an already resolved path leads): it is dropped then.
+        self._last_dir: tuple[list[bytes], Inode, list[bytes]] | None = None
 
     def resolve(self, path: str) -> Path:
         """A source path from the spec, relative to the spec file's directory."""
@@ -150,9 +156,15 @@ class LayerContext:
                 raise SourceError(f"{where}: the image root can only be a directory")
             tree.root.take_metadata(inode)
             return
-        found = self._resolve_dir(parts[:-1], where, True, inode)
-        assert found is not None
-        node, resolved = found
+        dir_parts = parts[:-1]
+        last = self._last_dir
+        if last is not None and last[0] == dir_parts:
+            _, node, resolved = last
+        else:
+            found = self._resolve_dir(dir_parts, where, True, inode)
+            assert found is not None
+            node, resolved = found
+            self._last_dir = (dir_parts, node, resolved)
         name = parts[-1]
         if self.upper is not None:
             self._mark_upper(resolved, name)
@@ -164,12 +176,15 @@ class LayerContext:
             if old is not inode:
                 old.take_metadata(inode)
             return
+        else:
+            self._last_dir = None  # an entry replaced: a resolved path may lead elsewhere now
         if ftype is FileType.REG:
             tree.set_content_aside(inode, self.packs.directory)
         entries[name] = inode
 
     def ensure_dir(self, path: str | bytes, where: str) -> Inode:
         """The directory at ``path``, created (0755, root) if missing; symlinks followed."""
+        self._last_dir = None  # a file in the way is replaced by a directory
         found = self._resolve_dir(split_path(path), where, True, None)
         assert found is not None
         if self.upper is not None and found[1]:
@@ -197,6 +212,7 @@ class LayerContext:
         """An OCI whiteout entry (``DIR/.wh.NAME`` or ``DIR/.wh..wh..opq``), as the OCI image
         spec and umoci apply it: remove NAME (or DIR's children) unless this same layer put
         it there; inside a directory this layer also wrote, remove what lower layers left."""
+        self._last_dir = None  # entries are removed
         parts = split_path(path)
         if not parts:
             return
