@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from btrfs_ublk_image import __version__, trace
+from btrfs_ublk_image import __version__
 from btrfs_ublk_image.blockmap import VERSION, VERSION_COMPRESSED, BlockMap, PackEntry, Range
 from btrfs_ublk_image.btrfs import ondisk
 from btrfs_ublk_image.btrfs.writer import ImageLayout, WriterOptions, inline_max, write_image
@@ -182,6 +182,8 @@ def _write_into(
         os.fsync(f.fileno())
     iid = image_id(data)
     if prefetch:
+        from btrfs_ublk_image import trace  # only with prefetch globs
+
         # beside the manifest, not listed in it: the image id does not depend on it
         chunks = trace.chunks_of_files(tree, prefetch, chunk_size)
         trace.write(

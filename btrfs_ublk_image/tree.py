@@ -310,6 +310,10 @@ class Inode:
         m, a, _ = _unpack_times(self._times)
         self._times = _pack_times(m, a, value)
 
+    def meta(self) -> tuple[FileType, int, int, int, Mapping[bytes, bytes] | None]:
+        """(type, mode, uid, gid, xattrs or None) in one go (the writer reads them all)."""
+        return self._meta
+
     def times(self) -> tuple[int, int | None, int | None]:
         """(mtime_ns, atime_ns, ctime_ns) in one go."""
         return _unpack_times(self._times)
@@ -421,8 +425,11 @@ def split_path(path: bytes | str) -> list[bytes]:
     ``..`` never climbs above ``/``; absolute and relative paths are the same.
     """
     raw = path.encode() if isinstance(path, str) else path
+    comps = raw.split(b"/")
+    if b".." not in comps:  # nearly always: no component to climb back from
+        return [comp for comp in comps if comp and comp != b"."]
     parts: list[bytes] = []
-    for comp in raw.split(b"/"):
+    for comp in comps:
         if comp in (b"", b"."):
             continue
         if comp == b"..":

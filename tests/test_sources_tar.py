@@ -467,6 +467,35 @@ def test_later_layer_wins_and_directories_merge(tmp_path: Path, build: Build) ->
 
 
 @unit
+def test_directory_replaced_within_one_tar(tmp_path: Path, build: Build) -> None:
+    # place() reuses the directory it resolved last: a directory replaced in the same
+    # archive (by a symlink, by a file and then a new directory) must still lead later
+    # entries to the new place
+    (tmp_path / "a.tar").write_bytes(
+        make_tar(
+            [
+                member("t", tarfile.DIRTYPE),
+                member("d", tarfile.DIRTYPE),
+                member("d/e", tarfile.DIRTYPE),
+                member("d/e/one", data=b"1"),
+                member("d", tarfile.SYMTYPE, linkname="t"),  # d/e is gone with d
+                member("d/e/two", data=b"2"),  # through the symlink: t/e/two
+                member("u/v", tarfile.DIRTYPE),
+                member("u/v/x", data=b"x"),
+                member("u/v", data=b"file"),  # a file replaces the directory
+                member("u/v/y", data=b"y"),  # and a new directory replaces the file
+            ]
+        )
+    )
+    tree, _ = build(spec_for("a.tar"))
+    f = files_of(tree)
+    assert f[b"/d"].type == FileType.SYMLINK and b"/d/e/one" not in f
+    assert f[b"/t/e/two"].content == b"2"
+    assert f[b"/u/v"].type == FileType.DIR and b"/u/v/x" not in f
+    assert f[b"/u/v/y"].content == b"y"
+
+
+@unit
 def test_same_name_twice_in_one_tar(tmp_path: Path, build: Build) -> None:
     (tmp_path / "a.tar").write_bytes(
         make_tar([member("f", data=b"first"), member("f", data=b"second")])

@@ -7,6 +7,7 @@ of one on-disk structure; the layout comments give the C struct it mirrors.
 from __future__ import annotations
 
 import struct
+from typing import Protocol
 
 from btrfs_ublk_image.crc import crc32c
 
@@ -19,6 +20,7 @@ SUPER_INFO_SIZE = 4096
 SUPER_MIRRORS = (64 * 1024, 64 * 1024 * 1024, 256 * 1024**3)
 HEADER_SIZE = 101  # struct btrfs_header
 ITEM_SIZE = 25  # struct btrfs_item: disk key + offset + size
+DISK_KEY_SIZE = 17  # struct btrfs_disk_key: objectid, type, offset
 KEY_PTR_SIZE = 33  # struct btrfs_key_ptr: disk key + blockptr + generation
 LEAF_DATA_SIZE = NODESIZE - HEADER_SIZE
 MAX_ITEM_DATA = LEAF_DATA_SIZE - ITEM_SIZE
@@ -118,8 +120,9 @@ def _raw_crc32c(seed: int, data: bytes) -> int:
 
 
 def name_hash(name: bytes) -> int:
-    """``btrfs_name_hash``: DIR_ITEM and XATTR_ITEM key offsets."""
-    return _raw_crc32c(~1 & _MASK32, name)
+    """``btrfs_name_hash``: DIR_ITEM and XATTR_ITEM key offsets: ``_raw_crc32c(~1, name)``,
+    written out (one call per directory entry)."""
+    return crc32c(name, 1) ^ _MASK32
 
 
 def extent_data_ref_hash(root: int, owner: int, offset: int) -> int:
@@ -378,18 +381,38 @@ _ITEM = struct.Struct("<QBQII")
 _KEY_PTR = struct.Struct("<QBQQQ")
 
 
-def pack_leaf_payload(items: list[tuple[Key, bytes]]) -> bytes:
-    """A leaf without its header: item headers from the front, data from the back."""
+class Digest(Protocol):
+    """What ``pack_leaf_payload`` feeds the items to (a ``hashlib`` hash)."""
+
+    def update(self, data: bytes, /) -> None: ...
+
+
+def pack_leaf_payload(items: list[tuple[Key, bytes]], digest: Digest | None = None) -> bytes:
+    """A leaf without its header: item headers from the front, data from the back.
+
+    With ``digest``, each item's disk key and data are fed to it too, in item order (one
+    ``update`` per leaf: the key is the first ``DISK_KEY_SIZE`` bytes of the item header)."""
     end = LEAF_DATA_SIZE
     heads = []
+    datas = []
+    hashed: list[bytes] = []
     pack = _ITEM.pack
     for (objectid, type_, offset), data in items:
-        end -= len(data)
-        heads.append(pack(objectid, type_, offset, end, len(data)))
+        size = len(data)
+        end -= size
+        head = pack(objectid, type_, offset, end, size)
+        heads.append(head)
+        datas.append(data)
+        if digest is not None:
+            hashed += (head[:DISK_KEY_SIZE], data)
     gap = end - len(items) * ITEM_SIZE
     if gap < 0:
         raise AssertionError("leaf overflow")
-    return b"".join([*heads, bytes(gap), *[data for _, data in reversed(items)]])
+    if digest is not None:
+        digest.update(b"".join(hashed))
+    heads.append(bytes(gap))
+    datas.reverse()
+    return b"".join(heads + datas)
 
 
 def pack_block(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import IO
 
 from btrfs_ublk_image.btrfs import ondisk as d
 
@@ -70,28 +70,32 @@ class Leaf:
 
 class LeafPacker:
     """Packs sorted items into leaves as they arrive (same split as ``split_leaves``);
-    with ``spill``, the payloads go to that file (see ``unspill``)."""
+    with ``spill``, the payloads go to that file (see ``unspill``); with ``digest``, every
+    item's disk key and data go to it, in order."""
 
-    def __init__(self, spill: BinaryIO | None = None) -> None:
+    def __init__(self, spill: IO[bytes] | None = None, digest: d.Digest | None = None) -> None:
         self.leaves: list[Leaf] = []
         self.spill = spill
+        self.digest = digest
         self._spill_pos = 0
         self._items: list[tuple[d.Key, bytes]] = []
         self._used = 0
 
     def add(self, key: d.Key, data: bytes) -> None:
-        need = d.ITEM_SIZE + len(data)
-        if len(data) > d.MAX_ITEM_DATA:
-            raise ValueError(f"item of {len(data)} bytes does not fit in a {d.NODESIZE}-byte leaf")
-        if self._used + need > d.LEAF_DATA_SIZE:
+        size = len(data)
+        if size > d.MAX_ITEM_DATA:
+            raise ValueError(f"item of {size} bytes does not fit in a {d.NODESIZE}-byte leaf")
+        used = self._used + d.ITEM_SIZE + size
+        if used > d.LEAF_DATA_SIZE:
             self._flush()
+            used = d.ITEM_SIZE + size
         self._items.append((key, data))
-        self._used += need
+        self._used = used
 
     def _flush(self) -> None:
         items = self._items
         first = items[0][0] if items else EMPTY_KEY
-        payload = d.pack_leaf_payload(items)
+        payload = d.pack_leaf_payload(items, self.digest)
         if self.spill is None:
             self.leaves.append(Leaf(first, len(items), payload))
         else:
@@ -106,7 +110,7 @@ class LeafPacker:
         return self.leaves
 
 
-def unspill(leaves: Sequence[Leaf], spill: BinaryIO) -> Iterator[Leaf]:
+def unspill(leaves: Sequence[Leaf], spill: IO[bytes]) -> Iterator[Leaf]:
     """The leaves with their payloads read back from the spill file, one at a time."""
     spill.flush()
     fd = spill.fileno()

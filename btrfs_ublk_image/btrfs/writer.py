@@ -23,7 +23,7 @@ import uuid
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO, overload
+from typing import IO, overload
 
 from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.btrfs.layout import (
@@ -53,6 +53,8 @@ from btrfs_ublk_image.tree import Blob, FileType, Inode, Tree
 GENERATION = 1
 MAX_INLINE = d.SECTORSIZE - 1  # btrfs check: inline ram_bytes <= sectorsize - 1
 LINK_MAX = 65535  # BTRFS_LINK_MAX
+# the fs tree spill file's write buffer: one write(2) per MiB, not one per 16 KiB leaf
+SPILL_BUFFER = 1 << 20
 
 _FT = {
     FileType.REG: d.FT_REG_FILE,
@@ -345,49 +347,38 @@ class _FsTree:
 
 
 def _fs_tree_items(
-    num: _Numbering, placer: _DataPlacer, imax: int, spill: BinaryIO | None = None
+    num: _Numbering, placer: _DataPlacer, imax: int, spill: IO[bytes] | None = None
 ) -> _FsTree:
     gen = GENERATION
-    packer = LeafPacker(spill)
-    items_hash = hashlib.sha256()
-    pack_key = d.pack_disk_key
-
-    def add(key: d.Key, data: bytes) -> None:
-        items_hash.update(pack_key(key))
-        items_hash.update(data)
-        packer.add(key, data)
-
+    items_hash = hashlib.sha256()  # over every item's disk key and data, in order
+    packer = LeafPacker(spill, items_hash)
+    add = packer.add
     ref_extent = array("Q")
     ref_ino = array("Q")
-    stats = dict.fromkeys(
-        (
-            "files",
-            "directories",
-            "symlinks",
-            "devices",
-            "hardlinks",
-            "inline_files",
-            "content_bytes",
-        ),
-        0,
-    )
+    files = directories = symlinks = devices = hardlinks = inline_files = content_bytes = 0
     ext_logical, ext_disk, ext_offset = placer.logical, placer.disk_bytes, placer.file_offset
+    more_refs = num.more_refs
+    reg, dir_, symlink = FileType.REG, FileType.DIR, FileType.SYMLINK
+    extent_data_key, inode_item_key = d.EXTENT_DATA_KEY, d.INODE_ITEM_KEY
+    reg_flags = d.INODE_NODATASUM | d.INODE_NODATACOW
     for ino, node in enumerate(num.inodes, start=d.FIRST_FREE_OBJECTID):
-        ftype = node.type
+        ftype, perm, uid, gid, xattrs = node.meta()
         size, nbytes, flags = 0, 0, 0
-        nlink = num.nlink(ino)
+        more = more_refs.get(ino)
+        nlink = 1 if more is None else 1 + len(more)
         file_extents: list[tuple[d.Key, bytes]] = []
         entries: dict[bytes, Inode] = {}
-        if ftype is FileType.REG:
-            stats["files"] += 1
-            flags = d.INODE_NODATASUM | d.INODE_NODATACOW
+        rdev = 0
+        if ftype is reg:
+            files += 1
+            flags = reg_flags
             content = node.content
             if isinstance(content, Blob):
                 size = content.size
                 for row in placer.place(content):
                     file_extents.append(
                         (
-                            (ino, d.EXTENT_DATA_KEY, ext_offset[row]),
+                            (ino, extent_data_key, ext_offset[row]),
                             d.pack_file_extent_reg(gen, ext_logical[row], ext_disk[row]),
                         )
                     )
@@ -398,43 +389,43 @@ def _fs_tree_items(
                 if len(content) > imax:
                     raise AssertionError("in-memory content larger than the inline limit")
                 size = nbytes = len(content)
-                stats["inline_files"] += 1
+                inline_files += 1
                 file_extents.append(
-                    ((ino, d.EXTENT_DATA_KEY, 0), d.pack_file_extent_inline(gen, content))
+                    ((ino, extent_data_key, 0), d.pack_file_extent_inline(gen, content))
                 )
-            stats["content_bytes"] += size
-            stats["hardlinks"] += nlink - 1
-        elif ftype is FileType.SYMLINK:
-            stats["symlinks"] += 1
+            content_bytes += size
+            hardlinks += nlink - 1
+        elif ftype is symlink:
+            symlinks += 1
             target = node.target
             if not target or len(target) > MAX_INLINE:
                 raise ImageError(
                     f"symlink target of inode {ino} is empty or longer than {MAX_INLINE} bytes"
                 )
             size = nbytes = len(target)
-            file_extents.append(
-                ((ino, d.EXTENT_DATA_KEY, 0), d.pack_file_extent_inline(gen, target))
-            )
-        elif ftype is FileType.DIR:
-            stats["directories"] += 1
+            file_extents.append(((ino, extent_data_key, 0), d.pack_file_extent_inline(gen, target)))
+        elif ftype is dir_:
+            directories += 1
             entries = node.entries
             size = 2 * sum(map(len, entries))
         else:
-            stats["devices"] += 1
+            devices += 1
+            if ftype is FileType.CHR or ftype is FileType.BLK:
+                rdev = _kernel_rdev(node.rdev)
         if nlink > LINK_MAX:
             raise ImageError(f"inode {ino} has {nlink} hardlinks; btrfs allows {LINK_MAX}")
         mtime, atime, ctime = node.times()
         add(
-            (ino, d.INODE_ITEM_KEY, 0),
+            (ino, inode_item_key, 0),
             d.pack_inode_item(
                 generation=gen,
                 size=size,
                 nbytes=nbytes,
-                nlink=1 if ftype is FileType.DIR else nlink,
-                uid=node.uid,
-                gid=node.gid,
-                mode=node.st_mode,
-                rdev=_kernel_rdev(node.rdev) if ftype in (FileType.CHR, FileType.BLK) else 0,
+                nlink=1 if ftype is dir_ else nlink,
+                uid=uid,
+                gid=gid,
+                mode=int(ftype) | (perm & 0o7777),
+                rdev=rdev,
                 flags=flags,
                 atime_ns=mtime if atime is None else atime,
                 ctime_ns=mtime if ctime is None else ctime,
@@ -465,15 +456,15 @@ def _fs_tree_items(
                 add((ino, d.INODE_REF_KEY, parent), data)
             for h, data in sorted(extrefs.items()):
                 add((ino, d.INODE_EXTREF_KEY, h), data)
-        if node.xattrs:
-            xattrs = []
-            for name, value in node.xattrs.items():
+        if xattrs:
+            xattr_items = []
+            for name, value in xattrs.items():
                 if len(name) + len(value) > d.MAX_XATTR_SIZE or not name or len(name) > 255:
                     raise ImageError(f"xattr {name[:60]!r} of inode {ino}: name or value too large")
-                xattrs.append(
+                xattr_items.append(
                     (d.name_hash(name), d.pack_dir_item((0, 0, 0), gen, d.FT_XATTR, name, value))
                 )
-            for h, data in _group_by_hash(xattrs):
+            for h, data in _group_by_hash(xattr_items):
                 add((ino, d.XATTR_ITEM_KEY, h), data)
         if entries:
             # DIR_INDEX in index (= sorted name) order, DIR_ITEM by name hash
@@ -494,6 +485,15 @@ def _fs_tree_items(
                 add((ino, d.DIR_INDEX_KEY, index), data)
         for key, data in file_extents:
             add(key, data)
+    stats = {
+        "files": files,
+        "directories": directories,
+        "symlinks": symlinks,
+        "devices": devices,
+        "hardlinks": hardlinks,
+        "inline_files": inline_files,
+        "content_bytes": content_bytes,
+    }
     return _FsTree(packer.finish(), items_hash.digest(), placer, ref_extent, ref_ino, stats)
 
 
@@ -556,6 +556,9 @@ class _DataExtentItems:
             refs = inos[start[e] : start[e + 1]]
             head = d.pack_extent_item(len(refs), gen, d.EXTENT_FLAG_DATA)
             key = (logical, d.EXTENT_ITEM_KEY, self.disk_bytes[e])
+            if len(refs) == 1:  # nearly every extent: one inline ref, no order to sort out
+                yield key, head + d.pack_inline_data_ref(root, refs[0], off, 1)
+                continue
             hashed = sorted(
                 ((d.extent_data_ref_hash(root, ino, off), ino, off) for ino in refs),
                 reverse=True,  # inline data refs: descending hash (tree-checker)
@@ -850,11 +853,13 @@ def _assign(
 def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
     """Write ``meta.img`` (device 1) for ``tree``; return device 2's layout."""
     # the fs tree's leaf payloads wait on disk (unnamed, next to meta.img), not in memory
-    with tempfile.TemporaryFile(dir=os.path.dirname(meta_path) or ".") as spill:
+    with tempfile.TemporaryFile(
+        "w+b", buffering=SPILL_BUFFER, dir=os.path.dirname(meta_path) or "."
+    ) as spill:
         return _write_image(tree, meta_path, opts, spill)
 
 
-def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: BinaryIO) -> ImageLayout:
+def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: IO[bytes]) -> ImageLayout:
     imax = inline_max(opts)
     numbering = _number(tree)
     sys_chunk = system_chunk()

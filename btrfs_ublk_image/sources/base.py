@@ -36,6 +36,7 @@ class LayerContext:
     """Everything a source needs to apply one layer to the tree."""
 
     __slots__ = (
+        "_last_dir",
         "dir_mtime_ns",
         "index",
         "packs",
@@ -66,6 +67,11 @@ class LayerContext:
         # OCI layers: resolved paths placed by this layer and their ancestors (whiteouts
         # only remove what lower layers made); None: not tracked
         self.upper: set[bytes] | None = None
+        # the directory ``place`` resolved last: (its path components as given, the directory,
+        # its resolved components). Archives list a directory's entries together, so most
+        # entries reuse it. Valid while no entry is replaced or removed (only those can change
+        # where an already resolved path leads): it is dropped then.
+        self._last_dir: tuple[list[bytes], Inode, list[bytes]] | None = None
 
     def resolve(self, path: str) -> Path:
         """A source path from the spec, relative to the spec file's directory."""
@@ -73,15 +79,16 @@ class LayerContext:
         return p if p.is_absolute() else self.spec_dir / p
 
     def _resolve_dir(
-        self, parts: list[bytes], where: str, create: bool, mtime_ns: int
+        self, parts: list[bytes], where: str, create: bool, mtime_of: Inode | None
     ) -> tuple[Inode, list[bytes]] | None:
         """The directory named by ``parts``, following symlinks INSIDE the image.
 
         A symlink's target is resolved as if the image root were ``/`` (an absolute target
         restarts at the image root, ``..`` stops there), like the kernel under chroot and
-        umoci's securejoin. Missing directories are created when ``create`` (else: None);
-        a non-directory that is not a symlink is replaced by a directory. Returns the
-        directory and its resolved path components.
+        umoci's securejoin. Missing directories are created when ``create`` (else: None),
+        with ``mtime_of``'s mtime (0 without) unless the spec fixes one; a non-directory
+        that is not a symlink is replaced by a directory. Returns the directory and its
+        resolved path components.
         """
         node = self.tree.root
         # fast path: plain directories all the way
@@ -123,7 +130,9 @@ class LayerContext:
                 if not create:
                     return None
                 check_name(comp, where)
-                mtime = self.dir_mtime_ns if self.dir_mtime_ns is not None else mtime_ns
+                mtime = self.dir_mtime_ns
+                if mtime is None:
+                    mtime = 0 if mtime_of is None else mtime_of.mtime_ns
                 child = Inode(FileType.DIR, mode=0o755, mtime_ns=mtime)
                 node.entries[comp] = child
             nodes.append(child)
@@ -134,7 +143,8 @@ class LayerContext:
         """Put ``inode`` at image path ``path`` (see the module docstring for the rules)."""
         parts = split_path(path)
         tree = self.tree
-        if inode.type == FileType.SYMLINK:
+        ftype = inode.type
+        if ftype is FileType.SYMLINK:
             target = inode.target
             if not target or len(target) >= PATH_MAX or b"\0" in target:
                 raise SourceError(
@@ -142,13 +152,19 @@ class LayerContext:
                     f" or containing NUL): {target[:40]!r}"
                 )
         if not parts:
-            if inode.type != FileType.DIR:
+            if ftype is not FileType.DIR:
                 raise SourceError(f"{where}: the image root can only be a directory")
             tree.root.take_metadata(inode)
             return
-        found = self._resolve_dir(parts[:-1], where, True, inode.mtime_ns)
-        assert found is not None
-        node, resolved = found
+        dir_parts = parts[:-1]
+        last = self._last_dir
+        if last is not None and last[0] == dir_parts:
+            _, node, resolved = last
+        else:
+            found = self._resolve_dir(dir_parts, where, True, inode)
+            assert found is not None
+            node, resolved = found
+            self._last_dir = (dir_parts, node, resolved)
         name = parts[-1]
         if self.upper is not None:
             self._mark_upper(resolved, name)
@@ -156,17 +172,20 @@ class LayerContext:
         old = entries.get(name)
         if old is None:
             check_name(name, where)
-        elif old.type == FileType.DIR and inode.type == FileType.DIR:
+        elif ftype is FileType.DIR and old.type is FileType.DIR:
             if old is not inode:
                 old.take_metadata(inode)
             return
-        if inode.type is FileType.REG:
+        else:
+            self._last_dir = None  # an entry replaced: a resolved path may lead elsewhere now
+        if ftype is FileType.REG:
             tree.set_content_aside(inode, self.packs.directory)
         entries[name] = inode
 
     def ensure_dir(self, path: str | bytes, where: str) -> Inode:
         """The directory at ``path``, created (0755, root) if missing; symlinks followed."""
-        found = self._resolve_dir(split_path(path), where, True, 0)
+        self._last_dir = None  # a file in the way is replaced by a directory
+        found = self._resolve_dir(split_path(path), where, True, None)
         assert found is not None
         if self.upper is not None and found[1]:
             self._mark_upper(found[1][:-1], found[1][-1])
@@ -178,7 +197,7 @@ class LayerContext:
         parts = split_path(path)
         if not parts:
             return self.tree.root
-        found = self._resolve_dir(parts[:-1], str(path), False, 0)
+        found = self._resolve_dir(parts[:-1], str(path), False, None)
         return None if found is None else found[0].entries.get(parts[-1])
 
     def _mark_upper(self, resolved: list[bytes], name: bytes) -> None:
@@ -193,11 +212,12 @@ class LayerContext:
         """An OCI whiteout entry (``DIR/.wh.NAME`` or ``DIR/.wh..wh..opq``), as the OCI image
         spec and umoci apply it: remove NAME (or DIR's children) unless this same layer put
         it there; inside a directory this layer also wrote, remove what lower layers left."""
+        self._last_dir = None  # entries are removed
         parts = split_path(path)
         if not parts:
             return
         name = parts[-1]
-        found = self._resolve_dir(parts[:-1], where, False, 0)
+        found = self._resolve_dir(parts[:-1], where, False, None)
         if found is None:
             return  # nothing to hide
         node, resolved = found

@@ -22,7 +22,7 @@ import queue
 import threading
 from typing import Protocol, cast
 
-from isal import isal_zlib
+from isal.igzip_lib import DECOMP_GZIP, IgzipDecompressor, IsalError
 
 from btrfs_ublk_image.hashing import BackgroundSha256
 
@@ -35,9 +35,7 @@ class _Readable(Protocol):
     def read(self, n: int = -1, /) -> bytes: ...
 
 
-InflateError = cast(
-    type[Exception], isal_zlib.error
-)  # corrupt deflate data, a CRC-32 or length mismatch
+InflateError = cast(type[Exception], IsalError)  # corrupt deflate data, a CRC-32 or length mismatch
 
 
 class GzipError(OSError):
@@ -148,7 +146,10 @@ class ThreadedGunzip:
 
     def _inflate(self) -> None:
         raw = self._raw
-        d = isal_zlib.decompressobj(31)  # the gzip wrapper: header, CRC-32, length checked
+        # the gzip wrapper: header, CRC-32 and length checked. Unlike a zlib decompressobj,
+        # it keeps input it has not used (no ``unconsumed_tail`` copied back and forth when
+        # the output cap is reached: 5-10% of the inflating thread's time)
+        d = IgzipDecompressor(DECOMP_GZIP)
         pending = b""  # compressed input not yet given to d
         in_member = True  # the caller saw the magic of the first member
         while not self._stop:
@@ -164,20 +165,21 @@ class ThreadedGunzip:
                     return
                 if not pending.startswith(GZIP_MAGIC):
                     raise GzipError(f"Not a gzipped file ({pending[:2]!r})")
-                d = isal_zlib.decompressobj(31)
+                d = IgzipDecompressor(DECOMP_GZIP)
                 in_member = True
-            if not pending:
-                pending = raw.read(IN_SIZE)
-            # with no input left, a call still flushes what the output cap held back
-            out = d.decompress(pending, OUT_SIZE)
+            if d.needs_input:
+                if not pending:
+                    pending = raw.read(IN_SIZE)
+                    if not pending:
+                        raise EOFError(
+                            "Compressed file ended before the end-of-stream marker was reached"
+                        )
+                out = d.decompress(pending, OUT_SIZE)
+                pending = b""
+            else:  # output the cap held back
+                out = d.decompress(b"", OUT_SIZE)
             if out:
                 self._emit(out)
             if d.eof:
                 pending = d.unused_data
                 in_member = False
-            elif d.unconsumed_tail:
-                pending = d.unconsumed_tail
-            elif not pending and not out:
-                raise EOFError("Compressed file ended before the end-of-stream marker was reached")
-            else:
-                pending = b""

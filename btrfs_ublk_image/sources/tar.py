@@ -54,7 +54,7 @@ from btrfs_ublk_image.sources.tarheader import (
     checksum_ok,
 )
 from btrfs_ublk_image.spec import TarLayer
-from btrfs_ublk_image.tree import FileType, Inode, split_path
+from btrfs_ublk_image.tree import Content, FileType, Inode, split_path
 
 ZSTD_READ_SIZE = 1 << 14  # compressed bytes per decompress call: bounds a call's output
 
@@ -509,15 +509,7 @@ def _read_members(
                 progress.add_file()
             continue
         t = m.type
-        pax = m.pax
-        if m.is_regular:
-            inode = Inode(FileType.REG)
-        elif t == DIRTYPE:
-            inode = Inode(FileType.DIR)
-        elif t == SYMTYPE:
-            inode = Inode(FileType.SYMLINK)
-            inode.target = m.linkname.encode("utf-8", "surrogateescape")
-        elif t == LNKTYPE:
+        if t == LNKTYPE:
             target: bytes | None = m.linkname.encode("utf-8", "surrogateescape")
             if rename is not None and target is not None:
                 target = rename(target)
@@ -538,50 +530,74 @@ def _read_members(
             if progress is not None:
                 progress.add_file()
             continue
+        regular = m.is_regular
+        symlink = b""
+        rdev = 0
+        if regular:
+            ftype = FileType.REG
+        elif t == DIRTYPE:
+            ftype = FileType.DIR
+        elif t == SYMTYPE:
+            ftype = FileType.SYMLINK
+            symlink = m.linkname.encode("utf-8", "surrogateescape")
         elif t == CHRTYPE:
-            inode = Inode(FileType.CHR, rdev=os.makedev(m.devmajor, m.devminor))
+            ftype = FileType.CHR
+            rdev = os.makedev(m.devmajor, m.devminor)
         elif t == BLKTYPE:
-            inode = Inode(FileType.BLK, rdev=os.makedev(m.devmajor, m.devminor))
+            ftype = FileType.BLK
+            rdev = os.makedev(m.devmajor, m.devminor)
         elif t == FIFOTYPE:
-            inode = Inode(FileType.FIFO)
+            ftype = FileType.FIFO
         else:  # pragma: no cover - the reader resolves every other type
             raise _fail(tar_path, name, f"unsupported member type {t!r}")
-        # a symlink's mode is always 0777 on Linux (symlink(2) ignores the umask and the mode)
-        inode.mode = 0o777 if t == SYMTYPE else m.mode & 0o7777
         uid = m.uid if own_uid is None else own_uid
         gid = m.gid if own_gid is None else own_gid
         if not (0 <= uid <= 0xFFFFFFFF and 0 <= gid <= 0xFFFFFFFF):
             raise _fail(tar_path, name, f"owner {uid}:{gid} out of range")
-        inode.uid, inode.gid = uid, gid
+        pax = m.pax
+        atime: int | None = None
+        ctime: int | None = None
+        xattrs: dict[bytes, bytes] | None = None
         if pax:
             try:
                 mt = pax.get("mtime")
-                inode.mtime_ns = parse_pax_time(mt) if mt is not None else m.mtime * 10**9
+                mtime = parse_pax_time(mt) if mt is not None else m.mtime * 10**9
                 at = pax.get("atime")
                 if at is not None:
-                    inode.atime_ns = parse_pax_time(at)
+                    atime = parse_pax_time(at)
                 ct = pax.get("ctime")
                 if ct is not None:
-                    inode.ctime_ns = parse_pax_time(ct)
-                inode.xattrs = _xattrs(pax)
+                    ctime = parse_pax_time(ct)
+                xattrs = _xattrs(pax)
             except ValueError as e:
                 raise _fail(tar_path, name, str(e)) from None
         else:
-            inode.mtime_ns = m.mtime * 1_000_000_000
-        if inode.type == FileType.REG:
-            where = f"{tar_path}: member {name!r}"
+            mtime = m.mtime * 1_000_000_000
+        where = f"{tar_path}: member {name!r}"
+        content: Content = b""
+        if regular:
             if m.sparse is not None:
-                inode.content = packs.put_stream(
-                    cast(BinaryIO, SparseData(reader, m)), m.size, where
-                )
+                content = packs.put_stream(cast(BinaryIO, SparseData(reader, m)), m.size, where)
             elif in_place is not None:  # the data lies in the pack at its tarball offset
-                inode.content = packs.put_in_place(
+                content = packs.put_in_place(
                     in_place, cast(BinaryIO, reader), m.data_start, m.size, where
                 )
             else:
-                inode.content = packs.put_stream(cast(BinaryIO, reader), m.size, where)
-            place(bname, inode, where)
-        else:
-            place(bname, inode, f"{tar_path}: member {name!r}")
+                content = packs.put_stream(cast(BinaryIO, reader), m.size, where)
+        inode = Inode(
+            ftype,
+            # a symlink's mode is always 0777 on Linux (symlink(2) ignores the umask and the mode)
+            mode=0o777 if t == SYMTYPE else m.mode & 0o7777,
+            uid=uid,
+            gid=gid,
+            mtime_ns=mtime,
+            atime_ns=atime,
+            ctime_ns=ctime,
+            xattrs=xattrs,
+            rdev=rdev,
+            target=symlink,
+            content=content,
+        )
+        place(bname, inode, where)
         if progress is not None:
             progress.add_file()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import struct
+import zlib
 from typing import Protocol
 
 BLOCK = 512
@@ -176,6 +177,13 @@ def checksum_ok(block: bytes) -> bool:
         return True
     high = sum(1 for b in block if b >= 128) - sum(1 for b in field if b >= 128)
     return chk == unsigned - 256 * high
+
+
+def _block_sum(block: bytes) -> int:
+    """The sum of a header block's bytes, computed in C: adler32's low half is 1 + the
+    byte sum modulo 65521, and 256 bytes sum to at most 65280 (``sum(block)`` iterates
+    in Python, four times slower: a few microseconds of every member)."""
+    return (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
 
 
 def _nts(s: bytes) -> str:
@@ -359,7 +367,7 @@ class TarReader:
         except ValueError:
             mode, uid, gid = nti(block[100:108]), nti(block[108:116]), nti(block[116:124])
             size, mtime, chk = nti(block[124:136]), nti(block[136:148]), nti(chksum)
-        if chk != 256 + sum(block) - sum(chksum) and not checksum_ok(block):
+        if chk != 256 + _block_sum(block) - sum(chksum) and not checksum_ok(block):
             raise HeaderProblem("invalid", "bad checksum")
         if size < 0:
             raise HeaderProblem("invalid", f"negative size {size} in the header at byte {start}")
