@@ -32,6 +32,7 @@ log "debootstrap --variant=minbase bookworm ($MIRROR)"
 debootstrap --variant=minbase bookworm "$CH" "$MIRROR" >"$WORK/debootstrap.log" 2>&1 \
   || { tail -20 "$WORK/debootstrap.log" >&2; exit 1; }
 cp /etc/resolv.conf "$CH/etc/resolv.conf"
+mkdir -p "$CH/usr/local/share/ca-certificates"
 cp /usr/local/share/ca-certificates/*.crt "$CH/usr/local/share/ca-certificates/" 2>/dev/null || true
 git clone -q "$ROOT" "$CH/root/btrfs-ublk-image"
 for d in proc sys dev; do
