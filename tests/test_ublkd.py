@@ -829,8 +829,12 @@ def test_ublk_poll_serve_raw_device_checksum_sigterm(no_leftovers: Path) -> None
             while chunk := f.read(1 << 20):
                 h.update(chunk)
         assert h.hexdigest() == hashlib.sha256(want.read_bytes()).hexdigest()
-        # within the 10 s window after those reads the queue thread is still polling
-        # (the default, auto, is found asleep by then: test_ublk_poll_default_is_auto_...)
+        # within the 10 s window after a read the queue thread is still polling (the
+        # default, auto, is found asleep: test_ublk_poll_default_is_auto_and_off_sleeps)
+        subprocess.run(
+            ["dd", f"if={dev}", "of=/dev/null", "bs=4k", "count=1", "iflag=direct", "status=none"],
+            check=True,
+        )
         assert running_threads(p.pid, settle_s=1.0)
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 0, p.stderr.read()
