@@ -337,10 +337,12 @@ def mount_table(images: dict[str, Any]) -> str:
 
 
 RANDREAD_TARGETS = {
-    "null_ublk": "null ublk target, raw device",
+    "null_ublk": "null ublk target `--ublk-poll=off`, raw device",
     "ours_ublk_raw": "**ours** /dev/ublkbN (device 2), raw",
+    "ours_ublk_off_raw": "**ours** /dev/ublkbN `--ublk-poll=off`, raw",
     "loop_raw": "loop over device 2 in RAM, raw",
     "ours_ublk": "**ours** (ublk frontend)",
+    "ours_ublk_off": "**ours** (ublk frontend, `--ublk-poll=off`)",
     "null_ublk_poll": "null ublk target `--ublk-poll`, raw device",
     "ours_ublk_poll_raw": "**ours** /dev/ublkbN `--ublk-poll`, raw",
     "ours_ublk_poll": "**ours** (ublk frontend, `--ublk-poll`)",
@@ -352,7 +354,8 @@ RANDREAD_TARGETS = {
 SHORT = {"null_ublk": "null ublk", "ours_ublk_raw": "ours ublkb raw", "loop_raw": "loop raw",
          "ours_ublk": "ours ublk", "ours_fuse": "ours fuse", "btrfs_loop": "btrfs loop",
          "null_ublk_poll": "null ublk poll", "ours_ublk_poll_raw": "ours ublkb raw poll",
-         "ours_ublk_poll": "ours ublk poll",
+         "ours_ublk_poll": "ours ublk poll", "ours_ublk_off": "ours ublk off",
+         "ours_ublk_off_raw": "ours ublkb raw off",
          "erofs_loop": "erofs", "squashfuse": "squashfuse"}  # fmt: skip
 
 
@@ -464,12 +467,12 @@ def mount_section(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-VM_FS_TARGETS = ("ours_ublk", "ours_ublk_poll", "ours_fuse", "btrfs_loop")
-VM_FS_RATIOS = [("ours_ublk", "btrfs_loop"), ("ours_ublk_poll", "btrfs_loop"),
-                ("ours_fuse", "btrfs_loop")]  # fmt: skip
+VM_FS_TARGETS = ("ours_ublk", "ours_ublk_off", "ours_ublk_poll", "ours_fuse", "btrfs_loop")
+VM_FS_RATIOS = [("ours_ublk", "btrfs_loop"), ("ours_ublk_off", "btrfs_loop"),
+                ("ours_ublk_poll", "btrfs_loop"), ("ours_fuse", "btrfs_loop")]  # fmt: skip
 VM_RAW_RATIOS = [("null_ublk", "loop_raw"), ("null_ublk_poll", "loop_raw"),
-                 ("ours_ublk_raw", "loop_raw"), ("ours_ublk_poll_raw", "loop_raw"),
-                 ("ours_ublk_raw", "null_ublk")]  # fmt: skip
+                 ("ours_ublk_raw", "loop_raw"), ("ours_ublk_off_raw", "loop_raw"),
+                 ("ours_ublk_poll_raw", "loop_raw"), ("ours_ublk_off_raw", "null_ublk")]  # fmt: skip
 
 
 def cpu_note(server_cpu: dict[str, dict[str, float]]) -> str:
@@ -544,7 +547,10 @@ def randread_section(doc: dict[str, Any]) -> str:
                 " transport under TCG (a null ublk target, same queue setup as ours, that"
                 " completes every read at once), ours' device 2, and a loop device over a copy"
                 " of device 2 in the guest's RAM; these and ours through btrfs (above) ran each"
-                " fio job in turn (the `--ublk-poll` mount of ours: right after the others)."
+                " fio job in turn (ours' default mount, `--ublk-poll=auto`; its"
+                " `--ublk-poll=off` and `--ublk-poll` mounts right after the others; idle:"
+                " the server's CPU while mounted without I/O, sparse200: under psync reads"
+                " at 200 IOPS)."
                 + queue_note(vm.get("queues", {})) + cpu_note(vm.get("server_cpu", {})),
                 "",
                 randread_table({"targets": raw}, VM_RAW_RATIOS).rstrip("\n"),

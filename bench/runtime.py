@@ -387,17 +387,26 @@ def measure_randread(
 # device 2 on a loop device. Raw block devices, to split the gap: a null ublk target
 # (`ublkd ublk-null`, same queue setup, completes every read at once: the transport's
 # ceiling), ours' /dev/ublkbN (device 2) and a loop device over device 2's bytes in RAM.
-# `_poll`: the same with `--ublk-poll` (the server busy-polls its queue between requests).
-VM_TARGETS = ("null_ublk", "null_ublk_poll", "ours_ublk_raw", "ours_ublk_poll_raw", "loop_raw",
-              "ours_ublk", "ours_ublk_poll", "ours_fuse", "btrfs_loop")  # fmt: skip
+# ours_ublk*: the default `--ublk-poll=auto` (the server polls its queue between requests
+# while they come close together); `_off`: `--ublk-poll=off` (it always sleeps); `_poll`:
+# `--ublk-poll` (it always polls 2 ms). null_ublk: off; null_ublk_poll: `--ublk-poll`.
+VM_TARGETS = ("null_ublk", "null_ublk_poll", "ours_ublk_raw", "ours_ublk_off_raw",
+              "ours_ublk_poll_raw", "loop_raw", "ours_ublk", "ours_ublk_off", "ours_ublk_poll",
+              "ours_fuse", "btrfs_loop")  # fmt: skip
 # targets live at the same time run each fio job in turn (A/B/C/D per job, not one target's
 # whole matrix after the other): TCG is noisy, drift then hits every target alike
 VM_INTERLEAVED = ("null_ublk", "null_ublk_poll", "loop_raw", "ours_ublk_raw", "ours_ublk")
-# then ours again, mounted with --ublk-poll (one server per bundle: one mode at a time)
+# then ours again, mounted with --ublk-poll=off, then with --ublk-poll (one server per
+# bundle: one mode at a time)
+VM_INTERLEAVED_OFF = ("ours_ublk_off_raw", "ours_ublk_off")
 VM_INTERLEAVED_POLL = ("ours_ublk_poll_raw", "ours_ublk_poll")
 # the server whose CPU time each ublk target's fio job costs (utime+stime, $O/cpu.txt)
 VM_SERVER_PID = {"null_ublk": "$NP", "null_ublk_poll": "$NPP", "ours_ublk_raw": "$SP",
-                 "ours_ublk": "$SP", "ours_ublk_poll_raw": "$SP", "ours_ublk_poll": "$SP"}  # fmt: skip
+                 "ours_ublk": "$SP", "ours_ublk_off_raw": "$SP", "ours_ublk_off": "$SP",
+                 "ours_ublk_poll_raw": "$SP", "ours_ublk_poll": "$SP"}  # fmt: skip
+# each ours_ublk mount's server CPU while idle (mounted, no I/O) and under sparse reads
+# (psync at 200 IOPS, evenly spaced), as jobs "idle" and "sparse200" of its cpu.txt rows
+VM_IDLE_S = 5.0
 # every target's whole matrix this many times (mounting afresh each round); a job's figure
 # is its best round
 VM_ROUNDS = 2
@@ -424,13 +433,23 @@ cpujob() {{  # PID TAG PATH JOB ARGS...: fiojob, and PID's CPU ticks over it to 
   c1=$(awk '{{print $14+$15}}' /proc/$pid/stat); t1=$(date +%s%N)
   echo "$1 $3 $R $((c1 - c0)) $(getconf CLK_TCK) $((t1 - t0))" >> $O/cpu.txt
 }}
+idlecpu() {{  # PID TAG: PID's CPU ticks over {idle_s} s without I/O to cpu.txt
+  local c0 c1 t0 t1
+  c0=$(awk '{{print $14+$15}}' /proc/$1/stat); t0=$(date +%s%N); sleep {idle_s}
+  c1=$(awk '{{print $14+$15}}' /proc/$1/stat); t1=$(date +%s%N)
+  echo "$2 idle $R $((c1 - c0)) $(getconf CLK_TCK) $((t1 - t0))" >> $O/cpu.txt
+}}
+lightload() {{  # TAG: idle, then sparse reads of /tmp/m/$F, the server's ($SP) CPU of each
+  sleep 1; idlecpu $SP $1
+{sparse_line}
+}}
 server_pid() {{ $U status --json | jq '.[] | select(.mountpoint == "/tmp/m") | .server_pid'; }}
 runfio() {{  # TAG: every fio job on /tmp/m/$F
   dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
 {fio_lines}
 }}
 cp $D /tmp/dev2.img
-$U ublk-null --size-mb $(( $(stat -c %s $D) >> 20 )) > /tmp/null.dev 2>/tmp/null.err & NP=$!
+$U ublk-null --ublk-poll=off --size-mb $(( $(stat -c %s $D) >> 20 )) > /tmp/null.dev 2>/tmp/null.err & NP=$!
 $U ublk-null --ublk-poll --size-mb $(( $(stat -c %s $D) >> 20 )) > /tmp/nullp.dev 2>/tmp/nullp.err & NPP=$!
 for i in $(seq 100); do [ -s /tmp/null.dev ] && [ -s /tmp/nullp.dev ] && break; sleep 0.2; done
 NULL=$(cat /tmp/null.dev); NULLP=$(cat /tmp/nullp.dev)
@@ -450,14 +469,25 @@ for R in $(seq {rounds}); do
     dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
     dd if=$UB of=/dev/null bs=1M iflag=direct status=none
     dd if=$LR of=/dev/null bs=1M iflag=direct status=none
+    lightload ours_ublk
 {interleaved}
     $U umount /tmp/m
   else echo "VM: ublkd mount --frontend ublk failed"; fi
+  if $U mount --frontend ublk --ublk-poll=off --cache-mb 256 $B /tmp/m; then
+    UB=$(ls -t /dev/ublkb* | grep -vx -e "$NULL" -e "$NULLP" | head -1); SP=$(server_pid)
+    [ $R = 1 ] && qsettings ours_ublk_off $UB
+    dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
+    dd if=$UB of=/dev/null bs=1M iflag=direct status=none
+    lightload ours_ublk_off
+{interleaved_off}
+    $U umount /tmp/m
+  else echo "VM: ublkd mount --frontend ublk --ublk-poll=off failed"; fi
   if $U mount --frontend ublk --ublk-poll --cache-mb 256 $B /tmp/m; then
     UB=$(ls -t /dev/ublkb* | grep -vx -e "$NULL" -e "$NULLP" | head -1); SP=$(server_pid)
     [ $R = 1 ] && qsettings ours_ublk_poll $UB
     dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
     dd if=$UB of=/dev/null bs=1M iflag=direct status=none
+    lightload ours_ublk_poll
 {interleaved_poll}
     $U umount /tmp/m
   else echo "VM: ublkd mount --frontend ublk --ublk-poll failed"; fi
@@ -497,12 +527,17 @@ def vm_script(
              "ours_ublk_raw": "$UB", "ours_ublk": "/tmp/m/$F", "ours_ublk_poll_raw": "$UB",
              "ours_ublk_poll": "/tmp/m/$F"}  # fmt: skip
     inter = [line(t, paths[t], j, "    ") for j in jobs for t in VM_INTERLEAVED]
+    paths |= {"ours_ublk_off_raw": "$UB", "ours_ublk_off": "/tmp/m/$F"}
+    inter_off = [line(t, paths[t], j, "    ") for j in jobs for t in VM_INTERLEAVED_OFF]
     inter_poll = [line(t, paths[t], j, "    ") for j in jobs for t in VM_INTERLEAVED_POLL]
+    sparse = shlex.join([*fio_args(FioJob("psync", 1, 1), "X", VM_IDLE_S)[2:], "--rate_iops=200"])
     seq = [line("$1", "/tmp/m/$F", j, "  ") for j in jobs]
     return VM_SCRIPT.format(
         ublkd=shlex.quote(ublkd), bundle=shlex.quote(str(bundle)), data=shlex.quote(str(data)),
         file=shlex.quote(file), interleaved="\n".join(inter),
-        interleaved_poll="\n".join(inter_poll), fio_lines="\n".join(seq), rounds=rounds,
+        interleaved_off="\n".join(inter_off), interleaved_poll="\n".join(inter_poll),
+        fio_lines="\n".join(seq), rounds=rounds, idle_s=f"{VM_IDLE_S:g}",
+        sparse_line=f"  cpujob $SP $1 /tmp/m/$F sparse200 --name=randread {sparse}",
     )  # fmt: skip
 
 

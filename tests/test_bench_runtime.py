@@ -104,9 +104,12 @@ def _doc() -> dict[str, Any]:
                     "loop_raw": {"psync-j1": {"iops": 2000.0}},
                     "null_ublk_poll": {"psync-j1": {"iops": 1800.0}},
                     "ours_ublk_poll_raw": {"psync-j1": {"iops": 1600.0}},
-                    "ours_ublk_poll": {"psync-j1": {"iops": 950.0}}},
+                    "ours_ublk_poll": {"psync-j1": {"iops": 950.0}},
+                    "ours_ublk_off_raw": {"psync-j1": {"iops": 600.0}},
+                    "ours_ublk_off": {"psync-j1": {"iops": 400.0}}},
         "queues": {"null_ublk": {"scheduler": "none", "nr_hw_queues": "2", "nr_requests": "64"}},
-        "server_cpu": {"null_ublk_poll": {"psync-j1": 0.42}},
+        "server_cpu": {"null_ublk_poll": {"psync-j1": 0.42},
+                       "ours_ublk": {"idle": 0.001, "sparse200": 0.12}},
     }  # fmt: skip
     return {
         "command": "bench/run --quick",
@@ -174,13 +177,16 @@ def test_runtime_tables_and_sections() -> None:
     assert "failed" in rt[3] and rt[3].endswith("| 0.90x |  |")
     sec = randread_section(doc)
     assert "6.12.0" in sec and "VM ours_fuse: not run" in sec
-    # through btrfs: ours ublk / loop, ours ublk --ublk-poll / loop (no fuse row: not run)
-    assert "| psync-j1 | 800 | 950 | 1,000 | 0.80x | 0.95x |" in sec, sec
-    # the raw-device table: null / loop, null poll / loop, ours raw / loop, ours raw poll /
-    # loop, ours raw / null; queue settings; the servers' CPU
-    assert "| 0.75x | 0.90x | 0.60x | 0.80x | 0.80x |" in sec and "best of 2 rounds" in sec
+    # through btrfs: ours ublk (auto) / loop, ours ublk off / loop, ours ublk --ublk-poll /
+    # loop (no fuse row: not run)
+    assert "| psync-j1 | 800 | 400 | 950 | 1,000 | 0.80x | 0.40x | 0.95x |" in sec, sec
+    # the raw-device table: null / loop, null poll / loop, ours raw / loop, ours raw off /
+    # loop, ours raw poll / loop, ours raw off / null; queue settings; the servers' CPU
+    assert "| 0.75x | 0.90x | 0.60x | 0.30x | 0.80x | 0.40x |" in sec, sec
+    assert "best of 2 rounds" in sec
     assert "null ublk: hw queues 2, scheduler none, nr_requests 64" in sec
     assert "null ublk poll psync-j1 0.42" in sec
+    assert "ours ublk idle 0.00, sparse200 0.12" in sec
 
     lz = laziness_section(doc)
     assert "| read /x | 1 | 1.0 MiB | 2 | 2.0 MiB | 2.00x |" in lz
@@ -249,7 +255,8 @@ def test_vm_script_runs_every_job_for_each_target() -> None:
     s = vm_script("/bin/ublkd x", Path("/b"), Path("/d.img"), "large/blob-0.bin", MATRIX, 2.0, 3)
     targets = (("null_ublk", "$NULL", "$NP"), ("null_ublk_poll", "$NULLP", "$NPP"),
                ("loop_raw", "$LR", None), ("ours_ublk_raw", "$UB", "$SP"),
-               ("ours_ublk", "/tmp/m/$F", "$SP"), ("ours_ublk_poll_raw", "$UB", "$SP"),
+               ("ours_ublk", "/tmp/m/$F", "$SP"), ("ours_ublk_off_raw", "$UB", "$SP"),
+               ("ours_ublk_off", "/tmp/m/$F", "$SP"), ("ours_ublk_poll_raw", "$UB", "$SP"),
                ("ours_ublk_poll", "/tmp/m/$F", "$SP"))  # fmt: skip
     for j in MATRIX:
         for tag, path, pid in targets:
@@ -257,14 +264,25 @@ def test_vm_script_runs_every_job_for_each_target() -> None:
             run = f"cpujob {pid} {tag}" if pid else f"fiojob {tag}"
             assert f"{run} {path} {j.name} --name=randread" in s
         assert f"fiojob $1 /tmp/m/$F {j.name} --name=randread" in s
-    # interleaved: per job, each live target in turn; the --ublk-poll mount after them
+    # interleaved: per job, each live target in turn; the default mount (auto), then the
+    # --ublk-poll=off and the --ublk-poll ones after them
     first = s.index("cpujob $NP null_ublk $NULL " + MATRIX[1].name)
     assert all(s.index(f" {t} ", 0) < first for t in VM_INTERLEAVED)
+    auto_mount = s.index("$U mount --frontend ublk --cache-mb")
+    off_mount = s.index("--ublk-poll=off --cache-mb")
     poll_mount = s.index("--ublk-poll --cache-mb")
-    assert s.rindex("cpujob $SP ours_ublk /tmp/m") < poll_mount
-    assert s.index("cpujob $SP ours_ublk_poll ") > poll_mount
+    assert auto_mount < s.index("lightload ours_ublk\n") < s.rindex("cpujob $SP ours_ublk /tmp/m")
+    assert s.rindex("cpujob $SP ours_ublk /tmp/m") < off_mount
+    assert off_mount < s.index("lightload ours_ublk_off\n") < s.index("cpujob $SP ours_ublk_off ")
+    assert s.rindex("cpujob $SP ours_ublk_off ") < poll_mount
+    assert (
+        poll_mount < s.index("lightload ours_ublk_poll\n") < s.index("cpujob $SP ours_ublk_poll ")
+    )
+    # idle and sparse reads: the server's CPU as jobs "idle" and "sparse200"
+    assert "sleep 5\n" in s and '"$2 idle $R' in s
+    assert "cpujob $SP $1 /tmp/m/$F sparse200 --name=randread" in s and "--rate_iops=200" in s
     assert "$O/$tag/$job.r$R.json" in s and "for R in $(seq 3)" in s
-    assert "U='/bin/ublkd x'" in s and "$U ublk-null --size-mb" in s
+    assert "U='/bin/ublkd x'" in s and "$U ublk-null --ublk-poll=off --size-mb" in s
     assert "$U ublk-null --ublk-poll --size-mb" in s
     assert "--frontend ublk" in s and "--frontend fuse" in s
     assert "runfio ours_fuse" in s and "runfio btrfs_loop" in s and "losetup -d $LR $L1 $L2" in s

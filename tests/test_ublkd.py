@@ -28,7 +28,7 @@ import pytest
 
 from btrfs_ublk_image.cli import main as cli
 
-from bundletools import list_dir, list_tar, materialize_data_device
+from bundletools import list_dir, list_tar, losetup, materialize_data_device
 
 ROOT = Path(__file__).resolve().parent.parent
 CHUNK = 1 << 20
@@ -625,7 +625,7 @@ def test_ublk_poll_mount_read_recover_umount(no_leftovers: Path) -> None:
     ublkd("mount", bundle, mnt, "--frontend", "ublk", "--ublk-poll=300000")
     try:
         st = status_of(mnt)
-        assert (st["frontend"], st["ublk_poll_us"]) == ("ublk", 300000)
+        assert (st["frontend"], st["ublk_poll"]) == ("ublk", "300000")
         pid = st["server_pid"]
         assert isinstance(pid, int)
         assert b"--ublk-poll=300000" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -653,7 +653,7 @@ def test_ublk_poll_mount_read_recover_umount(no_leftovers: Path) -> None:
         kill_server(mnt, wait_s=10)
         ublkd("recover", mnt, timeout=120)
         st = status_of(mnt)
-        assert st["server_alive"] is True and st["ublk_poll_us"] == 300000
+        assert st["server_alive"] is True and st["ublk_poll"] == "300000"
         old, pid = pid, st["server_pid"]
         assert isinstance(pid, int) and pid != old
         assert b"--ublk-poll=300000" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -663,6 +663,139 @@ def test_ublk_poll_mount_read_recover_umount(no_leftovers: Path) -> None:
         ublkd("umount", mnt, timeout=120)
     assert status() == []
     assert not list(Path("/dev").glob("ublkb*"))
+
+
+def running_threads(pid: int, settle_s: float) -> list[str]:
+    """Names of `pid`'s threads found running (state R) in each of three looks over
+    `settle_s` seconds: a polling queue thread always is, a sleeping one never (a thread
+    that only wakes now and then, e.g. the stats writer, is not caught in all three)."""
+    looks: list[set[str]] = []
+    for _ in range(3):
+        time.sleep(settle_s / 3)
+        seen = set()
+        for t in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                name, rest = (t / "stat").read_text().rsplit(")", 1)
+            except OSError:
+                continue
+            if rest.split()[0] == "R":
+                seen.add(f"{t.name} {name.split('(', 1)[1]}")
+        looks.append(seen)
+    return sorted(set.intersection(*looks))
+
+
+def hw_queues(st: dict[str, object]) -> int:
+    """Hardware queues of the read-only mount's /dev/ublkbN ("dev2=/dev/ublkbN (...)")."""
+    (dev,) = [
+        str(d).split()[0].removeprefix("dev2=")
+        for d in st["devices"]  # type: ignore[attr-defined]
+        if "dev2=/dev/ublkb" in str(d)
+    ]
+    return len(list(Path(f"/sys/block/{Path(dev).name}/mq").iterdir()))
+
+
+@pytest.mark.vm
+def test_ublk_poll_default_is_auto_and_off_sleeps(no_leftovers: Path) -> None:
+    """Without `--ublk-poll` the server polls adaptively (`auto`: one queue; idle, its
+    threads sleep); another mode is refused while it serves; `--ublk-poll=off` gets one
+    queue per CPU and never polls. Files read back right in both."""
+    tmp = no_leftovers
+    subprocess.run(["modprobe", "ublk_drv"], check=False)
+    bundle, _, files = build_bundle(tmp, "vmpollauto", fresh_seed())
+    mnt, mnt2 = tmp / "mnt", tmp / "mnt2"
+    mnt.mkdir()
+    mnt2.mkdir()
+    ublkd("mount", bundle, mnt, "--frontend", "ublk")
+    try:
+        st = status_of(mnt)
+        assert (st["frontend"], st["ublk_poll"]) == ("ublk", "auto")
+        pid = st["server_pid"]
+        assert isinstance(pid, int)
+        assert b"--ublk-poll=auto" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert hw_queues(st) == 1
+        for _ in range(3):
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            for name in ("data/a.bin", "data/b.bin", "data/c.bin"):
+                assert (mnt / name).read_bytes() == files[name], name
+        # idle after those reads: nothing polls (a long fixed window would: see
+        # test_ublk_poll_serve_raw_device_checksum_sigterm)
+        assert running_threads(pid, settle_s=1.0) == []
+        r = ublkd("mount", bundle, mnt2, "--ublk-poll=off", check=False)
+        assert r.returncode != 0 and "--ublk-poll=auto" in r.stderr, r.stderr
+        assert "--ublk-poll=auto" in ublkd("status").stdout
+    finally:
+        ublkd("umount", mnt, timeout=120)
+    ublkd("mount", bundle, mnt, "--frontend", "ublk", "--ublk-poll=off")
+    try:
+        st = status_of(mnt)
+        assert st["ublk_poll"] == "off"
+        assert hw_queues(st) == min(4, os.cpu_count() or 1)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        assert (mnt / "data" / "c.bin").read_bytes() == files["data/c.bin"]
+        assert running_threads(st["server_pid"], settle_s=1.0) == []  # type: ignore[arg-type]
+    finally:
+        ublkd("umount", mnt, timeout=120)
+    assert status() == []
+    assert not list(Path("/dev").glob("ublkb*"))
+
+
+@pytest.mark.vm
+def test_ublk_serve_sigterm_while_mounted_exits(no_leftovers: Path) -> None:
+    """SIGTERM to `ublkd serve --frontend ublk` (the default, adaptive polling) while a
+    btrfs is still mounted on its device: the server stops the device and exits 0 at
+    once (it does not wait in DEL_DEV for the mount to let go); reads that need the
+    device then fail with EIO, and the device disappears with the umount."""
+    tmp = no_leftovers
+    subprocess.run(["modprobe", "ublk_drv"], check=False)
+    bundle, _, files = build_bundle(tmp, "vmsigmnt", fresh_seed())
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    assert UBLKD is not None
+    p = subprocess.Popen(
+        [UBLKD, "serve", str(bundle), "--frontend", "ublk"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    meta = ""
+    mounted = False
+    try:
+        assert p.stdout is not None and p.stderr is not None
+        ready, _, _ = select.select([p.stdout], [], [], 60)
+        assert ready, "ublkd serve printed no READY line within 60 s"
+        line = p.stdout.readline()
+        assert line.startswith("READY "), line
+        dev = Path(json.loads(line.removeprefix("READY "))["device"])
+        ctrl = Path(f"/dev/ublkc{dev.name.removeprefix('ublkb')}")
+        meta = losetup(bundle / "meta.img")
+        subprocess.run(["btrfs", "device", "scan", meta, str(dev)], check=True, capture_output=True)
+        subprocess.run(
+            ["mount", "-t", "btrfs", "-o", f"ro,device={meta},device={dev}", meta, str(mnt)],
+            check=True,
+        )
+        mounted = True
+        assert (mnt / "data" / "a.bin").read_bytes() == files["data/a.bin"]
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=60) == 0, p.stderr.read()
+        assert time.monotonic() - t0 < 30
+        assert "still open" in p.stderr.read()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        assert read_file(mnt / "data" / "b.bin") == errno.EIO
+        subprocess.run(["umount", str(mnt)], check=True)
+        mounted = False
+        deadline = time.monotonic() + 10
+        while (dev.exists() or ctrl.exists()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not dev.exists() and not ctrl.exists(), "device left after the umount"
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+        if meta:
+            subprocess.run(["losetup", "-d", meta], check=False)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.vm
@@ -696,6 +829,13 @@ def test_ublk_poll_serve_raw_device_checksum_sigterm(no_leftovers: Path) -> None
             while chunk := f.read(1 << 20):
                 h.update(chunk)
         assert h.hexdigest() == hashlib.sha256(want.read_bytes()).hexdigest()
+        # within the 10 s window after a read the queue thread is still polling (the
+        # default, auto, is found asleep: test_ublk_poll_default_is_auto_and_off_sleeps)
+        subprocess.run(
+            ["dd", f"if={dev}", "of=/dev/null", "bs=4k", "count=1", "iflag=direct", "status=none"],
+            check=True,
+        )
+        assert running_threads(p.pid, settle_s=1.0)
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 0, p.stderr.read()
         deadline = time.monotonic() + 10

@@ -3,6 +3,7 @@ VM only (marker `vm`)."""
 
 from __future__ import annotations
 
+import os
 import select
 import signal
 import subprocess
@@ -26,9 +27,15 @@ def _gone(path: Path, timeout: float = 10.0) -> bool:
     return True
 
 
-# --ublk-poll=1000 s: SIGTERM arrives while the queue thread spins, never in its sleep
-@pytest.mark.parametrize("poll", [[], ["--ublk-poll=1000000000"]], ids=["sleep", "poll"])
-def test_ublk_null_serves_reads_and_sigterm_deletes_it(poll: list[str]) -> None:
+# off: libublk's loop, one queue per CPU (2 here); auto (the default): ublkd's poll loop
+# with its adaptive window, one queue; --ublk-poll=1000 s: SIGTERM arrives while the
+# queue thread spins, never in its sleep
+@pytest.mark.parametrize(
+    ("poll", "queues"),
+    [(["--ublk-poll=off"], 2), ([], 1), (["--ublk-poll=1000000000"], 1)],
+    ids=["sleep", "auto", "poll"],
+)
+def test_ublk_null_serves_reads_and_sigterm_deletes_it(poll: list[str], queues: int) -> None:
     exe = ublkd_binary()
     assert exe is not None
     subprocess.run(["modprobe", "ublk_drv"], check=True)
@@ -50,6 +57,9 @@ def test_ublk_null_serves_reads_and_sigterm_deletes_it(poll: list[str]) -> None:
         ).stdout
         assert int(size) == 8 << 20
         assert (Path("/sys/block") / dev.name / "ro").read_text().strip() == "1"
+        # (the kernel gives at most one queue per CPU)
+        hw_queues = len(list((Path("/sys/block") / dev.name / "mq").iterdir()))
+        assert hw_queues == min(queues, os.cpu_count() or 1)
         # every read completes at once: the whole device with O_DIRECT
         subprocess.run(
             ["dd", f"if={dev}", "of=/dev/null", "bs=64k", "iflag=direct", "status=none"],

@@ -64,10 +64,8 @@ enum Cmd {
         /// ublk queues (as `serve --threads`).
         #[arg(long, default_value_t = 4)]
         threads: usize,
-        /// Busy-poll each queue US microseconds after its last request (as `serve
-        /// --ublk-poll`).
-        #[arg(long, value_name = "US", num_args = 0..=1, require_equals = true, default_missing_value = frontend::ublk::DEFAULT_POLL_US)]
-        ublk_poll: Option<u64>,
+        #[command(flatten)]
+        poll: frontend::ublk::PollArg,
     },
 }
 
@@ -95,13 +93,9 @@ fn main() {
         Cmd::Recover { mountpoint } => ops::recover(&mountpoint),
         Cmd::Record { mountpoint, output } => ops::record(&mountpoint, &output),
         Cmd::Serve(a) => server::serve(a),
-        Cmd::UblkNull {
-            size_mb,
-            threads,
-            ublk_poll,
-        } => frontend::ublk::serve_null(
+        Cmd::UblkNull { size_mb, threads, poll } => frontend::ublk::serve_null(
             size_mb << 20,
-            frontend::ublk::Options::with_threads(threads).with_poll(ublk_poll),
+            frontend::ublk::Options::with_threads(threads).with_poll(poll.mode()),
         ),
     };
     if let Err(e) = res {
@@ -113,28 +107,45 @@ fn main() {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use frontend::ublk::PollMode;
 
-    fn mount_poll(args: &[&str]) -> Option<u64> {
-        let base = ["ublkd", "mount", "/b", "/m"];
-        let cli = Cli::try_parse_from(base.iter().chain(args)).unwrap();
+    fn poll_of(args: &[&str]) -> Option<PollMode> {
+        let cli = Cli::try_parse_from(args).unwrap();
         match cli.cmd {
-            Cmd::Mount(a) => a.ublk_poll,
+            Cmd::Mount(a) => a.poll.ublk_poll,
+            Cmd::Serve(a) => a.poll.ublk_poll,
+            Cmd::UblkNull { poll, .. } => poll.ublk_poll,
             _ => unreachable!(),
         }
     }
 
     #[test]
-    fn ublk_poll_is_off_by_default_and_takes_an_optional_value() {
-        assert_eq!(mount_poll(&[]), None);
-        let default: u64 = frontend::ublk::DEFAULT_POLL_US.parse().unwrap();
-        assert_eq!(mount_poll(&["--ublk-poll"]), Some(default));
-        assert_eq!(mount_poll(&["--ublk-poll=50"]), Some(50));
+    fn ublk_poll_is_auto_by_default_and_parses_the_same_everywhere() {
+        let fixed = PollMode::Fixed(frontend::ublk::DEFAULT_POLL_US.parse().unwrap());
+        for base in [
+            &["ublkd", "mount", "/b", "/m"][..],
+            &["ublkd", "serve", "/b"],
+            &["ublkd", "ublk-null", "--size-mb", "8"],
+        ] {
+            let with = |extra: &str| poll_of(&[base, &[extra]].concat());
+            // not given: a new server polls adaptively (a mount follows an existing one)
+            assert_eq!(poll_of(base), None);
+            assert_eq!(frontend::ublk::PollArg::default().mode(), PollMode::Auto);
+            assert_eq!(with("--ublk-poll"), Some(fixed));
+            assert_eq!(with("--ublk-poll=50"), Some(PollMode::Fixed(50)));
+            assert_eq!(with("--ublk-poll=auto"), Some(PollMode::Auto));
+            assert_eq!(with("--ublk-poll=off"), Some(PollMode::Off));
+            assert_eq!(with("--ublk-poll=0"), Some(PollMode::Off));
+            let bad = Cli::try_parse_from([base, &["--ublk-poll=x"]].concat())
+                .map(|_| ())
+                .unwrap_err();
+            assert!(bad.to_string().contains("auto, off or a number"), "{bad}");
+        }
         // a bare flag does not swallow the next argument as its value
         let cli = Cli::try_parse_from(["ublkd", "serve", "--ublk-poll", "/b"]).unwrap();
         match cli.cmd {
-            Cmd::Serve(a) => assert_eq!((a.ublk_poll, a.bundle.as_str()), (Some(default), "/b")),
+            Cmd::Serve(a) => assert_eq!((a.poll.ublk_poll, a.bundle.as_str()), (Some(fixed), "/b")),
             _ => unreachable!(),
         }
-        assert!(Cli::try_parse_from(["ublkd", "mount", "/b", "/m", "--ublk-poll=x"]).is_err());
     }
 }

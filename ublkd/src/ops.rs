@@ -3,6 +3,7 @@
 
 use crate::bundle::Bundle;
 use crate::frontend::fuse::Dev2Cache;
+use crate::frontend::ublk::{PollArg, PollMode};
 use crate::frontend::{self, Kind};
 use crate::plumbing::{btrfs, loopdev, mount as mnt};
 use crate::remote::{self, RemoteArgs};
@@ -67,13 +68,8 @@ pub struct MountArgs {
     /// Do not apply the bundle's prefetch.trace.
     #[arg(long, conflicts_with = "prefetch")]
     pub no_prefetch: bool,
-    /// ublk frontend: after each request, busy-poll the queue for US microseconds
-    /// before sleeping (default with the flag alone: 2000), so a request arriving
-    /// meanwhile costs no wakeup of the server; one queue instead of one per CPU. Costs
-    /// CPU while requests keep coming (docs/ublkd.md). A property of the bundle's server,
-    /// like --dev2-cache.
-    #[arg(long, value_name = "US", num_args = 0..=1, require_equals = true, default_missing_value = crate::frontend::ublk::DEFAULT_POLL_US)]
-    pub ublk_poll: Option<u64>,
+    #[command(flatten)]
+    pub poll: PollArg,
 }
 
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -157,7 +153,7 @@ fn spawn_server(
     kind: Kind,
     cache_mb: u64,
     dev2_cache: Dev2Cache,
-    ublk_poll: Option<u64>,
+    ublk_poll: PollMode,
     recover: Option<i32>,
 ) -> Result<(Ready, ServerRecord)> {
     let (bundle, dir, image_id) = (b.bundle.as_str(), &b.dir(), b.image_id.as_str());
@@ -179,8 +175,8 @@ fn spawn_server(
     if let Some(id) = recover {
         cmd.args(["--ublk-recover", &id.to_string()]);
     }
-    if let (Kind::Ublk, Some(us)) = (kind, ublk_poll) {
-        cmd.arg(format!("--ublk-poll={us}"));
+    if kind == Kind::Ublk {
+        cmd.arg(format!("--ublk-poll={ublk_poll}"));
     }
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log));
     // SAFETY: setsid is async-signal-safe; the server must not die with our terminal.
@@ -216,7 +212,8 @@ fn spawn_server(
                 ublk_id: r.ublk_id,
                 dev2_cache: r.dev2_cache,
                 cache_mb: Some(cache_mb),
-                ublk_poll_us: r.ublk_id.and(ublk_poll),
+                ublk_poll: r.ublk_id.and(Some(ublk_poll)),
+                ublk_poll_us: None,
             };
             // the server outlives us; it is reaped by init once we exit
             std::mem::forget(child);
@@ -483,7 +480,7 @@ fn ensure_server(
     kind: Kind,
     cache_mb: u64,
     dev2_cache: (Dev2Cache, bool),
-    ublk_poll: Option<u64>,
+    ublk_poll: Option<PollMode>,
     me: &str,
 ) -> Result<ServerRecord> {
     if let Some(s) = &b.server {
@@ -506,12 +503,11 @@ fn ensure_server(
                 s.pid
             );
             ensure!(
-                ublk_poll.is_none() || s.ublk_id.is_none() || s.ublk_poll_us == ublk_poll,
-                "bundle {} is already served {} (pid {}; the mode holds for all its mounts): omit --ublk-poll to \
-                 follow it, or unmount the bundle's mounts first",
+                ublk_poll.is_none() || s.ublk_id.is_none() || Some(s.ublk_poll_mode()) == ublk_poll,
+                "bundle {} is already served with --ublk-poll={} (pid {}; the mode holds for all its mounts): omit \
+                 --ublk-poll to follow it, or unmount the bundle's mounts first",
                 b.bundle,
-                s.ublk_poll_us
-                    .map_or("without --ublk-poll".into(), |us| format!("with --ublk-poll={us}")),
+                s.ublk_poll_mode(),
                 s.pid
             );
             return Ok(s.clone());
@@ -531,7 +527,7 @@ fn ensure_server(
         );
     }
     std::fs::create_dir_all(b.dir()).with_context(|| format!("{}: mkdir", b.dir().display()))?;
-    let (_ready, srv) = spawn_server(b, kind, cache_mb, dev2_cache.0, ublk_poll, None)?;
+    let (_ready, srv) = spawn_server(b, kind, cache_mb, dev2_cache.0, ublk_poll.unwrap_or_default(), None)?;
     b.server = Some(srv.clone());
     b.save()?;
     Ok(srv)
@@ -803,7 +799,7 @@ pub fn mount(args: MountArgs) -> Result<()> {
         kind,
         args.cache_mb,
         (dev2_cache, args.dev2_cache.is_some()),
-        args.ublk_poll,
+        args.poll.ublk_poll,
         &id,
     )?;
     let _same_fsid = claim_fsid(&b)?;
@@ -1160,7 +1156,14 @@ pub fn recover(mountpoint: &Path) -> Result<()> {
         Some(id) => {
             frontend::ublk::begin_recovery(id)?;
             // the new server polls as the old one did
-            let (_r, srv) = spawn_server(&b, Kind::Ublk, cache_mb, Dev2Cache::Direct, old.ublk_poll_us, Some(id))?;
+            let (_r, srv) = spawn_server(
+                &b,
+                Kind::Ublk,
+                cache_mb,
+                Dev2Cache::Direct,
+                old.ublk_poll_mode(),
+                Some(id),
+            )?;
             b.server = Some(srv);
         }
         None => {
@@ -1174,7 +1177,7 @@ pub fn recover(mountpoint: &Path) -> Result<()> {
                 None if loops.iter().any(|l| !l.direct_io) => Dev2Cache::Page,
                 None => Dev2Cache::Direct,
             };
-            let (r, srv) = spawn_server(&b, Kind::Fuse, cache_mb, cache, None, None)?;
+            let (r, srv) = spawn_server(&b, Kind::Fuse, cache_mb, cache, PollMode::Off, None)?;
             let f = frontend::fuse::open_for_loop(&r.device, cache)?;
             for l in &loops {
                 if let Err(e) = loopdev::change_fd(l.number, &f) {
@@ -1217,8 +1220,8 @@ struct StatusEntry<'a> {
     dev2_cache: Option<&'static str>,
     /// the server's `--cache-mb` (none for servers recorded before it was kept)
     cache_mb: Option<u64>,
-    /// ublk: the server's `--ublk-poll` in microseconds (none: it does not poll)
-    ublk_poll_us: Option<u64>,
+    /// ublk: the server's `--ublk-poll` mode (auto, off, or a window in microseconds)
+    ublk_poll: Option<PollMode>,
     devices: Vec<String>,
     /// the bundle server's counters (shared by every mount of the bundle)
     #[serde(flatten)]
@@ -1284,7 +1287,11 @@ pub fn status(json: bool) -> Result<()> {
             server_alive: b.server.as_ref().is_some_and(state::server_alive),
             dev2_cache: b.server.as_ref().and_then(server_dev2_cache),
             cache_mb: b.server.as_ref().and_then(|s| s.cache_mb),
-            ublk_poll_us: b.server.as_ref().and_then(|s| s.ublk_poll_us),
+            ublk_poll: b
+                .server
+                .as_ref()
+                .filter(|s| s.ublk_id.is_some())
+                .map(ServerRecord::ublk_poll_mode),
             devices,
             stats,
         });
@@ -1314,7 +1321,8 @@ pub fn status(json: bool) -> Result<()> {
                 s.device,
                 server_dev2_cache(s).map_or(String::new(), |c| format!(", dev2-cache {c}")),
                 s.cache_mb.map_or(String::new(), |m| format!(", chunk cache {m} MiB")),
-                s.ublk_poll_us.map_or(String::new(), |us| format!(", --ublk-poll={us}")),
+                s.ublk_id
+                    .map_or(String::new(), |_| format!(", --ublk-poll={}", s.ublk_poll_mode())),
             ),
             None => println!("  server   -"),
         }

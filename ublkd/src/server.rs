@@ -52,10 +52,8 @@ pub struct ServeArgs {
     /// Reattach to an existing ublk device left by a dead server (USER_RECOVERY).
     #[arg(long)]
     pub ublk_recover: Option<i32>,
-    /// ublk: busy-poll each queue US microseconds after its last request (see `ublkd
-    /// mount --help`); one queue.
-    #[arg(long, value_name = "US", num_args = 0..=1, require_equals = true, default_missing_value = frontend::ublk::DEFAULT_POLL_US)]
-    pub ublk_poll: Option<u64>,
+    #[command(flatten)]
+    pub poll: frontend::ublk::PollArg,
     #[command(flatten)]
     pub remote: RemoteArgs,
 }
@@ -231,7 +229,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             let stopper = frontend::ublk::Stopper::default();
             let opts = frontend::ublk::Options {
                 recover_id: args.ublk_recover,
-                ..frontend::ublk::Options::with_threads(args.threads).with_poll(args.ublk_poll)
+                ..frontend::ublk::Options::with_threads(args.threads).with_poll(args.poll.mode())
             };
             let tx_ready = tx.clone();
             let tx_end = tx.clone();
@@ -255,15 +253,21 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                     Err(e) => Event::Failed(format!("{e:#}")),
                 });
             })?;
-            let mut live = false;
+            let mut live: Option<String> = None;
             loop {
                 match rx.recv().context("event channel")? {
                     Event::Ready(r) => {
                         announce(&r)?;
-                        live = true;
+                        live = Some(r.device);
                     }
                     Event::Signal(s) => {
                         log::info!("{s}: stopping, deleting the ublk device");
+                        if let Some(bdev) = live.as_deref().filter(|b| frontend::ublk::claimed(b)) {
+                            log::warn!(
+                                "{bdev} is still open (mounted?): it is deleted once its last user closes it; \
+                                 reads fail with EIO until then"
+                            );
+                        }
                         stopper.stop();
                         let _ = worker.join();
                         stopper.delete();
@@ -274,7 +278,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                         break;
                     }
                     Event::Failed(m) => {
-                        if live {
+                        if live.is_some() {
                             log::error!("{m}");
                             break;
                         }

@@ -12,6 +12,7 @@
 //! it locked is still the one at the path, so a waiter never holds a stale lock.
 
 use crate::frontend::fuse::Dev2Cache;
+use crate::frontend::ublk::PollMode;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
@@ -142,12 +143,22 @@ pub struct ServerRecord {
     /// none in records written before it was kept.
     #[serde(default)]
     pub cache_mb: Option<u64>,
-    /// ublk: the server's `--ublk-poll` (microseconds of busy-polling), none: it sleeps.
-    #[serde(default)]
+    /// ublk: the server's `--ublk-poll` mode (`auto`, `off`, or microseconds of a fixed
+    /// window); none in records written before the mode was kept (see `ublk_poll_us`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ublk_poll: Option<PollMode>,
+    /// Records of session 4's ublkd: its `--ublk-poll=US` (none: it slept). Read only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ublk_poll_us: Option<u64>,
 }
 
 impl ServerRecord {
+    /// The ublk server's polling mode; an old record's: a fixed window or off, as then.
+    pub fn ublk_poll_mode(&self) -> PollMode {
+        self.ublk_poll
+            .unwrap_or_else(|| self.ublk_poll_us.map_or(PollMode::Off, PollMode::Fixed))
+    }
+
     /// The mode of a fuse server's `dev2`, which every loop device on it follows.
     pub fn fuse_dev2_cache(&self) -> Dev2Cache {
         self.dev2_cache.unwrap_or(Dev2Cache::Direct)

@@ -21,9 +21,8 @@ pub struct Options {
     pub io_buf_bytes: u32,
     /// Reattach to this existing (quiesced) device instead of adding a new one.
     pub recover_id: Option<i32>,
-    /// Busy-poll the queue rings for this long after the last request before sleeping
-    /// (None: sleep in io_uring_enter at once, libublk's loop). See [`poll_loop`].
-    pub poll: Option<Duration>,
+    /// What the queue thread does between requests. See [`poll_loop`].
+    pub poll: PollMode,
 }
 
 impl Options {
@@ -36,23 +35,156 @@ impl Options {
         }
     }
 
-    /// `--ublk-poll[=US]`: poll for `us` microseconds, with ONE queue: the kernel pins
-    /// queue N's thread to CPU N, the CPU whose submitters it serves, where a polling
-    /// thread would compete with them; one queue's thread may run on any CPU.
-    pub fn with_poll(self, us: Option<u64>) -> Options {
-        match us {
-            Some(us) => Options {
-                nr_queues: 1,
-                poll: Some(Duration::from_micros(us)),
-                ..self
-            },
-            None => self,
+    /// `--ublk-poll`: a polling mode gets ONE queue: the kernel pins queue N's thread to
+    /// CPU N, the CPU whose submitters it serves, where a polling thread would compete
+    /// with them; one queue's thread may run on any CPU. `off` keeps `threads` queues.
+    pub fn with_poll(self, poll: PollMode) -> Options {
+        let nr_queues = if poll == PollMode::Off { self.nr_queues } else { 1 };
+        Options {
+            nr_queues,
+            poll,
+            ..self
         }
     }
 }
 
-/// `--ublk-poll` without a value, in microseconds.
+/// `--ublk-poll` without a value: a fixed window of this many microseconds.
 pub const DEFAULT_POLL_US: &str = "2000";
+
+/// The longest window of `--ublk-poll=auto`, and the longest gap between two requests it
+/// grows its window for.
+pub const AUTO_POLL_MAX: Duration = Duration::from_millis(2);
+
+/// How the queue thread waits for the next request (`--ublk-poll`, a property of the
+/// bundle's server).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PollMode {
+    /// Sleep in io_uring_enter at once (libublk's loop), one queue per `--threads`.
+    Off,
+    /// Poll for a window that follows how close together requests arrive
+    /// ([`PollWindow`]): none while the device is idle or sparsely used.
+    #[default]
+    Auto,
+    /// Poll for this many microseconds after every batch.
+    Fixed(u64),
+}
+
+impl std::str::FromStr for PollMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(PollMode::Auto),
+            "off" | "0" => Ok(PollMode::Off),
+            _ => s
+                .parse::<u64>()
+                .map(PollMode::Fixed)
+                .map_err(|_| format!("{s:?}: expected auto, off or a number of microseconds")),
+        }
+    }
+}
+
+impl std::fmt::Display for PollMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PollMode::Off => f.write_str("off"),
+            PollMode::Auto => f.write_str("auto"),
+            PollMode::Fixed(us) => write!(f, "{us}"),
+        }
+    }
+}
+
+impl serde::Serialize for PollMode {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for PollMode {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// `--ublk-poll`, one definition for `mount`, `serve` and `ublk-null`.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct PollArg {
+    /// ublk frontend: what the server's queue thread does between requests. auto (the
+    /// default): after each request it busy-polls its ring for a window that grows while
+    /// requests keep arriving close together (up to 2 ms) and shrinks to nothing when
+    /// they do not, so a request arriving meanwhile costs no wakeup of the server while
+    /// an idle or sparsely read device costs no CPU. US: always poll that many
+    /// microseconds (the flag alone: 2000). off (or 0): always sleep, one queue per
+    /// --threads. A property of the bundle's server, like --dev2-cache (docs/ublkd.md).
+    #[arg(long = "ublk-poll", value_name = "MODE", num_args = 0..=1, require_equals = true, default_missing_value = DEFAULT_POLL_US)]
+    pub ublk_poll: Option<PollMode>,
+}
+
+impl PollArg {
+    /// The mode a new server runs with: the one given, else the default.
+    pub fn mode(&self) -> PollMode {
+        self.ublk_poll.unwrap_or_default()
+    }
+}
+
+/// `--ublk-poll=auto`'s window, kept apart from the loop so it can be tested: how long to
+/// poll after a batch, learnt from the gaps between batches. A gap is *close* when it
+/// is at most `max` (some window would have caught the request), else *late*.
+/// * The window: a close request that it missed grows it to twice that gap (at least
+///   [`Self::MIN`], at most `max`); a late one halves it (below `MIN`: 0).
+/// * Whether to poll at all: a score counts close requests up (+1, to
+///   [`Self::SCORE_MAX`]) and late ones down (-2); the thread polls only while it is at
+///   least [`Self::SCORE_ON`], i.e. while about two in three requests come close
+///   together. Random sparse reads (200/s at random times: a third of the gaps under
+///   2 ms) would otherwise keep a window open that mostly times out.
+///
+/// It starts asleep: a device nobody reads costs nothing.
+#[derive(Debug, Clone)]
+pub struct PollWindow {
+    max: Duration,
+    cur: Duration,
+    score: u8,
+}
+
+impl PollWindow {
+    pub const MIN: Duration = Duration::from_micros(16);
+    pub const SCORE_ON: u8 = 4;
+    pub const SCORE_MAX: u8 = 8;
+
+    pub fn new(max: Duration) -> PollWindow {
+        PollWindow {
+            max,
+            cur: Duration::ZERO,
+            score: 0,
+        }
+    }
+
+    /// How long to poll after the batch just handled.
+    pub fn window(&self) -> Duration {
+        if self.score >= Self::SCORE_ON {
+            self.cur
+        } else {
+            Duration::ZERO
+        }
+    }
+
+    /// The next request was seen `gap` after the previous batch was done (caught while
+    /// polling, or after a sleep: then `gap` includes the wakeup).
+    pub fn arrived(&mut self, gap: Duration) {
+        if gap <= self.max {
+            self.score = (self.score + 1).min(Self::SCORE_MAX);
+            if gap > self.cur {
+                self.cur = (gap * 2).clamp(Self::MIN, self.max);
+            }
+        } else {
+            self.score = self.score.saturating_sub(2);
+            self.cur /= 2;
+            if self.cur < Self::MIN {
+                self.cur = Duration::ZERO;
+            }
+        }
+    }
+}
 
 impl Default for Options {
     fn default() -> Self {
@@ -61,7 +193,7 @@ impl Default for Options {
             depth: 64,
             io_buf_bytes: 512 << 10,
             recover_id: None,
-            poll: None,
+            poll: PollMode::Off,
         }
     }
 }
@@ -126,8 +258,8 @@ fn handle<R: Reads>(dev: &R, q: &UblkQueue, tag: u16, buf: &mut [u8]) -> i32 {
     }
 }
 
-fn queue_fn<R: Reads>(qid: u16, udev: &UblkDev, dev: Arc<R>, poll: Option<Duration>) {
-    if poll.is_some() {
+fn queue_fn<R: Reads>(qid: u16, udev: &UblkDev, dev: Arc<R>, poll: PollMode) {
+    if poll != PollMode::Off {
         // the spin checks IORING_SQ_TASKRUN in memory instead of entering the kernel
         let ring = libublk::ublk_init_task_ring(|cell| {
             if cell.get().is_none() {
@@ -168,15 +300,33 @@ fn queue_fn<R: Reads>(qid: u16, udev: &UblkDev, dev: Arc<R>, poll: Option<Durati
         }
     };
     match poll {
-        None => queue.wait_and_handle_io(move |q, tag, _io| handler(q, tag)),
-        Some(spin) => poll_loop(&queue, handler, spin),
+        PollMode::Off => queue.wait_and_handle_io(move |q, tag, _io| handler(q, tag)),
+        PollMode::Fixed(us) => {
+            let us = Duration::from_micros(us);
+            poll_loop(&queue, handler, || us, |_| {})
+        }
+        PollMode::Auto => {
+            let w = std::cell::RefCell::new(PollWindow::new(AUTO_POLL_MAX));
+            poll_loop(
+                &queue,
+                handler,
+                || w.borrow().window(),
+                |gap| w.borrow_mut().arrived(gap),
+            )
+        }
     }
 }
 
-/// The queue loop of `--ublk-poll`: after each batch keep checking the ring (in memory:
-/// IORING_SQ_TASKRUN, queued commits, posted CQEs) for `spin` before sleeping in
-/// io_uring_enter. A request arriving meanwhile costs no wakeup of this thread.
-fn poll_loop(q: &UblkQueue, mut handler: impl FnMut(&UblkQueue, u16), spin: Duration) {
+/// The queue loop of `--ublk-poll=auto|US`: after each batch keep checking the ring (in
+/// memory: IORING_SQ_TASKRUN, queued commits, posted CQEs) for `window()` before
+/// sleeping in io_uring_enter. A request arriving meanwhile costs no wakeup of this
+/// thread. `arrived(gap)` hears how long after the previous batch each new one came.
+fn poll_loop(
+    q: &UblkQueue,
+    mut handler: impl FnMut(&UblkQueue, u16),
+    window: impl Fn() -> Duration,
+    mut arrived: impl FnMut(Duration),
+) {
     let mut on_cqe = |_: u64, cqe: &io_uring::cqueue::Entry, _: bool| {
         // what libublk's own loop hands its handler: fetched requests, not aborts
         let data = cqe.user_data();
@@ -184,7 +334,9 @@ fn poll_loop(q: &UblkQueue, mut handler: impl FnMut(&UblkQueue, u16), spin: Dura
             handler(q, UblkIOCtx::user_data_to_tag(data) as u16);
         }
     };
+    let mut st = PollStats::default();
     let mut last = Instant::now();
+    let mut spin = window();
     // after a batch, flush once more: it submits the commits and it is where libublk
     // notices an aborted (stopped) queue and returns QueueIsDown
     let mut again = false;
@@ -197,16 +349,42 @@ fn poll_loop(q: &UblkQueue, mut handler: impl FnMut(&UblkQueue, u16), spin: Dura
             std::hint::spin_loop();
             continue;
         }
+        if !pending {
+            st.sleeps += 1;
+            st.wasted += spin;
+        }
         match q.flush_and_wake_io_tasks(&mut on_cqe, usize::from(!pending)) {
             Ok(n) => {
-                again = n > 0;
-                if again {
+                if n > 0 {
+                    let gap = last.elapsed();
+                    st.gaps_log2_us[(64 - (gap.as_micros() as u64).leading_zeros() as usize).min(15)] += 1;
+                    if pending && !again {
+                        st.hits += 1;
+                        st.polled += gap;
+                    }
+                    arrived(gap);
                     last = Instant::now();
+                    spin = window();
                 }
+                again = n > 0;
             }
             Err(_) => break,
         }
     }
+    log::debug!("ublk queue: {st:?}");
+}
+
+/// What a queue's polling did, for `RUST_LOG=debug` when it stops: requests caught
+/// while polling and the time polled for them, sleeps and the windows that ran out
+/// before them, and the gaps between batches (`gaps_log2_us[i]`: gaps of 2^(i-1) to
+/// 2^i microseconds).
+#[derive(Debug, Default)]
+struct PollStats {
+    hits: u64,
+    polled: Duration,
+    sleeps: u64,
+    wasted: Duration,
+    gaps_log2_us: [u64; 16],
 }
 
 /// With one hw queue the kernel gives the device mq-deadline (with several: none); its
@@ -293,6 +471,17 @@ pub fn run<R: Reads>(
     Ok(())
 }
 
+/// Does someone hold `bdev` exclusively (a mounted filesystem)? A best-effort probe
+/// for the log: an exclusive open fails with EBUSY then.
+pub fn claimed(bdev: &str) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    let r = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL)
+        .open(bdev);
+    matches!(r, Err(e) if e.raw_os_error() == Some(libc::EBUSY))
+}
+
 /// Lets the signal thread kill the device so the queue threads return.
 #[derive(Clone, Default)]
 pub struct Stopper(Arc<std::sync::Mutex<Option<Arc<UblkCtrl>>>>);
@@ -315,9 +504,13 @@ impl Stopper {
         });
     }
 
+    /// Delete the (stopped) device without waiting for its openers: the plain DEL_DEV
+    /// waits until the last one closes it, which for a filesystem still mounted on it
+    /// is its umount, so a server SIGTERMed under a mount would never exit. The kernel
+    /// frees the device when the last opener is gone; until then reads fail (EIO).
     pub fn delete(&self) {
         self.with_ctrl(|c| {
-            let _ = c.del_dev();
+            let _ = c.del_dev_async();
         });
     }
 }
@@ -356,17 +549,123 @@ mod tests {
     #[test]
     fn polling_uses_one_queue_and_keeps_the_rest() {
         let o = Options::with_threads(4);
-        assert_eq!((o.nr_queues, o.poll), (4, None));
-        let o = Options::with_threads(4).with_poll(None);
-        assert_eq!((o.nr_queues, o.poll), (4, None));
+        assert_eq!((o.nr_queues, o.poll), (4, PollMode::Off));
+        let o = Options::with_threads(4).with_poll(PollMode::Off);
+        assert_eq!((o.nr_queues, o.poll), (4, PollMode::Off));
+        let o = Options::with_threads(4).with_poll(PollMode::Auto);
+        assert_eq!((o.nr_queues, o.poll), (1, PollMode::Auto));
         let o = Options {
             recover_id: Some(3),
-            ..Options::with_threads(4).with_poll(Some(250))
+            ..Options::with_threads(4).with_poll(PollMode::Fixed(250))
         };
-        assert_eq!(
-            (o.nr_queues, o.poll, o.recover_id),
-            (1, Some(Duration::from_micros(250)), Some(3))
-        );
+        assert_eq!((o.nr_queues, o.poll, o.recover_id), (1, PollMode::Fixed(250), Some(3)));
         assert_eq!(o.depth, Options::default().depth);
+    }
+
+    #[test]
+    fn poll_mode_round_trips_as_text() {
+        for m in [PollMode::Off, PollMode::Auto, PollMode::Fixed(2000)] {
+            assert_eq!(m.to_string().parse::<PollMode>(), Ok(m));
+            let j = serde_json::to_string(&m).unwrap();
+            assert_eq!(serde_json::from_str::<PollMode>(&j).unwrap(), m);
+        }
+        assert_eq!(serde_json::to_string(&PollMode::Fixed(7)).unwrap(), "\"7\"");
+        assert!("-1".parse::<PollMode>().is_err());
+        assert!(serde_json::from_str::<PollMode>("\"fast\"").is_err());
+    }
+
+    const MAX: Duration = Duration::from_millis(2);
+
+    fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
+    /// A window that has seen `n` requests `gap` apart.
+    fn after(n: usize, gap: Duration) -> PollWindow {
+        let mut w = PollWindow::new(MAX);
+        for _ in 0..n {
+            w.arrived(gap);
+        }
+        w
+    }
+
+    #[test]
+    fn poll_window_starts_asleep_and_covers_gaps_between_close_requests() {
+        assert_eq!(PollWindow::new(MAX).window(), Duration::ZERO);
+        // requests 100 us apart: polling starts with the fourth, covering twice the gap
+        let mut w = PollWindow::new(MAX);
+        let mut seen = vec![];
+        for _ in 0..5 {
+            w.arrived(us(100));
+            seen.push(w.window().as_micros());
+        }
+        assert_eq!(seen, [0, 0, 0, 200, 200]);
+        // caught by the window: it stays; a longer close gap widens it, never beyond max
+        w.arrived(us(10));
+        assert_eq!(w.window(), us(200));
+        w.arrived(us(300));
+        assert_eq!(w.window(), us(600));
+        w.arrived(us(1500));
+        assert_eq!(w.window(), MAX);
+        // tiny gaps still poll a little
+        assert_eq!(after(4, us(1)).window(), PollWindow::MIN);
+    }
+
+    #[test]
+    fn poll_window_survives_a_late_request_but_backs_off_when_requests_are_sparse() {
+        let mut w = after(10, us(200));
+        assert_eq!(w.window(), us(400));
+        // one late request among close ones (the reader was descheduled): still polls
+        w.arrived(us(50_000));
+        assert_eq!(w.window(), us(200));
+        w.arrived(us(300));
+        assert_eq!(w.window(), us(600));
+        // 200 reads a second, evenly (5 ms apart): off after a few, and stays off
+        let mut seen = vec![];
+        for _ in 0..4 {
+            w.arrived(us(5000));
+            seen.push(w.window().as_micros());
+        }
+        assert_eq!(seen, [300, 0, 0, 0]);
+        for _ in 0..100 {
+            w.arrived(us(5000));
+        }
+        assert_eq!(w.window(), Duration::ZERO);
+        // a run of close requests brings it back
+        for _ in 0..3 {
+            w.arrived(us(50));
+        }
+        assert_eq!(w.window(), Duration::ZERO);
+        w.arrived(us(50));
+        assert_eq!(w.window(), us(100));
+    }
+
+    /// The share of the time `PollWindow` polls under Poisson arrivals of mean `gap`.
+    fn poisson_poll_share(gap: Duration) -> f64 {
+        let mut w = PollWindow::new(MAX);
+        let mut x: u64 = 0x2545F4914F6CDD1D;
+        let (mut polled, mut total) = (Duration::ZERO, Duration::ZERO);
+        for _ in 0..20000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+            let g = gap.mul_f64(-(1.0 - u).ln());
+            polled += w.window().min(g);
+            total += g;
+            w.arrived(g);
+        }
+        polled.as_secs_f64() / total.as_secs_f64()
+    }
+
+    #[test]
+    fn poll_window_mostly_sleeps_under_random_sparse_arrivals() {
+        // 200 reads/s at random times: a third of the gaps are under `max`, yet the
+        // window must stay shut nearly all the time (what its polls would cost)
+        let sparse = poisson_poll_share(us(5000));
+        assert!(sparse < 0.02, "polled {sparse:.3} of the time");
+        // 5000/s: polls most of the time (requests keep coming)
+        let busy = poisson_poll_share(us(200));
+        assert!(busy > 0.5, "polled {busy:.3} of the time");
     }
 }
