@@ -1263,7 +1263,7 @@ pub fn status(json: bool) -> Result<()> {
             devices.push(format!("{} on {server_dev}", loop_desc("dev2", r)));
         }
         if let Some(node) = shared.and_then(|sh| sh.dev2_node.as_ref()) {
-            devices.push(format!("dev2={node} (the server's device)"));
+            devices.push(format!("dev2={node}"));
         }
         if let Some(r) = rw {
             devices.push(loop_desc(if shared.is_some() { "scratch" } else { "rw" }, r));
