@@ -684,8 +684,40 @@ def running_threads(pid: int, settle_s: float) -> list[str]:
     return sorted(set.intersection(*looks))
 
 
+def first_line(p: subprocess.Popen[str], none: str, timeout: float = 60) -> str:
+    """The first line that ``p`` (started with stdout=PIPE) prints; the test fails with
+    ``none`` if it prints nothing within ``timeout`` seconds."""
+    assert p.stdout is not None
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    assert ready, f"{none} within {timeout:g} s"
+    return p.stdout.readline()
+
+
+def serve_ready_device(p: subprocess.Popen[str]) -> Path:
+    """The /dev/ublkbN that a started `ublkd serve --frontend ublk` names in its READY line."""
+    line = first_line(p, "ublkd serve printed no READY line")
+    assert line.startswith("READY "), line
+    return Path(json.loads(line.removeprefix("READY "))["device"])
+
+
+def ublk_ctrl(dev: Path) -> Path:
+    """The control node (/dev/ublkcN) of a ublk block device (/dev/ublkbN)."""
+    return Path(f"/dev/ublkc{dev.name.removeprefix('ublkb')}")
+
+
+def gone(*paths: Path, timeout: float = 10.0) -> bool:
+    """Whether all ``paths`` are gone within ``timeout`` seconds (device nodes vanish
+    asynchronously: devtmpfs)."""
+    end = time.monotonic() + timeout
+    while any(p.exists() for p in paths):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def hw_queues(st: dict[str, object]) -> int:
-    """Hardware queues of the read-only mount's /dev/ublkbN ("dev2=/dev/ublkbN (...)")."""
+    """Hardware queues of the read-only mount's /dev/ublkbN ("dev2=/dev/ublkbN")."""
     (dev,) = [
         str(d).split()[0].removeprefix("dev2=")
         for d in st["devices"]  # type: ignore[attr-defined]
@@ -760,13 +792,9 @@ def test_ublk_serve_sigterm_while_mounted_exits(no_leftovers: Path) -> None:
     meta = ""
     mounted = False
     try:
-        assert p.stdout is not None and p.stderr is not None
-        ready, _, _ = select.select([p.stdout], [], [], 60)
-        assert ready, "ublkd serve printed no READY line within 60 s"
-        line = p.stdout.readline()
-        assert line.startswith("READY "), line
-        dev = Path(json.loads(line.removeprefix("READY "))["device"])
-        ctrl = Path(f"/dev/ublkc{dev.name.removeprefix('ublkb')}")
+        assert p.stderr is not None
+        dev = serve_ready_device(p)
+        ctrl = ublk_ctrl(dev)
         meta = losetup(bundle / "meta.img")
         subprocess.run(["btrfs", "device", "scan", meta, str(dev)], check=True, capture_output=True)
         subprocess.run(
@@ -784,10 +812,7 @@ def test_ublk_serve_sigterm_while_mounted_exits(no_leftovers: Path) -> None:
         assert read_file(mnt / "data" / "b.bin") == errno.EIO
         subprocess.run(["umount", str(mnt)], check=True)
         mounted = False
-        deadline = time.monotonic() + 10
-        while (dev.exists() or ctrl.exists()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not dev.exists() and not ctrl.exists(), "device left after the umount"
+        assert gone(dev, ctrl), "device left after the umount"
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(mnt)], check=False)
@@ -817,13 +842,9 @@ def test_ublk_poll_serve_raw_device_checksum_sigterm(no_leftovers: Path) -> None
         text=True,
     )
     try:
-        assert p.stdout is not None and p.stderr is not None
-        ready, _, _ = select.select([p.stdout], [], [], 60)
-        assert ready, "ublkd serve printed no READY line within 60 s"
-        line = p.stdout.readline()
-        assert line.startswith("READY "), line
-        dev = Path(json.loads(line.removeprefix("READY "))["device"])
-        ctrl = Path(f"/dev/ublkc{dev.name.removeprefix('ublkb')}")
+        assert p.stderr is not None
+        dev = serve_ready_device(p)
+        ctrl = ublk_ctrl(dev)
         h = hashlib.sha256()
         with open(dev, "rb", buffering=0) as f:
             while chunk := f.read(1 << 20):
@@ -838,10 +859,7 @@ def test_ublk_poll_serve_raw_device_checksum_sigterm(no_leftovers: Path) -> None
         assert running_threads(p.pid, settle_s=1.0)
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 0, p.stderr.read()
-        deadline = time.monotonic() + 10
-        while (dev.exists() or ctrl.exists()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not dev.exists() and not ctrl.exists(), "device left after SIGTERM"
+        assert gone(dev, ctrl), "device left after SIGTERM"
     finally:
         if p.poll() is None:
             p.kill()

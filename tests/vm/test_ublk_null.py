@@ -4,27 +4,15 @@ VM only (marker `vm`)."""
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.test_ublkd import ublkd_binary
+from tests.test_ublkd import first_line, gone, ublk_ctrl, ublkd_binary
 
 pytestmark = pytest.mark.vm
-
-
-def _gone(path: Path, timeout: float = 10.0) -> bool:
-    """Device nodes vanish asynchronously (devtmpfs)."""
-    end = time.monotonic() + timeout
-    while path.exists():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.1)
-    return True
 
 
 # off: libublk's loop, one queue per CPU (2 here); auto (the default): ublkd's poll loop
@@ -46,12 +34,10 @@ def test_ublk_null_serves_reads_and_sigterm_deletes_it(poll: list[str], queues: 
         text=True,
     )
     try:
-        assert p.stdout is not None and p.stderr is not None
-        ready, _, _ = select.select([p.stdout], [], [], 60)
-        assert ready, "ublkd ublk-null printed no device within 60 s"
-        dev = Path(p.stdout.readline().strip())
+        assert p.stderr is not None
+        dev = Path(first_line(p, "ublkd ublk-null printed no device").strip())
         assert dev.name.startswith("ublkb"), dev
-        ctrl = Path(f"/dev/ublkc{dev.name.removeprefix('ublkb')}")
+        ctrl = ublk_ctrl(dev)
         size = subprocess.run(
             ["blockdev", "--getsize64", str(dev)], check=True, capture_output=True, text=True
         ).stdout
@@ -69,8 +55,8 @@ def test_ublk_null_serves_reads_and_sigterm_deletes_it(poll: list[str], queues: 
         # SIGTERM (the signal thread, not the one that built the device) kills and deletes it
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=60) == 0, p.stderr.read()
-        assert _gone(dev), f"{dev} still exists after SIGTERM"
-        assert _gone(ctrl), f"{ctrl} still exists after SIGTERM"
+        assert gone(dev), f"{dev} still exists after SIGTERM"
+        assert gone(ctrl), f"{ctrl} still exists after SIGTERM"
     finally:
         if p.poll() is None:
             p.kill()
