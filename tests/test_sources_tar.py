@@ -469,8 +469,9 @@ def test_later_layer_wins_and_directories_merge(tmp_path: Path, build: Build) ->
 @unit
 def test_directory_replaced_within_one_tar(tmp_path: Path, build: Build) -> None:
     # place() reuses the directory it resolved last: a directory replaced in the same
-    # archive (by a symlink, by a file and then a new directory) must still lead later
-    # entries to the new place
+    # archive (by a symlink, by a file and then a new directory), or a symlink on the
+    # resolved path replaced by a directory (w/s below: only place()'s own forget-on-replace
+    # catches that one), must still lead later entries to the new place
     (tmp_path / "a.tar").write_bytes(
         make_tar(
             [
@@ -484,6 +485,11 @@ def test_directory_replaced_within_one_tar(tmp_path: Path, build: Build) -> None
                 member("u/v/x", data=b"x"),
                 member("u/v", data=b"file"),  # a file replaces the directory
                 member("u/v/y", data=b"y"),  # and a new directory replaces the file
+                member("w", tarfile.DIRTYPE),
+                member("w/s", tarfile.SYMTYPE, linkname="."),
+                member("w/s/one", data=b"1"),  # w/one: w/s resolved to w
+                member("w/s/s", tarfile.DIRTYPE),  # in w: the symlink s becomes a directory
+                member("w/s/two", data=b"2"),  # so the same path leads into it now
             ]
         )
     )
@@ -493,6 +499,8 @@ def test_directory_replaced_within_one_tar(tmp_path: Path, build: Build) -> None
     assert f[b"/t/e/two"].content == b"2"
     assert f[b"/u/v"].type == FileType.DIR and b"/u/v/x" not in f
     assert f[b"/u/v/y"].content == b"y"
+    assert f[b"/w/one"].content == b"1" and f[b"/w/s"].type == FileType.DIR
+    assert f[b"/w/s/two"].content == b"2" and b"/w/two" not in f
 
 
 @unit
