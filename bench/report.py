@@ -526,7 +526,8 @@ def randread_section(doc: dict[str, Any]) -> str:
     if vm:
         lines += [
             "",
-            f"Inside the VM harness (guest kernel {vm['kernel']}, QEMU TCG: absolute figures"
+            f"Inside the VM harness (guest kernel {vm['kernel']}, QEMU"
+            f" `-accel {vm.get('accel', 'tcg,thread=single')}`: absolute figures"
             " are meaningless, only the ratios within this one VM run count):"
             f" `/{vm['file']}` ({human(vm['file_bytes'])}) of a small synthetic image,"
             f" {vm['runtime_s']:g} s per job, best of {vm.get('rounds', 1)} rounds;"

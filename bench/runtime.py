@@ -448,6 +448,34 @@ runfio() {{  # TAG: every fio job on /tmp/m/$F
   dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
 {fio_lines}
 }}
+# each mode's fio jobs, every job on its live targets in turn
+fio_auto() {{
+  if [ $R = 1 ]; then
+    qsettings null_ublk $NULL; qsettings null_ublk_poll $NULLP; qsettings loop_raw $LR
+    qsettings btrfs_loop $L2
+  fi
+  dd if=$LR of=/dev/null bs=1M iflag=direct status=none
+{interleaved}
+}}
+fio_off() {{
+{interleaved_off}
+}}
+fio_poll() {{
+{interleaved_poll}
+}}
+ublkmode() {{  # TAG FIOFN MOUNT-ARGS...: mount ours over ublk, read it once, its server's
+  # CPU idle and under sparse reads, FIOFN, umount
+  local tag=$1 fn=$2; shift 2
+  if $U mount --frontend ublk "$@" --cache-mb 256 $B /tmp/m; then
+    UB=$(ls -t /dev/ublkb* | grep -vx -e "$NULL" -e "$NULLP" | head -1); SP=$(server_pid)
+    [ $R = 1 ] && qsettings $tag $UB
+    dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
+    dd if=$UB of=/dev/null bs=1M iflag=direct status=none
+    lightload $tag
+    $fn
+    $U umount /tmp/m
+  else echo "VM: ublkd mount --frontend ublk $* failed"; fi
+}}
 cp $D /tmp/dev2.img
 $U ublk-null --ublk-poll=off --size-mb $(( $(stat -c %s $D) >> 20 )) > /tmp/null.dev 2>/tmp/null.err & NP=$!
 $U ublk-null --ublk-poll --size-mb $(( $(stat -c %s $D) >> 20 )) > /tmp/nullp.dev 2>/tmp/nullp.err & NPP=$!
@@ -458,39 +486,13 @@ L1=$(losetup -f --show -r $B/meta.img); L2=$(losetup -f --show -r /tmp/dev2.img)
 [ -n "$NULL" ] || echo "VM: ublkd ublk-null failed: $(cat /tmp/null.err)"
 [ -n "$NULLP" ] || echo "VM: ublkd ublk-null --ublk-poll failed: $(cat /tmp/nullp.err)"
 for R in $(seq {rounds}); do
-  # the null target, ours over ublk (its /dev/ublkbN raw and through btrfs) and a loop
-  # device over device 2 in RAM are live at once: each fio job runs on each in turn
-  if [ -n "$NULL" ] && [ -n "$NULLP" ] && $U mount --frontend ublk --cache-mb 256 $B /tmp/m; then
-    UB=$(ls -t /dev/ublkb* | grep -vx -e "$NULL" -e "$NULLP" | head -1); SP=$(server_pid)
-    if [ $R = 1 ]; then
-      qsettings null_ublk $NULL; qsettings null_ublk_poll $NULLP; qsettings loop_raw $LR
-      qsettings ours_ublk $UB; qsettings btrfs_loop $L2
-    fi
-    dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
-    dd if=$UB of=/dev/null bs=1M iflag=direct status=none
-    dd if=$LR of=/dev/null bs=1M iflag=direct status=none
-    lightload ours_ublk
-{interleaved}
-    $U umount /tmp/m
-  else echo "VM: ublkd mount --frontend ublk failed"; fi
-  if $U mount --frontend ublk --ublk-poll=off --cache-mb 256 $B /tmp/m; then
-    UB=$(ls -t /dev/ublkb* | grep -vx -e "$NULL" -e "$NULLP" | head -1); SP=$(server_pid)
-    [ $R = 1 ] && qsettings ours_ublk_off $UB
-    dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
-    dd if=$UB of=/dev/null bs=1M iflag=direct status=none
-    lightload ours_ublk_off
-{interleaved_off}
-    $U umount /tmp/m
-  else echo "VM: ublkd mount --frontend ublk --ublk-poll=off failed"; fi
-  if $U mount --frontend ublk --ublk-poll --cache-mb 256 $B /tmp/m; then
-    UB=$(ls -t /dev/ublkb* | grep -vx -e "$NULL" -e "$NULLP" | head -1); SP=$(server_pid)
-    [ $R = 1 ] && qsettings ours_ublk_poll $UB
-    dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
-    dd if=$UB of=/dev/null bs=1M iflag=direct status=none
-    lightload ours_ublk_poll
-{interleaved_poll}
-    $U umount /tmp/m
-  else echo "VM: ublkd mount --frontend ublk --ublk-poll failed"; fi
+  # the null targets, ours over ublk (its /dev/ublkbN raw and through btrfs) and a loop
+  # device over device 2 in RAM are live at once: each fio job runs on each in turn. Then
+  # ours again with --ublk-poll=off, then --ublk-poll (one server per bundle: one mode at
+  # a time)
+  ublkmode ours_ublk fio_auto
+  ublkmode ours_ublk_off fio_off --ublk-poll=off
+  ublkmode ours_ublk_poll fio_poll --ublk-poll
   if $U mount --frontend fuse --cache-mb 256 $B /tmp/m; then
     runfio ours_fuse
     $U umount /tmp/m
@@ -525,17 +527,19 @@ def vm_script(
 
     paths = {"null_ublk": "$NULL", "null_ublk_poll": "$NULLP", "loop_raw": "$LR",
              "ours_ublk_raw": "$UB", "ours_ublk": "/tmp/m/$F", "ours_ublk_poll_raw": "$UB",
-             "ours_ublk_poll": "/tmp/m/$F"}  # fmt: skip
-    inter = [line(t, paths[t], j, "    ") for j in jobs for t in VM_INTERLEAVED]
-    paths |= {"ours_ublk_off_raw": "$UB", "ours_ublk_off": "/tmp/m/$F"}
-    inter_off = [line(t, paths[t], j, "    ") for j in jobs for t in VM_INTERLEAVED_OFF]
-    inter_poll = [line(t, paths[t], j, "    ") for j in jobs for t in VM_INTERLEAVED_POLL]
+             "ours_ublk_poll": "/tmp/m/$F", "ours_ublk_off_raw": "$UB",
+             "ours_ublk_off": "/tmp/m/$F"}  # fmt: skip
+
+    def interleaved(tags: Sequence[str]) -> str:
+        return "\n".join(line(t, paths[t], j, "  ") for j in jobs for t in tags)
+
     sparse = shlex.join([*fio_args(FioJob("psync", 1, 1), "X", VM_IDLE_S)[2:], "--rate_iops=200"])
     seq = [line("$1", "/tmp/m/$F", j, "  ") for j in jobs]
     return VM_SCRIPT.format(
         ublkd=shlex.quote(ublkd), bundle=shlex.quote(str(bundle)), data=shlex.quote(str(data)),
-        file=shlex.quote(file), interleaved="\n".join(inter),
-        interleaved_off="\n".join(inter_off), interleaved_poll="\n".join(inter_poll),
+        file=shlex.quote(file), interleaved=interleaved(VM_INTERLEAVED),
+        interleaved_off=interleaved(VM_INTERLEAVED_OFF),
+        interleaved_poll=interleaved(VM_INTERLEAVED_POLL),
         fio_lines="\n".join(seq), rounds=rounds, idle_s=f"{VM_IDLE_S:g}",
         sparse_line=f"  cpujob $SP $1 /tmp/m/$F sparse200 --name=randread {sparse}",
     )  # fmt: skip
@@ -627,7 +631,7 @@ def measure_randread_vm(
     cf = fio_dir / "cpu.txt"
     server_cpu = parse_cpu(cf.read_text()) if cf.exists() else {}
     remove(work)
-    return {"kernel": res.kver, "rc": res.rc, "results_dir": str(res.out), "file": file,
+    return {"kernel": res.kver, "accel": harness.ACCEL, "rc": res.rc, "results_dir": str(res.out), "file": file,
             "file_bytes": VM_INPUT.large_bytes, "runtime_s": runtime_s, "rounds": VM_ROUNDS,
             "targets": targets, "queues": queues, "server_cpu": server_cpu, "errors": errors,
             "guest_log_tail": res.read("pytest.log")[-1500:]}  # fmt: skip

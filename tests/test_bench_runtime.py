@@ -264,20 +264,26 @@ def test_vm_script_runs_every_job_for_each_target() -> None:
             run = f"cpujob {pid} {tag}" if pid else f"fiojob {tag}"
             assert f"{run} {path} {j.name} --name=randread" in s
         assert f"fiojob $1 /tmp/m/$F {j.name} --name=randread" in s
-    # interleaved: per job, each live target in turn; the default mount (auto), then the
-    # --ublk-poll=off and the --ublk-poll ones after them
+    # interleaved: per job, each live target in turn, in each mode's fio function
     first = s.index("cpujob $NP null_ublk $NULL " + MATRIX[1].name)
     assert all(s.index(f" {t} ", 0) < first for t in VM_INTERLEAVED)
-    auto_mount = s.index("$U mount --frontend ublk --cache-mb")
-    off_mount = s.index("--ublk-poll=off --cache-mb")
-    poll_mount = s.index("--ublk-poll --cache-mb")
-    assert auto_mount < s.index("lightload ours_ublk\n") < s.rindex("cpujob $SP ours_ublk /tmp/m")
-    assert s.rindex("cpujob $SP ours_ublk /tmp/m") < off_mount
-    assert off_mount < s.index("lightload ours_ublk_off\n") < s.index("cpujob $SP ours_ublk_off ")
-    assert s.rindex("cpujob $SP ours_ublk_off ") < poll_mount
-    assert (
-        poll_mount < s.index("lightload ours_ublk_poll\n") < s.index("cpujob $SP ours_ublk_poll ")
-    )
+
+    def body(fn: str) -> str:
+        start = s.index(f"\n{fn}() {{")
+        return s[start : s.index("\n}\n", start)]
+
+    assert "cpujob $SP ours_ublk /tmp/m" in body("fio_auto")
+    assert "cpujob $SP ours_ublk_off /tmp/m" in body("fio_off")
+    assert "cpujob $SP ours_ublk_poll /tmp/m" in body("fio_poll")
+    assert "ours_ublk_off" not in body("fio_auto") + body("fio_poll")
+    # one mount block for every mode: mounted with its flag, its server's CPU idle and under
+    # sparse reads, then its fio jobs; the default (auto) first, then off, then a fixed window
+    mode = body("ublkmode")
+    assert '$U mount --frontend ublk "$@" --cache-mb' in mode
+    assert mode.index("lightload $tag") < mode.index("$fn") < mode.index("$U umount /tmp/m")
+    auto = s.index("  ublkmode ours_ublk fio_auto\n")
+    off = s.index("  ublkmode ours_ublk_off fio_off --ublk-poll=off\n")
+    assert auto < off < s.index("  ublkmode ours_ublk_poll fio_poll --ublk-poll\n")
     # idle and sparse reads: the server's CPU as jobs "idle" and "sparse200"
     assert "sleep 5\n" in s and '"$2 idle $R' in s
     assert "cpujob $SP $1 /tmp/m/$F sparse200 --name=randread" in s and "--rate_iops=200" in s
@@ -286,7 +292,7 @@ def test_vm_script_runs_every_job_for_each_target() -> None:
     assert "$U ublk-null --ublk-poll --size-mb" in s
     assert "--frontend ublk" in s and "--frontend fuse" in s
     assert "runfio ours_fuse" in s and "runfio btrfs_loop" in s and "losetup -d $LR $L1 $L2" in s
-    assert "qsettings ours_ublk $UB" in s and "qsettings ours_ublk_poll $UB" in s
+    assert "qsettings $tag $UB" in s and "qsettings btrfs_loop $L2" in s
     assert "--runtime=2" in s and "kill $NP $NPP" in s
 
 
