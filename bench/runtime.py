@@ -394,12 +394,16 @@ VM_TARGETS = ("null_ublk", "null_ublk_poll", "ours_ublk_raw", "ours_ublk_off_raw
               "ours_ublk_poll_raw", "loop_raw", "ours_ublk", "ours_ublk_off", "ours_ublk_poll",
               "ours_fuse", "btrfs_loop")  # fmt: skip
 # targets live at the same time run each fio job in turn (A/B/C/D per job, not one target's
-# whole matrix after the other): TCG is noisy, drift then hits every target alike
-VM_INTERLEAVED = ("null_ublk", "null_ublk_poll", "loop_raw", "ours_ublk_raw", "ours_ublk")
+# whole matrix after the other): TCG is noisy, drift then hits every target alike. The
+# baseline (btrfs_loop, under a fsid of its own so it can stay mounted beside ours) runs
+# in every block, and its best figure over all of them counts.
+VM_INTERLEAVED = ("null_ublk", "null_ublk_poll", "loop_raw", "ours_ublk_raw", "ours_ublk",
+                  "btrfs_loop")  # fmt: skip
 # then ours again, mounted with --ublk-poll=off, then with --ublk-poll (one server per
-# bundle: one mode at a time)
-VM_INTERLEAVED_OFF = ("ours_ublk_off_raw", "ours_ublk_off")
-VM_INTERLEAVED_POLL = ("ours_ublk_poll_raw", "ours_ublk_poll")
+# bundle: one mode at a time), then the fuse frontend
+VM_INTERLEAVED_OFF = ("ours_ublk_off_raw", "ours_ublk_off", "btrfs_loop")
+VM_INTERLEAVED_POLL = ("ours_ublk_poll_raw", "ours_ublk_poll", "btrfs_loop")
+VM_INTERLEAVED_FUSE = ("ours_fuse", "btrfs_loop")
 # the server whose CPU time each ublk target's fio job costs (utime+stime, $O/cpu.txt)
 VM_SERVER_PID = {"null_ublk": "$NP", "null_ublk_poll": "$NPP", "ours_ublk_raw": "$SP",
                  "ours_ublk": "$SP", "ours_ublk_off_raw": "$SP", "ours_ublk_off": "$SP",
@@ -422,9 +426,9 @@ qsettings() {{  # TAG DEV: the block queue settings fio runs against
     echo "$1 $k $(cat $q/$k)"; done >> $O/queues.txt
   echo "$1 nr_hw_queues $(ls /sys/block/$(basename $2)/mq | wc -l)" >> $O/queues.txt
 }}
-fiojob() {{  # TAG PATH JOB ARGS...: one fio job, its JSON in $O/TAG/JOB.rROUND.json
+fiojob() {{  # TAG PATH JOB ARGS...: one fio job, its JSON in $O/TAG/JOB.rROUND.BLOCK.json
   local tag=$1 path=$2 job=$3; shift 3; mkdir -p $O/$tag
-  fio --filename=$path "$@" > $O/$tag/$job.r$R.json 2>>$O/fio.err
+  fio --filename=$path "$@" > $O/$tag/$job.r$R.$K.json 2>>$O/fio.err
 }}
 cpujob() {{  # PID TAG PATH JOB ARGS...: fiojob, and PID's CPU ticks over it to cpu.txt
   local pid=$1 c0 c1 t0 t1; shift
@@ -444,11 +448,7 @@ lightload() {{  # TAG: idle, then sparse reads of /tmp/m/$F, the server's ($SP) 
 {sparse_line}
 }}
 server_pid() {{ $U status --json | jq '.[] | select(.mountpoint == "/tmp/m") | .server_pid'; }}
-runfio() {{  # TAG: every fio job on /tmp/m/$F
-  dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
-{fio_lines}
-}}
-# each mode's fio jobs, every job on its live targets in turn
+# each block's fio jobs, every job on its live targets in turn
 fio_auto() {{
   if [ $R = 1 ]; then
     qsettings null_ublk $NULL; qsettings null_ublk_poll $NULLP; qsettings loop_raw $LR
@@ -456,6 +456,10 @@ fio_auto() {{
   fi
   dd if=$LR of=/dev/null bs=1M iflag=direct status=none
 {interleaved}
+}}
+fio_fuse() {{
+  dd if=/tmp/m/$F of=/dev/null bs=1M iflag=direct status=none
+{interleaved_fuse}
 }}
 fio_off() {{
 {interleaved_off}
@@ -465,7 +469,7 @@ fio_poll() {{
 }}
 ublkmode() {{  # TAG FIOFN MOUNT-ARGS...: mount ours over ublk, read it once, its server's
   # CPU idle and under sparse reads, FIOFN, umount
-  local tag=$1 fn=$2; shift 2
+  local tag=$1 fn=$2; shift 2; K=$tag
   if $U mount --frontend ublk "$@" --cache-mb 256 $B /tmp/m; then
     UB=$(ls -t /dev/ublkb* | grep -vx -e "$NULL" -e "$NULLP" | head -1); SP=$(server_pid)
     [ $R = 1 ] && qsettings $tag $UB
@@ -482,7 +486,17 @@ $U ublk-null --ublk-poll --size-mb $(( $(stat -c %s $D) >> 20 )) > /tmp/nullp.de
 for i in $(seq 100); do [ -s /tmp/null.dev ] && [ -s /tmp/nullp.dev ] && break; sleep 0.2; done
 NULL=$(cat /tmp/null.dev); NULLP=$(cat /tmp/nullp.dev)
 LR=$(losetup -f --show -r /tmp/dev2.img)
-L1=$(losetup -f --show -r $B/meta.img); L2=$(losetup -f --show -r /tmp/dev2.img)
+# the baseline: the same image with device 2 on a loop device over its bytes in RAM, made
+# a fs of its own (a new fsid; btrfstune changes no seed's fsid, so the seeding flag goes
+# first) so that it stays mounted at /tmp/b beside ours (same fsid: the kernel would hand
+# the mount ours)
+cp $B/meta.img /tmp/meta.img; mkdir -p /tmp/b
+L1=$(losetup -f --show /tmp/meta.img); L2=$(losetup -f --show /tmp/dev2.img)
+btrfs device scan $L1 $L2 >/dev/null
+echo y | btrfstune -S 0 $L1 >/dev/null 2>&1 || echo "VM: btrfstune -S 0 failed"
+btrfstune -M $(cat /proc/sys/kernel/random/uuid) $L1 >/dev/null 2>&1 || echo "VM: btrfstune -M failed"
+mount -t btrfs -o ro,device=$L1,device=$L2 $L1 /tmp/b || echo "VM: btrfs on loop devices: mount failed"
+dd if=/tmp/b/$F of=/dev/null bs=1M iflag=direct status=none
 [ -n "$NULL" ] || echo "VM: ublkd ublk-null failed: $(cat /tmp/null.err)"
 [ -n "$NULLP" ] || echo "VM: ublkd ublk-null --ublk-poll failed: $(cat /tmp/nullp.err)"
 for R in $(seq {rounds}); do
@@ -493,18 +507,14 @@ for R in $(seq {rounds}); do
   ublkmode ours_ublk fio_auto
   ublkmode ours_ublk_off fio_off --ublk-poll=off
   ublkmode ours_ublk_poll fio_poll --ublk-poll
+  K=fuse
   if $U mount --frontend fuse --cache-mb 256 $B /tmp/m; then
-    runfio ours_fuse
+    fio_fuse
     $U umount /tmp/m
   else echo "VM: ublkd mount --frontend fuse failed"; fi
-  btrfs device scan $L1 $L2 >/dev/null
-  if mount -t btrfs -o ro,device=$L1,device=$L2 $L1 /tmp/m; then
-    runfio btrfs_loop
-    umount /tmp/m
-  fi
-  btrfs device scan --forget $L1 $L2 || true
 done
 kill $NP $NPP; wait $NP $NPP
+umount /tmp/b; btrfs device scan --forget $L1 $L2 || true
 losetup -d $LR $L1 $L2
 echo "VM: bench done"
 """
@@ -528,26 +538,27 @@ def vm_script(
     paths = {"null_ublk": "$NULL", "null_ublk_poll": "$NULLP", "loop_raw": "$LR",
              "ours_ublk_raw": "$UB", "ours_ublk": "/tmp/m/$F", "ours_ublk_poll_raw": "$UB",
              "ours_ublk_poll": "/tmp/m/$F", "ours_ublk_off_raw": "$UB",
-             "ours_ublk_off": "/tmp/m/$F"}  # fmt: skip
+             "ours_ublk_off": "/tmp/m/$F", "ours_fuse": "/tmp/m/$F",
+             "btrfs_loop": "/tmp/b/$F"}  # fmt: skip
 
     def interleaved(tags: Sequence[str]) -> str:
         return "\n".join(line(t, paths[t], j, "  ") for j in jobs for t in tags)
 
     sparse = shlex.join([*fio_args(FioJob("psync", 1, 1), "X", VM_IDLE_S)[2:], "--rate_iops=200"])
-    seq = [line("$1", "/tmp/m/$F", j, "  ") for j in jobs]
     return VM_SCRIPT.format(
         ublkd=shlex.quote(ublkd), bundle=shlex.quote(str(bundle)), data=shlex.quote(str(data)),
         file=shlex.quote(file), interleaved=interleaved(VM_INTERLEAVED),
         interleaved_off=interleaved(VM_INTERLEAVED_OFF),
         interleaved_poll=interleaved(VM_INTERLEAVED_POLL),
-        fio_lines="\n".join(seq), rounds=rounds, idle_s=f"{VM_IDLE_S:g}",
+        interleaved_fuse=interleaved(VM_INTERLEAVED_FUSE), rounds=rounds, idle_s=f"{VM_IDLE_S:g}",
         sparse_line=f"  cpujob $SP $1 /tmp/m/$F sparse200 --name=randread {sparse}",
     )  # fmt: skip
 
 
 def vm_job_result(d: Path, job: str) -> dict[str, Any]:
-    """One target's figure for ``job``: its best round (the host's load and other VMs only
-    ever take IOPS away), with every round's IOPS in ``rounds``."""
+    """One target's figure for ``job``: its best run (the host's load and other VMs only
+    ever take IOPS away; the baseline runs once per block of each round), with every
+    run's IOPS in ``rounds``."""
     got: list[dict[str, Any]] = []
     errors: list[str] = []
     for f in sorted(d.glob(f"{job}.r*.json")):

@@ -257,13 +257,13 @@ def test_vm_script_runs_every_job_for_each_target() -> None:
                ("loop_raw", "$LR", None), ("ours_ublk_raw", "$UB", "$SP"),
                ("ours_ublk", "/tmp/m/$F", "$SP"), ("ours_ublk_off_raw", "$UB", "$SP"),
                ("ours_ublk_off", "/tmp/m/$F", "$SP"), ("ours_ublk_poll_raw", "$UB", "$SP"),
-               ("ours_ublk_poll", "/tmp/m/$F", "$SP"))  # fmt: skip
+               ("ours_ublk_poll", "/tmp/m/$F", "$SP"), ("ours_fuse", "/tmp/m/$F", None),
+               ("btrfs_loop", "/tmp/b/$F", None))  # fmt: skip
     for j in MATRIX:
         for tag, path, pid in targets:
             # the ublk targets' fio jobs also record their server's CPU time
             run = f"cpujob {pid} {tag}" if pid else f"fiojob {tag}"
             assert f"{run} {path} {j.name} --name=randread" in s
-        assert f"fiojob $1 /tmp/m/$F {j.name} --name=randread" in s
     # interleaved: per job, each live target in turn, in each mode's fio function
     first = s.index("cpujob $NP null_ublk $NULL " + MATRIX[1].name)
     assert all(s.index(f" {t} ", 0) < first for t in VM_INTERLEAVED)
@@ -275,7 +275,15 @@ def test_vm_script_runs_every_job_for_each_target() -> None:
     assert "cpujob $SP ours_ublk /tmp/m" in body("fio_auto")
     assert "cpujob $SP ours_ublk_off /tmp/m" in body("fio_off")
     assert "cpujob $SP ours_ublk_poll /tmp/m" in body("fio_poll")
+    assert "fiojob ours_fuse /tmp/m" in body("fio_fuse")
     assert "ours_ublk_off" not in body("fio_auto") + body("fio_poll")
+    # the baseline stays mounted (a fsid of its own) and runs beside ours in every block;
+    # each block's runs go to files of their own
+    for fn in ("fio_auto", "fio_off", "fio_poll", "fio_fuse"):
+        assert "fiojob btrfs_loop /tmp/b/$F" in body(fn)
+    assert "btrfstune -S 0 $L1" in s and "btrfstune -M" in s
+    assert s.index("btrfstune -M") < s.index("/tmp/b ||") < s.index("for R in")
+    assert "$job.r$R.$K.json" in s and "K=fuse" in s
     # one mount block for every mode: mounted with its flag, its server's CPU idle and under
     # sparse reads, then its fio jobs; the default (auto) first, then off, then a fixed window
     mode = body("ublkmode")
@@ -287,11 +295,11 @@ def test_vm_script_runs_every_job_for_each_target() -> None:
     # idle and sparse reads: the server's CPU as jobs "idle" and "sparse200"
     assert "sleep 5\n" in s and '"$2 idle $R' in s
     assert "cpujob $SP $1 /tmp/m/$F sparse200 --name=randread" in s and "--rate_iops=200" in s
-    assert "$O/$tag/$job.r$R.json" in s and "for R in $(seq 3)" in s
+    assert "for R in $(seq 3)" in s
     assert "U='/bin/ublkd x'" in s and "$U ublk-null --ublk-poll=off --size-mb" in s
     assert "$U ublk-null --ublk-poll --size-mb" in s
     assert "--frontend ublk" in s and "--frontend fuse" in s
-    assert "runfio ours_fuse" in s and "runfio btrfs_loop" in s and "losetup -d $LR $L1 $L2" in s
+    assert "losetup -d $LR $L1 $L2" in s and "umount /tmp/b" in s
     assert "qsettings $tag $UB" in s and "qsettings btrfs_loop $L2" in s
     assert "--runtime=2" in s and "kill $NP $NPP" in s
 
@@ -313,8 +321,10 @@ def _fio_json(iops: float) -> str:
 
 
 def test_vm_job_result_is_the_best_round(tmp_path: Path) -> None:
-    for r, iops in ((1, 300.0), (2, 100.0), (3, 200.0)):
+    # round.block: the baseline runs once in each block of a round
+    for r, iops in (("1.ours_ublk", 300.0), ("2.ours_ublk", 100.0), ("2.fuse", 200.0)):
         (tmp_path / f"psync-j1.r{r}.json").write_text(_fio_json(iops))
+    (tmp_path / "psync-j16.r1.ours_ublk.json").write_text(_fio_json(999.0))  # another job
     res = vm_job_result(tmp_path, "psync-j1")
     assert res["iops"] == 300.0 and res["rounds"] == [100.0, 200.0, 300.0]
     assert "error" in vm_job_result(tmp_path, "psync-j2")
