@@ -487,14 +487,14 @@ for i in $(seq 100); do [ -s /tmp/null.dev ] && [ -s /tmp/nullp.dev ] && break; 
 NULL=$(cat /tmp/null.dev); NULLP=$(cat /tmp/nullp.dev)
 LR=$(losetup -f --show -r /tmp/dev2.img)
 # the baseline: the same image with device 2 on a loop device over its bytes in RAM, made
-# a fs of its own (a new fsid; btrfstune changes no seed's fsid, so the seeding flag goes
-# first) so that it stays mounted at /tmp/b beside ours (same fsid: the kernel would hand
-# the mount ours)
+# a fs of its own so that it stays mounted at /tmp/b beside ours (same fsid: one of the two
+# mounts is refused). A new fsid rewritten into every block (-U; -M's metadata_uuid still
+# clashes with ours), after the seeding flag (btrfstune changes no seed's fsid).
 cp $B/meta.img /tmp/meta.img; mkdir -p /tmp/b
 L1=$(losetup -f --show /tmp/meta.img); L2=$(losetup -f --show /tmp/dev2.img)
 btrfs device scan $L1 $L2 >/dev/null
 echo y | btrfstune -S 0 $L1 >/dev/null 2>&1 || echo "VM: btrfstune -S 0 failed"
-btrfstune -M $(cat /proc/sys/kernel/random/uuid) $L1 >/dev/null 2>&1 || echo "VM: btrfstune -M failed"
+btrfstune -f -U $(cat /proc/sys/kernel/random/uuid) $L1 >/dev/null 2>&1 || echo "VM: btrfstune -U failed"
 mount -t btrfs -o ro,device=$L1,device=$L2 $L1 /tmp/b || echo "VM: btrfs on loop devices: mount failed"
 dd if=/tmp/b/$F of=/dev/null bs=1M iflag=direct status=none
 [ -n "$NULL" ] || echo "VM: ublkd ublk-null failed: $(cat /tmp/null.err)"
