@@ -485,18 +485,20 @@ $U ublk-null --ublk-poll=off --size-mb $(( $(stat -c %s $D) >> 20 )) > /tmp/null
 $U ublk-null --ublk-poll --size-mb $(( $(stat -c %s $D) >> 20 )) > /tmp/nullp.dev 2>/tmp/nullp.err & NPP=$!
 for i in $(seq 100); do [ -s /tmp/null.dev ] && [ -s /tmp/nullp.dev ] && break; sleep 0.2; done
 NULL=$(cat /tmp/null.dev); NULLP=$(cat /tmp/nullp.dev)
-LR=$(losetup -f --show -r /tmp/dev2.img)
 # the baseline: the same image with device 2 on a loop device over its bytes in RAM, made
 # a fs of its own so that it stays mounted at /tmp/b beside ours (same fsid: one of the two
 # mounts is refused). A new fsid rewritten into every block (-U; -M's metadata_uuid still
 # clashes with ours), after the seeding flag (btrfstune changes no seed's fsid).
 cp $B/meta.img /tmp/meta.img; mkdir -p /tmp/b
 L1=$(losetup -f --show /tmp/meta.img); L2=$(losetup -f --show /tmp/dev2.img)
+# Before any other device shows device 2's superblock: btrfstune refuses duplicates.
 btrfs device scan $L1 $L2 >/dev/null
-echo y | btrfstune -S 0 $L1 >/dev/null 2>&1 || echo "VM: btrfstune -S 0 failed"
-btrfstune -f -U $(cat /proc/sys/kernel/random/uuid) $L1 >/dev/null 2>&1 || echo "VM: btrfstune -U failed"
-mount -t btrfs -o ro,device=$L1,device=$L2 $L1 /tmp/b || echo "VM: btrfs on loop devices: mount failed"
-dd if=/tmp/b/$F of=/dev/null bs=1M iflag=direct status=none
+NEWFSID=$(cat /proc/sys/kernel/random/uuid)
+if (echo y | btrfstune -S 0 $L1 && btrfstune -f -U $NEWFSID $L1) > /tmp/tune.log 2>&1; then
+  mount -t btrfs -o ro,device=$L1,device=$L2 $L1 /tmp/b || echo "VM: btrfs on loop devices: mount failed"
+  dd if=/tmp/b/$F of=/dev/null bs=1M iflag=direct status=none
+else echo "VM: btrfstune failed: $(cat /tmp/tune.log)"; fi
+LR=$(losetup -f --show -r /tmp/dev2.img)
 [ -n "$NULL" ] || echo "VM: ublkd ublk-null failed: $(cat /tmp/null.err)"
 [ -n "$NULLP" ] || echo "VM: ublkd ublk-null --ublk-poll failed: $(cat /tmp/nullp.err)"
 for R in $(seq {rounds}); do
@@ -514,7 +516,7 @@ for R in $(seq {rounds}); do
   else echo "VM: ublkd mount --frontend fuse failed"; fi
 done
 kill $NP $NPP; wait $NP $NPP
-umount /tmp/b; btrfs device scan --forget $L1 $L2 || true
+umount /tmp/b || true; btrfs device scan --forget $L1 $L2 || true
 losetup -d $LR $L1 $L2
 echo "VM: bench done"
 """

@@ -281,7 +281,7 @@ def test_vm_script_runs_every_job_for_each_target() -> None:
     # each block's runs go to files of their own
     for fn in ("fio_auto", "fio_off", "fio_poll", "fio_fuse"):
         assert "fiojob btrfs_loop /tmp/b/$F" in body(fn)
-    assert "btrfstune -S 0 $L1" in s and "btrfstune -f -U" in s
+    assert "btrfstune -S 0 $L1" in s and "btrfstune -f -U $NEWFSID $L1" in s
     assert s.index("btrfstune -f -U") < s.index("/tmp/b ||") < s.index("for R in")
     assert "$job.r$R.$K.json" in s and "K=fuse" in s
     # one mount block for every mode: mounted with its flag, its server's CPU idle and under
