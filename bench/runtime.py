@@ -392,18 +392,20 @@ def measure_randread(
 # `--ublk-poll` (it always polls 2 ms). null_ublk: off; null_ublk_poll: `--ublk-poll`.
 VM_TARGETS = ("null_ublk", "null_ublk_poll", "ours_ublk_raw", "ours_ublk_off_raw",
               "ours_ublk_poll_raw", "loop_raw", "ours_ublk", "ours_ublk_off", "ours_ublk_poll",
-              "ours_fuse", "btrfs_loop")  # fmt: skip
+              "ours_fuse", "btrfs_loop", "btrfs_loop_off", "btrfs_loop_poll",
+              "btrfs_loop_fuse")  # fmt: skip
 # targets live at the same time run each fio job in turn (A/B/C/D per job, not one target's
 # whole matrix after the other): TCG is noisy, drift then hits every target alike. The
-# baseline (btrfs_loop, under a fsid of its own so it can stay mounted beside ours) runs
-# in every block, and its best figure over all of them counts.
+# baseline (btrfs on loop devices, under a fsid of its own so it can stay mounted beside
+# ours) runs in every block under a tag of the block's: each ratio pairs ours with the
+# baseline runs beside it, and both take the best of the same number of runs.
 VM_INTERLEAVED = ("null_ublk", "null_ublk_poll", "loop_raw", "ours_ublk_raw", "ours_ublk",
                   "btrfs_loop")  # fmt: skip
 # then ours again, mounted with --ublk-poll=off, then with --ublk-poll (one server per
 # bundle: one mode at a time), then the fuse frontend
-VM_INTERLEAVED_OFF = ("ours_ublk_off_raw", "ours_ublk_off", "btrfs_loop")
-VM_INTERLEAVED_POLL = ("ours_ublk_poll_raw", "ours_ublk_poll", "btrfs_loop")
-VM_INTERLEAVED_FUSE = ("ours_fuse", "btrfs_loop")
+VM_INTERLEAVED_OFF = ("ours_ublk_off_raw", "ours_ublk_off", "btrfs_loop_off")
+VM_INTERLEAVED_POLL = ("ours_ublk_poll_raw", "ours_ublk_poll", "btrfs_loop_poll")
+VM_INTERLEAVED_FUSE = ("ours_fuse", "btrfs_loop_fuse")
 # the server whose CPU time each ublk target's fio job costs (utime+stime, $O/cpu.txt)
 VM_SERVER_PID = {"null_ublk": "$NP", "null_ublk_poll": "$NPP", "ours_ublk_raw": "$SP",
                  "ours_ublk": "$SP", "ours_ublk_off_raw": "$SP", "ours_ublk_off": "$SP",
@@ -426,9 +428,9 @@ qsettings() {{  # TAG DEV: the block queue settings fio runs against
     echo "$1 $k $(cat $q/$k)"; done >> $O/queues.txt
   echo "$1 nr_hw_queues $(ls /sys/block/$(basename $2)/mq | wc -l)" >> $O/queues.txt
 }}
-fiojob() {{  # TAG PATH JOB ARGS...: one fio job, its JSON in $O/TAG/JOB.rROUND.BLOCK.json
+fiojob() {{  # TAG PATH JOB ARGS...: one fio job, its JSON in $O/TAG/JOB.rROUND.json
   local tag=$1 path=$2 job=$3; shift 3; mkdir -p $O/$tag
-  fio --filename=$path "$@" > $O/$tag/$job.r$R.$K.json 2>>$O/fio.err
+  fio --filename=$path "$@" > $O/$tag/$job.r$R.json 2>>$O/fio.err
 }}
 cpujob() {{  # PID TAG PATH JOB ARGS...: fiojob, and PID's CPU ticks over it to cpu.txt
   local pid=$1 c0 c1 t0 t1; shift
@@ -469,7 +471,7 @@ fio_poll() {{
 }}
 ublkmode() {{  # TAG FIOFN MOUNT-ARGS...: mount ours over ublk, read it once, its server's
   # CPU idle and under sparse reads, FIOFN, umount
-  local tag=$1 fn=$2; shift 2; K=$tag
+  local tag=$1 fn=$2; shift 2
   if $U mount --frontend ublk "$@" --cache-mb 256 $B /tmp/m; then
     UB=$(ls -t /dev/ublkb* | grep -vx -e "$NULL" -e "$NULLP" | head -1); SP=$(server_pid)
     [ $R = 1 ] && qsettings $tag $UB
@@ -509,7 +511,6 @@ for R in $(seq {rounds}); do
   ublkmode ours_ublk fio_auto
   ublkmode ours_ublk_off fio_off --ublk-poll=off
   ublkmode ours_ublk_poll fio_poll --ublk-poll
-  K=fuse
   if $U mount --frontend fuse --cache-mb 256 $B /tmp/m; then
     fio_fuse
     $U umount /tmp/m
@@ -541,7 +542,8 @@ def vm_script(
              "ours_ublk_raw": "$UB", "ours_ublk": "/tmp/m/$F", "ours_ublk_poll_raw": "$UB",
              "ours_ublk_poll": "/tmp/m/$F", "ours_ublk_off_raw": "$UB",
              "ours_ublk_off": "/tmp/m/$F", "ours_fuse": "/tmp/m/$F",
-             "btrfs_loop": "/tmp/b/$F"}  # fmt: skip
+             "btrfs_loop": "/tmp/b/$F", "btrfs_loop_off": "/tmp/b/$F",
+             "btrfs_loop_poll": "/tmp/b/$F", "btrfs_loop_fuse": "/tmp/b/$F"}  # fmt: skip
 
     def interleaved(tags: Sequence[str]) -> str:
         return "\n".join(line(t, paths[t], j, "  ") for j in jobs for t in tags)
@@ -558,9 +560,8 @@ def vm_script(
 
 
 def vm_job_result(d: Path, job: str) -> dict[str, Any]:
-    """One target's figure for ``job``: its best run (the host's load and other VMs only
-    ever take IOPS away; the baseline runs once per block of each round), with every
-    run's IOPS in ``rounds``."""
+    """One target's figure for ``job``: its best round (the host's load and other VMs only
+    ever take IOPS away), with every round's IOPS in ``rounds``."""
     got: list[dict[str, Any]] = []
     errors: list[str] = []
     for f in sorted(d.glob(f"{job}.r*.json")):

@@ -99,6 +99,8 @@ def _doc() -> dict[str, Any]:
         "rounds": 2,
         "targets": {"ours_ublk": {"psync-j1": {"iops": 800.0}},
                     "btrfs_loop": {"psync-j1": {"iops": 1000.0}},
+                    "btrfs_loop_off": {"psync-j1": {"iops": 500.0}},
+                    "btrfs_loop_poll": {"psync-j1": {"iops": 1000.0}},
                     "null_ublk": {"psync-j1": {"iops": 1500.0}},
                     "ours_ublk_raw": {"psync-j1": {"iops": 1200.0}},
                     "loop_raw": {"psync-j1": {"iops": 2000.0}},
@@ -177,9 +179,9 @@ def test_runtime_tables_and_sections() -> None:
     assert "failed" in rt[3] and rt[3].endswith("| 0.90x |  |")
     sec = randread_section(doc)
     assert "6.12.0" in sec and "VM ours_fuse: not run" in sec
-    # through btrfs: ours ublk (auto) / loop, ours ublk off / loop, ours ublk --ublk-poll /
-    # loop (no fuse row: not run)
-    assert "| psync-j1 | 800 | 400 | 950 | 1,000 | 0.80x | 0.40x | 0.95x |" in sec, sec
+    # through btrfs: ours ublk (auto) / loop, ours ublk off / the loop runs beside it, ours
+    # ublk --ublk-poll / the loop runs beside it (no fuse row: not run)
+    assert "| psync-j1 | 800 | 400 | 950 | 1,000 | 500 | 1,000 | 0.80x | 0.80x | 0.95x |" in sec
     # the raw-device table: null / loop, null poll / loop, ours raw / loop, ours raw off /
     # loop, ours raw poll / loop, ours raw off / null; queue settings; the servers' CPU
     assert "| 0.75x | 0.90x | 0.60x | 0.30x | 0.80x | 0.40x |" in sec, sec
@@ -258,7 +260,9 @@ def test_vm_script_runs_every_job_for_each_target() -> None:
                ("ours_ublk", "/tmp/m/$F", "$SP"), ("ours_ublk_off_raw", "$UB", "$SP"),
                ("ours_ublk_off", "/tmp/m/$F", "$SP"), ("ours_ublk_poll_raw", "$UB", "$SP"),
                ("ours_ublk_poll", "/tmp/m/$F", "$SP"), ("ours_fuse", "/tmp/m/$F", None),
-               ("btrfs_loop", "/tmp/b/$F", None))  # fmt: skip
+               ("btrfs_loop", "/tmp/b/$F", None), ("btrfs_loop_off", "/tmp/b/$F", None),
+               ("btrfs_loop_poll", "/tmp/b/$F", None),
+               ("btrfs_loop_fuse", "/tmp/b/$F", None))  # fmt: skip
     for j in MATRIX:
         for tag, path, pid in targets:
             # the ublk targets' fio jobs also record their server's CPU time
@@ -277,13 +281,14 @@ def test_vm_script_runs_every_job_for_each_target() -> None:
     assert "cpujob $SP ours_ublk_poll /tmp/m" in body("fio_poll")
     assert "fiojob ours_fuse /tmp/m" in body("fio_fuse")
     assert "ours_ublk_off" not in body("fio_auto") + body("fio_poll")
-    # the baseline stays mounted (a fsid of its own) and runs beside ours in every block;
-    # each block's runs go to files of their own
-    for fn in ("fio_auto", "fio_off", "fio_poll", "fio_fuse"):
-        assert "fiojob btrfs_loop /tmp/b/$F" in body(fn)
+    # the baseline stays mounted (a fsid of its own) and runs beside ours in every block,
+    # under that block's tag
+    for fn, tag in (("fio_auto", "btrfs_loop"), ("fio_off", "btrfs_loop_off"),
+                    ("fio_poll", "btrfs_loop_poll"), ("fio_fuse", "btrfs_loop_fuse")):  # fmt: skip
+        assert f"fiojob {tag} /tmp/b/$F" in body(fn)
     assert "btrfstune -S 0 $L1" in s and "btrfstune -f -U $NEWFSID $L1" in s
     assert s.index("btrfstune -f -U") < s.index("/tmp/b ||") < s.index("for R in")
-    assert "$job.r$R.$K.json" in s and "K=fuse" in s
+    assert "$O/$tag/$job.r$R.json" in s
     # one mount block for every mode: mounted with its flag, its server's CPU idle and under
     # sparse reads, then its fio jobs; the default (auto) first, then off, then a fixed window
     mode = body("ublkmode")
@@ -321,10 +326,9 @@ def _fio_json(iops: float) -> str:
 
 
 def test_vm_job_result_is_the_best_round(tmp_path: Path) -> None:
-    # round.block: the baseline runs once in each block of a round
-    for r, iops in (("1.ours_ublk", 300.0), ("2.ours_ublk", 100.0), ("2.fuse", 200.0)):
+    for r, iops in ((1, 300.0), (2, 100.0), (3, 200.0)):
         (tmp_path / f"psync-j1.r{r}.json").write_text(_fio_json(iops))
-    (tmp_path / "psync-j16.r1.ours_ublk.json").write_text(_fio_json(999.0))  # another job
+    (tmp_path / "psync-j16.r1.json").write_text(_fio_json(999.0))  # another job
     res = vm_job_result(tmp_path, "psync-j1")
     assert res["iops"] == 300.0 and res["rounds"] == [100.0, 200.0, 300.0]
     assert "error" in vm_job_result(tmp_path, "psync-j2")
