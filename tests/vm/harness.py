@@ -59,10 +59,15 @@ BOOT_TIMEOUT = float(os.environ.get("BUI_VM_BOOT_TIMEOUT", "90"))  # qemu start 
 LOGLEVEL = os.environ.get("BUI_VM_LOGLEVEL", "7")
 # one host thread for all vCPUs: MTTCG (thread=multi) oopsed on int3 text patching in ~5%
 # of SMP boots; the benchmark may ask for it (a vCPU per host thread, as on hardware)
-ACCEL = os.environ.get("BUI_VM_ACCEL", "tcg,thread=single")
+DEFAULT_ACCEL = "tcg,thread=single"
 MARK_DONE = "VM: init done"
 MARK_FAIL = "VM: FAIL"
 MARK_EXIT = "VM: run exit"
+
+
+def accel() -> str:
+    """QEMU's ``-accel``: ``BUI_VM_ACCEL`` when set (read at each boot), else the default."""
+    return os.environ.get("BUI_VM_ACCEL") or DEFAULT_ACCEL
 
 
 class VMError(RuntimeError):
@@ -429,7 +434,7 @@ def qemu_command(assets: Assets, share: Path) -> list[str]:
     return [
         "qemu-system-x86_64",
         "-accel",
-        ACCEL,
+        accel(),
         "-cpu",
         "max",
         "-M",

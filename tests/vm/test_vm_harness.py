@@ -42,16 +42,26 @@ def test_parse_junit(tmp_path: Path) -> None:
     assert h.parse_junit(tmp_path / "broken.xml") == []
 
 
-def test_qemu_command_has_the_recipe_fixes(tmp_path: Path) -> None:
+def test_qemu_command_has_the_recipe_fixes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BUI_VM_ACCEL", raising=False)
     a = h.Assets("6.12.0-test", tmp_path / "vmlinuz", tmp_path / "modules", tmp_path / "i.gz")
     cmd = h.qemu_command(a, tmp_path / "share")
     line = " ".join(cmd)
-    assert "tcg,thread=single" in cmd
+    assert cmd[cmd.index("-accel") + 1] == "tcg,thread=single"
     assert "microvm,acpi=on" in cmd
     append = cmd[cmd.index("-append") + 1]
     assert "tsc=reliable" in append and "tsc_early_khz=" in append
     assert f"vm.mods={tmp_path / 'modules'}" in append
     assert "readonly=on" in line and f"path={tmp_path / 'share'}" in line
+
+
+def test_accel_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = h.Assets("6.12.0-test", tmp_path / "vmlinuz", tmp_path / "modules", tmp_path / "i.gz")
+    monkeypatch.setenv("BUI_VM_ACCEL", "tcg,thread=multi")
+    cmd = h.qemu_command(a, tmp_path / "share")
+    assert cmd[cmd.index("-accel") + 1] == "tcg,thread=multi"
+    monkeypatch.setenv("BUI_VM_ACCEL", "")  # set but empty: the default, not an empty flag
+    assert h.qemu_command(a, tmp_path / "share")[cmd.index("-accel") + 1] == "tcg,thread=single"
 
 
 def test_summary_of_a_failed_run(tmp_path: Path) -> None:
