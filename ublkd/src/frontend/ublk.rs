@@ -353,9 +353,8 @@ fn poll_loop(
             st.sleeps += 1;
             st.wasted += spin;
         }
-        let commits = again;
         let res = q.flush_and_wake_io_tasks(&mut on_cqe, usize::from(!pending));
-        if commits {
+        if again {
             // that flush submitted the last batch's commits and so woke its readers; one
             // may have been woken onto this CPU, where it would wait behind the spin below
             // until the scheduler preempts it (EEVDF: up to a slice): let it run first
