@@ -147,11 +147,12 @@ def _registry_credentials(args: argparse.Namespace) -> tuple[str, str] | None:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
-    from btrfs_ublk_image.push import push_bundle, summary
+    from btrfs_ublk_image.push import PushedImage, push_bundle, push_image, summary
 
     progress = Progress("verifying", force=args.progress)
     try:
-        pushed = push_bundle(
+        push = push_image if args.image else push_bundle
+        result = push(
             args.bundle,
             args.reference,
             plain_http=args.plain_http,
@@ -161,7 +162,13 @@ def cmd_push(args: argparse.Namespace) -> int:
         )
     finally:
         progress.done()
-    print(f"{args.reference}: manifest {pushed.manifest_digest}")
+    if isinstance(result, PushedImage):
+        pushed = result.bundle
+        print(f"{args.reference}: image {result.image_digest}")
+        print(f"bundle: manifest {pushed.manifest_digest}")
+    else:
+        pushed = result
+        print(f"{args.reference}: manifest {pushed.manifest_digest}")
     print(f"image id: {pushed.image_id}")
     if pushed.trace_digest is not None:
         print(f"trace: {pushed.trace_digest}")
@@ -269,6 +276,12 @@ def parser() -> argparse.ArgumentParser:
         "reference", metavar="REGISTRY/REPO[:TAG]", help="e.g. registry.example:5000/images/app:v1"
     )
     pu.add_argument("--trace", metavar="TRACE", help="prefetch trace to attach (see push-trace)")
+    pu.add_argument(
+        "--image",
+        action="store_true",
+        help="push a runnable image for containerd at TAG (btrfs-ublk-snapshotter pulls it"
+        " lazily) and the bundle artifact at TAG-bundle (docs/containerd.md)",
+    )
     _registry_options(pu)
     pu.add_argument(
         "--progress", action="store_true", help="show progress even when stderr is not a terminal"

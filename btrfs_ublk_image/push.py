@@ -605,6 +605,77 @@ def push_bundle(
     return Pushed(digest, b.image_id, reg.uploaded, reg.skipped, trace_digest)
 
 
+@dataclass(frozen=True, slots=True)
+class PushedImage:
+    """`push --image`: the runnable image at the tag, the bundle artifact beside it."""
+
+    image_digest: str  # the runnable image manifest, tagged TAG
+    bundle: Pushed  # the bundle artifact, tagged TAG-bundle
+
+
+def push_image(
+    bundle: str,
+    reference: str,
+    *,
+    plain_http: bool = False,
+    credentials: tuple[str, str] | None = None,
+    trace: str | None = None,
+    progress: Progress | None = None,
+) -> PushedImage:
+    """Push ``bundle`` as its artifact (tag ``TAG-bundle``) and a runnable image that
+    names it (tag ``TAG``) for containerd's snapshotter (runnable.py, docs/containerd.md)."""
+    from btrfs_ublk_image import runnable
+    from btrfs_ublk_image.sources.oci import host_platform_name
+
+    ref = parse_reference(reference)
+    bundle_ref = Reference(ref.registry, ref.repo, runnable.bundle_tag(ref.tag))
+    pushed = push_bundle(
+        bundle,
+        str(bundle_ref),
+        plain_http=plain_http,
+        credentials=credentials,
+        trace=trace,
+        progress=progress,
+    )
+    manifest, _ = parse_manifest(read_bundle_file(os.path.join(bundle, MANIFEST)), bundle)
+    layer_gz, diff_id = runnable.placeholder_layer(pushed.image_id)
+    config = bytes_blob(
+        runnable.image_config(
+            manifest.get("image_config"), pushed.image_id, diff_id, host_platform_name()
+        ),
+        runnable.MT_IMAGE_CONFIG,
+    )
+    layer = bytes_blob(layer_gz, runnable.MT_LAYER_GZIP)
+    location = f"oci://{ref.registry}/{ref.repo}@{pushed.manifest_digest}"
+    image = _encode(
+        {
+            "schemaVersion": 2,
+            "mediaType": MT_OCI_MANIFEST,
+            "config": config.descriptor(),
+            "layers": [
+                layer.descriptor()
+                | {
+                    "annotations": runnable.layer_annotations(
+                        pushed.image_id, pushed.manifest_digest, location
+                    )
+                }
+            ],
+            "annotations": {
+                ANNOTATION_IMAGE_ID: pushed.image_id,
+                runnable.ANNOTATION_BUNDLE: pushed.manifest_digest,
+            },
+        }
+    )
+    reg = Registry(ref, plain_http=plain_http, credentials=credentials, progress=progress)
+    try:
+        reg.put_blob(config)
+        reg.put_blob(layer)
+        digest = reg.put_manifest(ref.tag, image, MT_OCI_MANIFEST)
+    finally:
+        reg.close()
+    return PushedImage(digest, pushed)
+
+
 def push_trace(
     trace: str,
     reference: str,
