@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -138,12 +137,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 1 if lines else 0
 
 
-def _registry_credentials(args: argparse.Namespace) -> tuple[str, str] | None:
-    from btrfs_ublk_image.push import AUTH_ENV, parse_auth
+def _registry_credentials(args: argparse.Namespace, reference: str) -> tuple[str, str] | None:
+    """--auth, else $BUI_REGISTRY_AUTH, else docker's config.json entry of the registry."""
+    from btrfs_ublk_image.registry import credentials_for
 
-    if args.auth is not None:
-        return parse_auth(args.auth, "--auth")
-    return parse_auth(os.environ.get(AUTH_ENV), AUTH_ENV)
+    return credentials_for(reference.removeprefix("oci://").partition("/")[0], args.auth)
 
 
 def cmd_push(args: argparse.Namespace) -> int:
@@ -156,7 +154,7 @@ def cmd_push(args: argparse.Namespace) -> int:
             args.bundle,
             args.reference,
             plain_http=args.plain_http,
-            credentials=_registry_credentials(args),
+            credentials=_registry_credentials(args, args.reference),
             trace=args.trace,
             progress=progress,
         )
@@ -183,7 +181,7 @@ def cmd_push_trace(args: argparse.Namespace) -> int:
         args.trace,
         args.reference,
         plain_http=args.plain_http,
-        credentials=_registry_credentials(args),
+        credentials=_registry_credentials(args, args.reference),
     )
     print(f"{args.reference}: trace {trace_digest} attached to manifest {manifest_digest}")
     print(f"image id: {image_id}")
@@ -200,7 +198,8 @@ def _registry_options(p: argparse.ArgumentParser) -> None:
         "--auth",
         metavar="USER:PASS",
         help="registry credentials (Basic, or for the Bearer token service); default: env"
-        " BUI_REGISTRY_AUTH, else anonymous",
+        " BUI_REGISTRY_AUTH, else the registry's entry in docker's config.json"
+        " ($DOCKER_CONFIG/config.json or ~/.docker/config.json), else anonymous",
     )
 
 

@@ -16,18 +16,12 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import http.client
-import ipaddress
 import json
 import os
 import re
-import ssl
-import urllib.parse
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from btrfs_ublk_image import __version__
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image import trace as trace_format
 from btrfs_ublk_image.bundle import (
@@ -42,10 +36,20 @@ from btrfs_ublk_image.bundle import (
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.hashing import BackgroundSha256
 from btrfs_ublk_image.progress import Progress, human_bytes
+
+# the registry client lives in registry.py (shared with pulls); these names stay importable
+from btrfs_ublk_image.registry import AUTH_ENV as AUTH_ENV
+from btrfs_ublk_image.registry import MT_OCI_INDEX as MT_OCI_INDEX
+from btrfs_ublk_image.registry import MT_OCI_MANIFEST as MT_OCI_MANIFEST
+from btrfs_ublk_image.registry import Blob as Blob
+from btrfs_ublk_image.registry import Reference as Reference
+from btrfs_ublk_image.registry import Registry as Registry
+from btrfs_ublk_image.registry import bytes_blob as bytes_blob
+from btrfs_ublk_image.registry import is_loopback as is_loopback
+from btrfs_ublk_image.registry import parse_auth as parse_auth
+from btrfs_ublk_image.registry import parse_reference as parse_reference
 from btrfs_ublk_image.trace import Trace
 
-MT_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-MT_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 MT_OCI_EMPTY = "application/vnd.oci.empty.v1+json"
 ARTIFACT_BUNDLE = "application/vnd.btrfs-ublk-image.bundle.v1"
 ARTIFACT_TRACE = "application/vnd.btrfs-ublk-image.trace.v1"
@@ -54,42 +58,11 @@ MT_META = "application/vnd.btrfs-ublk-image.meta.v1"
 MT_BLOCKMAP = "application/vnd.btrfs-ublk-image.blockmap.v1"
 MT_PACK = "application/vnd.btrfs-ublk-image.pack.v1"
 MT_TRACE = "application/vnd.btrfs-ublk-image.trace.v1+json"
-ANNOTATION_TITLE = "org.opencontainers.image.title"
 ANNOTATION_IMAGE_ID = "dev.btrfs-ublk-image.image-id"
 EMPTY_CONFIG = b"{}"  # the OCI 1.1 empty descriptor's blob, for the trace artifact
-AUTH_ENV = "BUI_REGISTRY_AUTH"
-
-_REPO_RE = re.compile(
-    r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*)*"
-)
-_TAG_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
-_IO_BLOCK = 1 << 20
-_TIMEOUT = 300.0  # seconds without progress on one connection before we give up
 
 
 # --- the bundle, verified -----------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Blob:
-    """One file of the bundle as an OCI blob."""
-
-    path: str | None  # file to stream from, or None: ``data`` holds the bytes
-    data: bytes | None
-    media_type: str
-    digest: str  # "sha256:<hex>" of the bytes
-    size: int
-    title: str | None = None  # bundle-relative path (layer annotation)
-
-    def descriptor(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
-        if self.title is not None:
-            d["annotations"] = {ANNOTATION_TITLE: self.title}
-        return d
-
-
-def bytes_blob(data: bytes, media_type: str, title: str | None = None) -> Blob:
-    return Blob(
-        None, data, media_type, "sha256:" + hashlib.sha256(data).hexdigest(), len(data), title
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,323 +211,6 @@ def trace_manifest(trace: Blob, empty: Blob, subject: dict[str, Any], image_id: 
 def referrers_tag(digest: str) -> str:
     """The OCI 1.1 referrers tag schema: sha256:<hex> -> sha256-<hex>."""
     return digest.replace(":", "-", 1)
-
-
-# --- references and the registry ----------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Reference:
-    registry: str  # host[:port]
-    repo: str
-    tag: str
-
-    def __str__(self) -> str:
-        return f"{self.registry}/{self.repo}:{self.tag}"
-
-
-def parse_reference(text: str) -> Reference:
-    """REGISTRY[:PORT]/REPO[:TAG] (tag default `latest`; an `oci://` prefix is accepted)."""
-    ref = text.removeprefix("oci://")
-    registry, slash, rest = ref.partition("/")
-    if not slash or not registry or not rest:
-        raise ImageError(f"{text}: not REGISTRY/REPO[:TAG]")
-    if "@" in rest:
-        raise ImageError(f"{text}: push needs a tag, not a digest")
-    repo, _, tag = rest.rpartition(":") if ":" in rest else (rest, "", "latest")
-    if not _REPO_RE.fullmatch(repo):
-        raise ImageError(f"{text}: {repo!r} is not a valid repository name (lowercase a-z0-9._-/)")
-    if not _TAG_RE.fullmatch(tag):
-        raise ImageError(f"{text}: {tag!r} is not a valid tag")
-    return Reference(registry, repo, tag)
-
-
-def is_loopback(registry: str) -> bool:
-    """127.0.0.0/8, [::1] or localhost, with or without a port."""
-    if registry.startswith("["):
-        name = registry[1 : registry.find("]")]
-    else:
-        name = registry.rsplit(":", 1)[0]
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
-def parse_auth(text: str | None, where: str) -> tuple[str, str] | None:
-    if not text:
-        return None
-    user, colon, password = text.partition(":")
-    if not colon or not user:
-        raise ImageError(f"{where}: credentials must be USER:PASS")
-    return user, password
-
-
-@dataclass
-class Response:
-    status: int
-    headers: http.client.HTTPMessage
-    body: bytes
-
-
-def _error_text(body: bytes) -> str:
-    """The registry's `errors` body as one line, else the start of the body."""
-    try:
-        errs = json.loads(body).get("errors")
-        return "; ".join(
-            f"{e.get('code', '?')}: {e.get('message', '')}"
-            + (f" ({json.dumps(e['detail'])})" if e.get("detail") else "")
-            for e in errs
-        )
-    except (ValueError, AttributeError, TypeError):
-        return body[:300].decode(errors="replace").strip()
-
-
-def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
-    """`Bearer realm="..",service="..",scope=".."` -> ("bearer", {..})."""
-    scheme, _, rest = header.strip().partition(" ")
-    params = {
-        m.group(1).lower(): m.group(2) if m.group(2) is not None else m.group(3)
-        for m in re.finditer(r'([A-Za-z]+)=(?:"([^"]*)"|([^,\s]*))', rest)
-    }
-    return scheme.lower(), params
-
-
-Body = bytes | Blob | None
-
-
-@dataclass
-class Registry:
-    """A client of one repository of an OCI distribution registry (the v2 HTTP API)."""
-
-    ref: Reference
-    plain_http: bool = False
-    credentials: tuple[str, str] | None = None
-    progress: Progress | None = None
-    _conn: http.client.HTTPConnection | None = None
-    _authorization: str | None = None
-    uploaded: list[Blob] = field(default_factory=list)
-    skipped: list[Blob] = field(default_factory=list)
-
-    @property
-    def where(self) -> str:
-        return f"{self.ref.registry}/{self.ref.repo}"
-
-    @property
-    def scheme(self) -> str:
-        return "http" if self.plain_http or is_loopback(self.ref.registry) else "https"
-
-    def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
-    def _connection(self, netloc: str, scheme: str) -> http.client.HTTPConnection:
-        """The kept-alive connection to the registry, or a new one for another host (a
-        token realm), closed by the caller."""
-        if netloc != self.ref.registry or scheme != self.scheme:
-            return _new_connection(netloc, scheme)
-        if self._conn is None:
-            self._conn = _new_connection(netloc, scheme)
-        return self._conn
-
-    def _send(self, method: str, url: str, headers: dict[str, str], body: Body) -> Response:
-        parts = urllib.parse.urlsplit(url)
-        target = parts.path + (f"?{parts.query}" if parts.query else "")
-        shared = parts.netloc == self.ref.registry and parts.scheme == self.scheme
-        conn = self._connection(parts.netloc, parts.scheme)
-        try:
-            conn.putrequest(method, target, skip_accept_encoding=True)
-            conn.putheader("User-Agent", f"btrfs-ublk-image/{__version__}")
-            if body is None:
-                size = 0
-            elif isinstance(body, bytes):
-                size = len(body)
-            else:
-                size = body.size
-            if body is not None or method in ("PUT", "POST", "PATCH"):
-                conn.putheader("Content-Length", str(size))
-            for k, v in headers.items():
-                conn.putheader(k, v)
-            conn.endheaders()
-            if isinstance(body, bytes):
-                conn.send(body)
-            elif isinstance(body, Blob):
-                for block in _blob_blocks(body):
-                    conn.send(block)
-                    if self.progress is not None:
-                        self.progress.add_bytes(len(block))
-            resp = conn.getresponse()
-            data = resp.read()
-            return Response(resp.status, resp.headers, data)
-        except (OSError, http.client.HTTPException) as e:
-            self.close()
-            reason = (
-                e.strerror if isinstance(e, OSError) and e.strerror else str(e) or type(e).__name__
-            )
-            raise ImageError(
-                f"{self.where}: {method} {parts.scheme}://{parts.netloc}{parts.path}: {reason}"
-            ) from None
-        except BaseException:  # e.g. a pack unreadable mid-upload: the request is half sent
-            self.close()
-            raise
-        finally:
-            if not shared:
-                conn.close()
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        headers: dict[str, str] | None = None,
-        body: Body = None,
-        ok: tuple[int, ...] = (200,),
-    ) -> Response:
-        """One API request (`path` under /v2/<repo>/ or an absolute upload URL), with the
-        registry's auth challenge answered once; an unexpected status is an ImageError."""
-        url = path if "://" in path else f"{self.scheme}://{self.ref.registry}{path}"
-        hdrs = dict(headers or {})
-        # credentials go to the registry only, never to another host an upload URL names
-        ours = urllib.parse.urlsplit(url).netloc == self.ref.registry
-        for attempt in range(2):
-            if self._authorization is not None and ours:
-                hdrs["Authorization"] = self._authorization
-            resp = self._send(method, url, hdrs, body)
-            if not (resp.status == 401 and attempt == 0 and ours and self._authenticate(resp)):
-                break
-        if resp.status not in ok:
-            detail = _error_text(resp.body)
-            hint = ""
-            if resp.status == 401:
-                hint = (
-                    " (credentials refused)"
-                    if self.credentials
-                    else f" (the registry needs credentials: --auth USER:PASS or {AUTH_ENV})"
-                )
-            raise ImageError(
-                f"{self.where}: {method} {urllib.parse.urlsplit(url).path}: HTTP {resp.status}"
-                f"{hint}" + (f": {detail}" if detail else "")
-            )
-        return resp
-
-    def _authenticate(self, resp: Response) -> bool:
-        """Answer a 401's challenge; False when there is nothing new to try (no challenge,
-        Basic without credentials or with the ones just refused)."""
-        header = resp.headers.get("WWW-Authenticate")
-        if not header:
-            return False
-        scheme, params = _parse_challenge(header)
-        if scheme == "basic":
-            if self.credentials is None:
-                return False  # the 401 becomes the error, with the hint
-            token = base64.b64encode(":".join(self.credentials).encode()).decode()
-            if self._authorization == f"Basic {token}":
-                return False
-            self._authorization = f"Basic {token}"
-        elif scheme == "bearer":
-            self._authorization = f"Bearer {self._bearer_token(params)}"
-        else:
-            raise ImageError(f"{self.where}: unsupported auth scheme in WWW-Authenticate: {header}")
-        return True
-
-    def _bearer_token(self, params: dict[str, str]) -> str:
-        realm = params.get("realm")
-        if not realm or urllib.parse.urlsplit(realm).scheme not in ("http", "https"):
-            raise ImageError(f"{self.where}: Bearer challenge without a usable realm: {params}")
-        query = [("service", params["service"])] if "service" in params else []
-        scopes = {params["scope"]} if "scope" in params else set()
-        scopes.add(f"repository:{self.ref.repo}:pull,push")
-        query += [("scope", s) for s in sorted(scopes)]
-        url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query)
-        headers = {}
-        if self.credentials is not None:
-            basic = base64.b64encode(":".join(self.credentials).encode()).decode()
-            headers["Authorization"] = f"Basic {basic}"
-        resp = self._send("GET", url, headers, None)
-        if resp.status != 200:
-            hint = (
-                ""
-                if self.credentials
-                else f" (no credentials given: --auth USER:PASS or {AUTH_ENV})"
-            )
-            raise ImageError(
-                f"{self.where}: token from {realm}: HTTP {resp.status}{hint}: {_error_text(resp.body)}"
-            )
-        try:
-            answer = json.loads(resp.body)
-            token = answer.get("token") or answer.get("access_token")
-        except (ValueError, AttributeError):
-            token = None
-        if not isinstance(token, str) or not token:
-            raise ImageError(f"{self.where}: token from {realm}: no token in the answer")
-        return token
-
-    # --- the distribution API ---------------------------------------------------------
-    def has_blob(self, digest: str) -> bool:
-        resp = self.request("HEAD", f"/v2/{self.ref.repo}/blobs/{digest}", ok=(200, 404))
-        return resp.status == 200
-
-    def put_blob(self, blob: Blob) -> None:
-        """Upload unless the registry has it: POST a session, then one monolithic PUT."""
-        if self.has_blob(blob.digest):
-            self.skipped.append(blob)
-            return
-        start = self.request("POST", f"/v2/{self.ref.repo}/blobs/uploads/", ok=(202,))
-        location = start.headers.get("Location")
-        if not location:
-            raise ImageError(f"{self.where}: upload started without a Location header")
-        location = urllib.parse.urljoin(f"{self.scheme}://{self.ref.registry}/", location)
-        sep = "&" if urllib.parse.urlsplit(location).query else "?"
-        url = f"{location}{sep}digest={urllib.parse.quote(blob.digest)}"
-        body: Body = blob.data if blob.data is not None else blob
-        self.request(
-            "PUT", url, headers={"Content-Type": "application/octet-stream"}, body=body, ok=(201,)
-        )
-        self.uploaded.append(blob)
-        if self.progress is not None:
-            self.progress.add_file()
-
-    def put_manifest(self, reference: str, data: bytes, media_type: str) -> str:
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        resp = self.request(
-            "PUT",
-            f"/v2/{self.ref.repo}/manifests/{reference}",
-            headers={"Content-Type": media_type},
-            body=data,
-            ok=(201,),
-        )
-        echoed = resp.headers.get("Docker-Content-Digest")
-        if echoed and echoed != digest:
-            raise ImageError(f"{self.where}: registry stored manifest {echoed}, we sent {digest}")
-        return digest
-
-    def get_manifest(self, reference: str, accept: str) -> bytes | None:
-        """The manifest bytes, None if the registry has no such manifest."""
-        resp = self.request(
-            "GET",
-            f"/v2/{self.ref.repo}/manifests/{reference}",
-            headers={"Accept": accept},
-            ok=(200, 404),
-        )
-        return resp.body if resp.status == 200 else None
-
-
-def _new_connection(netloc: str, scheme: str) -> http.client.HTTPConnection:
-    if scheme == "https":
-        ctx = ssl.create_default_context()
-        return http.client.HTTPSConnection(netloc, timeout=_TIMEOUT, context=ctx)
-    return http.client.HTTPConnection(netloc, timeout=_TIMEOUT)
-
-
-def _blob_blocks(blob: Blob) -> Iterator[bytes]:
-    assert blob.path is not None
-    try:
-        with open(blob.path, "rb") as f:
-            while block := f.read(_IO_BLOCK):
-                yield block
-    except OSError as e:
-        raise ImageError(f"{blob.path}: cannot read: {e.strerror}") from None
 
 
 # --- the commands -------------------------------------------------------------------------
