@@ -28,7 +28,7 @@ SWITCH_INTERVAL = 250e-6
 
 def cmd_build(args: argparse.Namespace) -> int:
     from btrfs_ublk_image.sources import build_sources
-    from btrfs_ublk_image.spec import load_spec
+    from btrfs_ublk_image.spec import OciLayer, load_spec
 
     sys.setswitchinterval(SWITCH_INTERVAL)
     spec_path = Path(args.spec)
@@ -41,6 +41,22 @@ def cmd_build(args: argparse.Namespace) -> int:
         time_ns=(spec.source_date_epoch or 0) * 1_000_000_000,
     )
     progress = Progress("reading sources", force=args.progress)
+    pins: dict[str, str] = {}
+    if any(isinstance(x, OciLayer) and x.oci.path is None for x in spec.layers):
+        from btrfs_ublk_image import pull
+
+        try:
+            spec, pins = pull.pin_spec(
+                spec,
+                spec_path,
+                update_lock=args.update_lock,
+                plain_http=args.plain_http,
+                auth=args.auth,
+                progress=progress,
+            )
+        finally:
+            progress.done()
+        progress.phase("reading sources")
 
     def fill(packs: PackWriter) -> tuple[Tree, list[dict[str, Any]], dict[str, Any] | None]:
         built = build_sources(spec, spec_path, packs, progress)
@@ -59,6 +75,12 @@ def cmd_build(args: argparse.Namespace) -> int:
         )
     finally:
         progress.done()
+    if pins:
+        from btrfs_ublk_image import pull
+
+        lock = pull.lock_path(spec_path)
+        if pull.write_lock(lock, pins):
+            print(f"{lock}: {len(pins)} registry image(s) pinned", file=sys.stderr)
     s = res.manifest["stats"]
     print(
         f"{res.path}: {res.image_id}: {s['files']} files, {s['directories']} dirs,"
@@ -97,7 +119,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         f" {s['devices']} special, {s['hardlinks']} extra hardlinks"
     )
     for src in manifest["sources"]:
-        print(f"source:     {src['kind']} {src['path']} {src['sha256']}")
+        where = f"{src['ref']}@{src['digest']}" if src.get("ref") else src["path"]
+        print(f"source:     {src['kind']} {where} {src['sha256']}")
     if manifest.get("image_config"):
         print(f"config:     {json.dumps(manifest['image_config'], sort_keys=True)}")
     return 0
@@ -221,6 +244,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--progress", action="store_true", help="show progress even when stderr is not a terminal"
     )
+    b.add_argument(
+        "--update-lock",
+        action="store_true",
+        help="resolve the tags of registry images again (oci: {ref: ...}) instead of using"
+        " the digests in SPEC.lock, and rewrite it",
+    )
+    _registry_options(b)
     b.set_defaults(func=cmd_build)
 
     s = sub.add_parser("schema", help="print the spec's JSON schema")

@@ -12,6 +12,7 @@ A spec is a YAML mapping::
     layers:
       - tar: {path: rootfs.tar.zst, exclude: ["/var/cache/**"], uid: 0, gid: 0}
       - oci: {path: ./debian-oci, ref: bookworm}
+      - oci: {ref: registry.example/library/debian:12}      # pulled, pinned in spec.yaml.lock
       - dir: {path: ./overlay, dest: /srv}
       - files:
           - {path: /etc/motd, content: "hello\\n", mode: "0644"}
@@ -59,7 +60,7 @@ from typing import (
 
 import yaml
 
-from btrfs_ublk_image.errors import SpecError
+from btrfs_ublk_image.errors import ImageError, SpecError
 
 SPEC_VERSION = 1
 DEFAULT_INLINE_LIMIT = 2048
@@ -321,25 +322,32 @@ class DirLayer(_Model):
 
 @_model
 class OciSource(_Model):
-    """An OCI image: a layout directory, an ``oci-archive`` or a ``docker-archive`` tarball."""
+    """An OCI image: a layout directory, an ``oci-archive`` or a ``docker-archive`` tarball
+    (``path``), or an image in a registry (no ``path``; ``ref: REGISTRY/REPO:TAG`` or
+    ``REGISTRY/REPO@sha256:HEX``), pulled through a digest-checked local cache and pinned
+    in the spec's lock file (docs/sources.md)."""
 
-    path: str = _field(
+    path: str | None = _field(
+        default=None,
         min_length=1,
         description="OCI image layout directory, or an uncompressed oci-archive or"
-        " docker-archive (docker save) tarball, relative to the spec file",
+        " docker-archive (docker save) tarball, relative to the spec file; leave it out to"
+        " pull ``ref`` from a registry",
     )
     ref: str | None = _field(
         default=None,
         min_length=1,
-        description="Tag: the index's org.opencontainers.image.ref.name (docker-archive: a"
-        " RepoTags entry, whole or the part after ':'); may be left out when the image holds"
-        " one image",
+        description="With path: the tag, the index's org.opencontainers.image.ref.name"
+        " (docker-archive: a RepoTags entry, whole or the part after ':'); may be left out"
+        " when the image holds one image. Without path: the registry image,"
+        " REGISTRY[:PORT]/REPO[:TAG] or REGISTRY[:PORT]/REPO@sha256:HEX",
     )
     digest: str | None = _field(
         default=None,
         pattern=r"^sha256:[0-9a-f]{64}$",
         description="Select (or, with ref, pin) by digest: of an image index or manifest;"
-        " docker-archive: of the image config (the image id)",
+        " docker-archive: of the image config (the image id). Registry images: the manifest"
+        " or index to pull (the tag is then only a name; the lock file is not consulted)",
     )
     platform: str | None = _field(
         default=None,
@@ -347,6 +355,24 @@ class OciSource(_Model):
         description="os/architecture[/variant] picked from an image index; default: the"
         " host's (linux/amd64 on x86_64)",
     )
+
+    def __post_init__(self) -> None:
+        # Runs once every field is valid: the validator reports this at the entry's line.
+        if self.path is not None:
+            return
+        if self.ref is None:
+            raise ValueError(
+                "an oci source needs path (a local image) or ref (REGISTRY/REPO:TAG or"
+                " REGISTRY/REPO@sha256:HEX, pulled from a registry)"
+            )
+        from btrfs_ublk_image.registry import parse_pull_reference  # registry sources only
+
+        try:
+            ref = parse_pull_reference(self.ref)
+        except ImageError as e:
+            raise ValueError(f"ref without path names a registry image: {e}") from None
+        if ref.digest is not None and self.digest is not None and ref.digest != self.digest:
+            raise ValueError(f"ref {self.ref} and digest {self.digest} name different images")
 
 
 @_model

@@ -27,9 +27,17 @@ class SourceRecord:
     sha256: str  # "sha256:<hex>": of the source file's bytes; files layer: of its canonical JSON
     # OCI: the image config for the manifest (not part of the source record itself)
     image_config: dict[str, Any] | None = field(default=None, compare=False)
+    # registry images only: the spec's ref and the manifest (or index) digest it resolved to
+    ref: str | None = None
+    digest: str | None = None
 
     def to_json(self) -> dict[str, str]:
-        return {"kind": self.kind, "path": self.path, "sha256": self.sha256}
+        out = {"kind": self.kind, "path": self.path, "sha256": self.sha256}
+        if self.ref is not None:  # only registry sources: the records of the others stay
+            out["ref"] = self.ref
+        if self.digest is not None:
+            out["digest"] = self.digest
+        return out
 
 
 class LayerContext:

@@ -311,7 +311,14 @@ class _Oci:
                 )
             desc = top[0]
         pinned = digest is None or desc.get("digest") == digest
-        what = f"image {ref or desc.get('digest')}"
+        return self.resolve(
+            desc, digest if not pinned else None, plat, f"image {ref or desc.get('digest')}"
+        )
+
+    def resolve(self, desc: dict[str, Any], digest: str | None, plat: str, what: str) -> _Image:
+        """The image ``desc`` names: an index (nested ones too) resolved to ``plat``'s
+        manifest. ``digest``: a pin that ``desc`` or one of the indexes' entries must have."""
+        pinned = digest is None
         for _ in range(8):  # nested indexes
             data = self.blob(desc, what)
             doc = _json(data, f"{self.label}: {what}")
@@ -319,7 +326,9 @@ class _Oci:
                 raise SourceError(f"{self.label}: {what}: not a JSON object")
             mt = desc.get("mediaType") or doc.get("mediaType")
             if mt in _INDEX_TYPES or (mt is None and "manifests" in doc):
-                desc = self._platform(_descriptors(doc, f"{self.label}: {what}"), plat, what)
+                desc = select_platform(
+                    _descriptors(doc, f"{self.label}: {what}"), plat, what, self.label
+                )
                 pinned = pinned or desc.get("digest") == digest
                 what = f"{what} ({plat})"
                 continue
@@ -337,39 +346,6 @@ class _Oci:
             if d.get("digest") == digest:
                 return d
         return None
-
-    def _platform(self, descs: list[dict[str, Any]], plat: str, what: str) -> dict[str, Any]:
-        want = plat.split("/")
-        found = []
-        for d in descs:
-            p = d.get("platform")
-            if not isinstance(p, dict):
-                continue
-            have = [p.get("os"), p.get("architecture")]
-            if have != want[:2]:
-                continue
-            if len(want) > 2 and p.get("variant") != want[2]:
-                continue
-            found.append(d)
-        if not found:
-            avail = sorted(
-                "/".join(
-                    str(x)
-                    for x in (
-                        d["platform"].get("os"),
-                        d["platform"].get("architecture"),
-                        d["platform"].get("variant"),
-                    )
-                    if x
-                )
-                for d in descs
-                if isinstance(d.get("platform"), dict)
-            )
-            raise SourceError(
-                f"{self.label}: {what}: no manifest for platform {plat}"
-                f" (available: {', '.join(avail) or 'none'})"
-            )
-        return found[0]
 
     def _manifest(self, doc: dict[str, Any], what: str) -> _Image:
         cdesc = doc.get("config")
@@ -393,6 +369,34 @@ class _Oci:
             out.append((rel, digest, size if isinstance(size, int) else None, mt))
         assert isinstance(cdesc, dict)  # self.blob checked it
         return _Image(config, str(cdesc["digest"]), out)
+
+
+def platform_name(p: Any) -> str | None:
+    """``os/architecture[/variant]`` of a descriptor's platform, None if it has none."""
+    if not isinstance(p, dict) or not p.get("os") or not p.get("architecture"):
+        return None
+    parts = (p.get("os"), p.get("architecture"), p.get("variant"))
+    return "/".join(str(x) for x in parts if x)
+
+
+def select_platform(
+    descs: list[dict[str, Any]], plat: str, what: str, label: str
+) -> dict[str, Any]:
+    """The first entry of an index for ``plat`` (``os/arch[/variant]``); the error lists
+    the platforms there are."""
+    want = plat.split("/")
+    for d in descs:
+        p = d.get("platform")
+        if not isinstance(p, dict) or [p.get("os"), p.get("architecture")] != want[:2]:
+            continue
+        if len(want) > 2 and p.get("variant") != want[2]:
+            continue
+        return d
+    avail = sorted(n for d in descs if (n := platform_name(d.get("platform"))) is not None)
+    raise SourceError(
+        f"{label}: {what}: no manifest for platform {plat}"
+        f" (available: {', '.join(avail) or 'none'})"
+    )
 
 
 def _descriptors(doc: Any, where: str) -> list[dict[str, Any]]:
@@ -487,6 +491,8 @@ def image_config(config: dict[str, Any], digest: str) -> dict[str, Any]:
 
 def apply(layer: OciLayer, ctx: LayerContext) -> SourceRecord:
     src = layer.oci
+    if src.path is None:
+        return _apply_registry(layer, ctx)
     path = ctx.resolve(src.path)
     label = str(path)
     plat = src.platform or host_platform_name()
@@ -503,6 +509,52 @@ def apply(layer: OciLayer, ctx: LayerContext) -> SourceRecord:
             )
         else:
             raise SourceError(f"{label}: cannot open image: No such file or directory")
+        config = _apply_image(store, image, ctx, label)
+    finally:
+        store.close()
+    return SourceRecord(
+        kind="oci",
+        path=src.path,
+        sha256=image.config_digest,
+        image_config=image_config(config, image.config_digest),
+    )
+
+
+def _apply_registry(layer: OciLayer, ctx: LayerContext) -> SourceRecord:
+    """A registry image: pulled into the local cache (nothing fetched when the pinned
+    digest's blobs are there already), then applied from it as from a layout."""
+    from btrfs_ublk_image import pull
+    from btrfs_ublk_image.registry import credentials_for, parse_pull_reference
+
+    src = layer.oci
+    assert src.ref is not None  # the spec checked it
+    ref = parse_pull_reference(src.ref)
+    if src.digest is not None:
+        ref = ref.with_digest(src.digest)
+    plat = src.platform or host_platform_name()
+    cache = pull.BlobCache(pull.cache_dir())
+    pulled = pull.pull(ref, cache, platform=plat, credentials=credentials_for(ref.registry))
+    label = src.ref
+    store = _Store(cache.root)
+    try:
+        desc = {"digest": pulled.digest, "size": pulled.size}
+        image = _Oci(store, label).resolve(desc, None, plat, f"image {pulled.digest}")
+        config = _apply_image(store, image, ctx, label)
+    finally:
+        store.close()
+    return SourceRecord(
+        kind="oci",
+        path="",
+        sha256=image.config_digest,
+        image_config=image_config(config, image.config_digest),
+        ref=src.ref,
+        digest=pulled.digest,
+    )
+
+
+def _apply_image(store: _Store, image: _Image, ctx: LayerContext, label: str) -> dict[str, Any]:
+    """Check the image config against the layers and apply them in order; -> the config."""
+    try:
         config = image.config
         if not isinstance(config, dict):
             raise SourceError(f"{label}: image config: not a JSON object")
@@ -521,13 +573,7 @@ def apply(layer: OciLayer, ctx: LayerContext) -> SourceRecord:
             )
     finally:
         ctx.upper = None
-        store.close()
-    return SourceRecord(
-        kind="oci",
-        path=src.path,
-        sha256=image.config_digest,
-        image_config=image_config(config, image.config_digest),
-    )
+    return config
 
 
 def _apply_layer(

@@ -1,0 +1,335 @@
+"""Registry images as sources: a digest-checked local cache and the spec's lock file.
+
+The cache is a content-addressed OCI image layout (``oci-layout``, an empty
+``index.json``, ``blobs/sha256/<hex>``) in ``$BUI_CACHE_DIR``, else
+``/var/cache/btrfs-ublk-image/oci``. A blob enters it only through a temporary file
+in its directory that is renamed to ``blobs/sha256/<hex>`` once its sha256 matched
+(registry.Registry.get_blob; manifests the same way), so a name in the cache always
+holds the bytes of its digest, and a wrong blob leaves nothing behind. The source then
+reads the image from the cache exactly as from a local layout (sources/oci.py), which
+checks every blob again while it streams.
+
+A pull by digest whose blobs are all cached makes no request at all: a locked build
+works offline.
+
+The lock file (``<spec>.lock``, beside the spec) pins each registry ref of the spec to
+the manifest (or index) digest it resolved to::
+
+    {
+      "lock_version": 1,
+      "refs": {
+        "registry.example/library/debian:12": "sha256:..."
+      }
+    }
+
+``build`` resolves refs missing from it and writes it (sorted, after a successful
+build); refs it has are pulled by their digest, so a tag that moved does not change the
+image. ``build --update-lock`` resolves every ref again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.progress import Progress
+from btrfs_ublk_image.registry import (
+    MT_DOCKER_LIST,
+    MT_OCI_INDEX,
+    Reference,
+    Registry,
+    credentials_for,
+    parse_pull_reference,
+)
+from btrfs_ublk_image.spec import OciLayer, Spec
+
+CACHE_ENV = "BUI_CACHE_DIR"
+DEFAULT_CACHE = "/var/cache/btrfs-ublk-image/oci"
+LOCK_SUFFIX = ".lock"
+LOCK_VERSION = 1
+_INDEX_TYPES = (MT_OCI_INDEX, MT_DOCKER_LIST)
+_MAX_NESTING = 8
+
+
+def cache_dir(environ: dict[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    return Path(env.get(CACHE_ENV) or DEFAULT_CACHE)
+
+
+class BlobCache:
+    """The content-addressed blob store (an OCI layout) registry images are pulled into."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.blobs = root / "blobs" / "sha256"
+        try:
+            self.blobs.mkdir(parents=True, exist_ok=True)
+            if not (root / "oci-layout").exists():
+                _write_atomic(root / "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
+            if not (root / "index.json").exists():
+                _write_atomic(root / "index.json", b'{"schemaVersion":2,"manifests":[]}')
+        except OSError as e:
+            raise ImageError(f"{root}: cannot create the image cache: {e.strerror or e}") from None
+
+    def path(self, digest: str) -> Path:
+        return self.blobs / digest.removeprefix("sha256:")
+
+    def has(self, digest: str, size: int | None = None) -> bool:
+        """The blob is cached (it was checked when it came in), of ``size`` if given."""
+        try:
+            got = self.path(digest).stat().st_size
+        except OSError:
+            return False
+        return size is None or got == size
+
+    def read(self, digest: str) -> bytes:
+        return self.path(digest).read_bytes()
+
+    def put(self, digest: str, data: bytes) -> None:
+        got = "sha256:" + hashlib.sha256(data).hexdigest()
+        if got != digest:
+            raise ImageError(f"{self.root}: refusing to cache {digest}: its bytes are {got}")
+        _write_atomic(self.path(digest), data)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@dataclass(frozen=True, slots=True)
+class Pulled:
+    """A registry image in the cache."""
+
+    ref: Reference  # as asked, with the digest it resolved to
+    digest: str  # of the manifest or index the ref names
+    media_type: str
+    size: int
+    platforms: list[str]  # of an index: the platforms pulled; [] for a single manifest
+
+
+def _json(data: bytes, where: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise ImageError(f"{where}: not JSON") from None
+    if not isinstance(doc, dict):
+        raise ImageError(f"{where}: not a JSON object")
+    return doc
+
+
+def pull(
+    ref: Reference,
+    cache: BlobCache,
+    *,
+    platform: str | None,
+    plain_http: bool = False,
+    credentials: tuple[str, str] | None = None,
+    progress: Progress | None = None,
+) -> Pulled:
+    """Pull ``ref`` (by its digest if it has one, else its tag) into ``cache``: the manifest,
+    or the index and the manifest of ``platform`` in it (``None``: of every platform), and
+    their configs and layers. Blobs already cached are not fetched again."""
+    reg = Registry(
+        ref, plain_http=plain_http, credentials=credentials, progress=progress, actions="pull"
+    )
+    try:
+        if ref.digest is not None and cache.has(ref.digest):
+            digest, data = ref.digest, cache.read(ref.digest)
+            media_type = str(_json(data, f"{ref}").get("mediaType") or "")
+        else:
+            data, media_type = reg.pull_manifest(ref.reference)
+            digest = "sha256:" + hashlib.sha256(data).hexdigest()
+            cache.put(digest, data)
+        name = ref.with_digest(digest)
+        doc = _json(data, str(name))
+        platforms = _pull_tree(reg, cache, name, doc, media_type, platform, 0)
+    finally:
+        reg.close()
+    return Pulled(name, digest, media_type, len(data), platforms)
+
+
+def _pull_tree(
+    reg: Registry,
+    cache: BlobCache,
+    name: Reference,
+    doc: dict[str, Any],
+    media_type: str,
+    platform: str | None,
+    depth: int,
+) -> list[str]:
+    """The blobs below one manifest or index document (already cached)."""
+    from btrfs_ublk_image.sources.oci import platform_name, select_platform
+
+    if depth > _MAX_NESTING:
+        raise ImageError(f"{name}: image indexes nested too deep")
+    if media_type in _INDEX_TYPES or (not media_type and "manifests" in doc):
+        descs = doc.get("manifests")
+        if not isinstance(descs, list) or not all(isinstance(d, dict) for d in descs):
+            raise ImageError(f"{name}: an image index without a manifests list")
+        if platform is not None:
+            chosen = [select_platform(descs, platform, "image index", str(name))]
+        else:  # every platform (attestations and the like name os 'unknown')
+            chosen = [d for d in descs if _runnable_platform(platform_name(d.get("platform")))]
+            if not chosen:
+                raise ImageError(f"{name}: the image index names no platform")
+        out = []
+        for d in chosen:
+            child = _pull_manifest_blob(reg, cache, name, d)
+            cdoc = _json(cache.read(child), f"{name}: manifest {child}")
+            ctype = str(d.get("mediaType") or cdoc.get("mediaType") or "")
+            _pull_tree(reg, cache, name, cdoc, ctype, platform, depth + 1)
+            out.append(platform_name(d.get("platform")) or "")
+        return out
+    config = doc.get("config")
+    layers = doc.get("layers")
+    if not isinstance(config, dict) or not isinstance(layers, list):
+        raise ImageError(f"{name}: not an image manifest (no config or layers)")
+    for i, d in enumerate([config, *layers]):
+        if not isinstance(d, dict):
+            raise ImageError(f"{name}: descriptor {i} is not an object")
+        _pull_blob(reg, cache, name, d)
+    return []
+
+
+def _runnable_platform(name: str | None) -> bool:
+    return name is not None and not name.startswith("unknown/")
+
+
+def _pull_manifest_blob(
+    reg: Registry, cache: BlobCache, name: Reference, desc: dict[str, Any]
+) -> str:
+    digest = desc.get("digest")
+    if not isinstance(digest, str):
+        raise ImageError(f"{name}: an index entry without a digest")
+    if not cache.has(digest):
+        data, _ = reg.pull_manifest(digest)  # checked against the digest
+        size = desc.get("size")
+        if isinstance(size, int) and size != len(data):
+            raise ImageError(f"{name}: manifest {digest}: {len(data)} bytes, the index says {size}")
+        cache.put(digest, data)
+    return digest
+
+
+def _pull_blob(reg: Registry, cache: BlobCache, name: Reference, desc: dict[str, Any]) -> None:
+    digest = desc.get("digest")
+    size = desc.get("size")
+    if not isinstance(digest, str):
+        raise ImageError(f"{name}: a descriptor without a digest")
+    size = size if isinstance(size, int) else None
+    if cache.has(digest, size):
+        return
+    try:
+        reg.get_blob(digest, str(cache.path(digest)), size)
+    except ImageError as e:
+        raise ImageError(f"{name}: {e}") from None
+    if reg.progress is not None:
+        reg.progress.add_file()
+
+
+# --- the lock file --------------------------------------------------------------------------
+def lock_path(spec_path: Path) -> Path:
+    return spec_path.with_name(spec_path.name + LOCK_SUFFIX)
+
+
+def read_lock(path: Path) -> dict[str, str]:
+    """ref -> digest; {} when there is no lock file."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ImageError(f"{path}: cannot read the lock file: {e}") from None
+    refs = doc.get("refs") if isinstance(doc, dict) else None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("lock_version") != LOCK_VERSION
+        or not isinstance(refs, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in refs.items())
+    ):
+        raise ImageError(
+            f"{path}: not a lock file of version {LOCK_VERSION} ({{lock_version, refs: {{REF:"
+            " DIGEST}}}}); remove it or build with --update-lock"
+        )
+    return dict(refs)
+
+
+def encode_lock(refs: dict[str, str]) -> bytes:
+    doc = {"lock_version": LOCK_VERSION, "refs": refs}
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def write_lock(path: Path, refs: dict[str, str]) -> bool:
+    """Write the lock unless it already says exactly this; True if it was written."""
+    data = encode_lock(refs)
+    try:
+        if path.read_bytes() == data:
+            return False
+    except OSError:
+        pass
+    try:
+        _write_atomic(path, data)
+    except OSError as e:
+        raise ImageError(f"{path}: cannot write the lock file: {e.strerror or e}") from None
+    return True
+
+
+def pin_spec(
+    spec: Spec,
+    spec_path: Path,
+    *,
+    update_lock: bool = False,
+    plain_http: bool = False,
+    auth: str | None = None,
+    progress: Progress | None = None,
+) -> tuple[Spec, dict[str, str]]:
+    """Pull every registry image of ``spec`` into the cache, each by its digest in the
+    lock file (or the spec), else by its tag; -> the spec with each such source pinned to
+    its digest, and the lock's new content (ref -> digest)."""
+    from btrfs_ublk_image.sources.oci import host_platform_name
+
+    locked = {} if update_lock else read_lock(lock_path(spec_path))
+    cache: BlobCache | None = None
+    pins: dict[str, str] = {}
+    layers = []
+    for layer in spec.layers:
+        if isinstance(layer, OciLayer) and layer.oci.path is None and layer.oci.ref is not None:
+            src = layer.oci
+            assert src.ref is not None
+            ref = parse_pull_reference(src.ref)
+            digest = src.digest or ref.digest or pins.get(src.ref) or locked.get(src.ref)
+            cache = cache or BlobCache(cache_dir())
+            if progress is not None:
+                progress.phase(f"pulling {src.ref}")
+            pulled = pull(
+                ref.with_digest(digest) if digest else ref,
+                cache,
+                platform=src.platform or host_platform_name(),
+                plain_http=plain_http,
+                credentials=credentials_for(ref.registry, auth),
+                progress=progress,
+            )
+            pins[src.ref] = pulled.digest
+            layer = OciLayer(oci=dataclasses.replace(src, digest=pulled.digest))
+        layers.append(layer)
+    pinned = dataclasses.replace(spec, layers=layers)
+    object.__setattr__(pinned, "_sha256", spec.spec_sha256)  # the spec file's, as loaded
+    return pinned, pins
