@@ -1,0 +1,244 @@
+"""Containers from a registry through btrfs-ublk-snapshotter (issue 20, docs/containerd.md).
+
+Real containerd (Debian's 1.6, and 2.x built by scripts/setup.sh), runc and
+docker-registry run as our own child processes on loopback (tests/containerd.py,
+tests/servers.py). The Debian minbase image (specs/golden/debian/prepare.sh: an OCI
+layout of two layers) goes to the registry twice: as it is (`skopeo copy`) and as a
+bundle with its runnable image (`btrfs-ublk-image push --image`). Oracles: `umoci
+unpack` of the same layout for the tree, the registry's access log for what was
+fetched, /proc/self/mountinfo and `ublkd status` for what is left behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from bundletools import prepare_debian_inputs
+from containerd import FLAVOURS, SNAPSHOTTER, Stack, containerd_binaries, containerd_stack
+from servers import Registry, docker_registry
+
+pytestmark = pytest.mark.root
+
+MT_PACK = "application/vnd.btrfs-ublk-image.pack.v1"
+# find(1)'s listing of a tree: path, type, mode, owner, group, size, link target
+LISTING = r"%P\t%y\t%m\t%U\t%G\t%s\t%l\n"
+
+
+@dataclass
+class Images:
+    registry: Registry
+    ours: str  # the runnable image of the bundle (push --image)
+    plain: str  # the same OCI image as it is
+    image_id: str
+    bundle_manifest: dict[str, object]
+    placeholder: str  # the runnable image's one layer blob
+    reference_tree: Path  # umoci unpack of the source
+
+
+def _run(*argv: str | Path, timeout: float = 600) -> str:
+    r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{' '.join(map(str, argv))}: {r.returncode}\n{r.stdout}{r.stderr}"
+    return r.stdout
+
+
+def raw_manifest(registry: Registry, repo: str, ref: str) -> tuple[bytes, dict[str, object]]:
+    req = urllib.request.Request(
+        f"{registry.url}/v2/{repo}/manifests/{ref}",
+        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        data: bytes = resp.read()
+    doc: dict[str, object] = json.loads(data)
+    return data, doc
+
+
+def put_manifest(registry: Registry, repo: str, tag: str, data: bytes) -> None:
+    req = urllib.request.Request(
+        f"{registry.url}/v2/{repo}/manifests/{tag}",
+        data=data,
+        method="PUT",
+        headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 201
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Images]:
+    for flavour in FLAVOURS:
+        assert Path(containerd_binaries(flavour)[0]).exists(), (
+            f"containerd {flavour} missing: run scripts/setup.sh"
+        )
+    cache = prepare_debian_inputs()
+    work = tmp_path_factory.mktemp("ctd-images")
+    spec = work / "spec.yaml"
+    spec.write_text(f"version: 1\nname: ctd\nlayers:\n  - oci: {{path: {cache / 'oci'}, ref: bookworm}}\n")
+    _run("btrfs-ublk-image", "build", spec, "-o", work / "bundle")
+    image_id = "sha256:" + hashlib.sha256((work / "bundle" / "manifest.json").read_bytes()).hexdigest()
+    _run("umoci", "unpack", "--image", f"{cache / 'oci'}:bookworm", work / "umoci")
+    with docker_registry(work / "registry") as reg:
+        ours = f"{reg.address}/ours/debian:v1"
+        plain = f"{reg.address}/plain/debian:v1"
+        _run("btrfs-ublk-image", "push", "--image", work / "bundle", ours)
+        _run("skopeo", "copy", "--dest-tls-verify=false", f"oci:{cache / 'oci'}:bookworm",
+             f"docker://{plain}")  # fmt: skip
+        _, bundle = raw_manifest(reg, "ours/debian", "v1-bundle")
+        _, runnable = raw_manifest(reg, "ours/debian", "v1")
+        layers = runnable["layers"]
+        assert isinstance(layers, list) and len(layers) == 1
+        yield Images(reg, ours, plain, image_id, bundle, layers[0]["digest"], work / "umoci" / "rootfs")
+
+
+@pytest.fixture(params=FLAVOURS)
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    with containerd_stack(request.param) as st:
+        yield st
+
+
+def pack_bytes_fetched(images: Images, since: int) -> tuple[int, int]:
+    """(pack bytes the registry sent since request number ``since``, all pack bytes)."""
+    layers = images.bundle_manifest["layers"]
+    assert isinstance(layers, list)
+    packs = {d["digest"]: d["size"] for d in layers if d["mediaType"] == MT_PACK}
+    sent = sum(
+        r.bytes_sent
+        for r in images.registry.requests()[since:]
+        if r.method == "GET" and r.path.rsplit("/", 1)[-1] in packs
+    )
+    return sent, sum(packs.values())
+
+
+def container_listing(
+    st: Stack, ref: str, name: str
+) -> tuple[dict[str, str], dict[str, str], set[str]]:
+    """(find listing, sha256 of every regular file, paths runc mounts over) of the
+    container's root filesystem."""
+    out = st.ctr(
+        "run", "--rm", "--snapshotter", SNAPSHOTTER, ref, name, "/bin/sh", "-c",
+        f"find / -xdev -printf '{LISTING}'; echo ==; cat /proc/self/mountinfo; echo ==; "
+        "find / -xdev -type f -print0 | xargs -0 sha256sum",
+    ).stdout  # fmt: skip
+    listing, mountinfo, sums = out.split("==\n")
+    mounted = {line.split()[4].lstrip("/") for line in mountinfo.splitlines()} - {""}
+    return _listing(listing, mounted), _sums(sums, "/"), mounted
+
+
+def tree_listing(root: Path, mounted: set[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The same of a directory tree, without what lies at or under ``mounted``."""
+    listing = _run("find", root, "-printf", LISTING)
+    sums = _run("sh", "-c", f"cd {root} && find . -type f -print0 | xargs -0 sha256sum")
+    return _listing(listing, mounted), _sums(sums, "./")
+
+
+def _hidden(path: str, mounted: set[str]) -> bool:
+    return any(path == m or path.startswith(m + "/") for m in mounted)
+
+
+def _listing(text: str, mounted: set[str]) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        path, kind, mode, uid, gid, size, target = line.split("\t")
+        if not path or _hidden(path, mounted):
+            continue
+        if kind == "d":
+            size = "-"  # a directory's size is the filesystem's business
+        out[path] = "\t".join((kind, mode, uid, gid, size, target))
+    return out
+
+
+def _sums(text: str, prefix: str) -> dict[str, str]:
+    out = {}
+    for line in text.splitlines():
+        digest, path = line.split("  ", 1)
+        out[path.removeprefix(prefix)] = digest
+    return out
+
+
+# --- the tests ----------------------------------------------------------------------------
+def test_run_from_registry_lazily(images: Images, stack: Stack) -> None:
+    since = len(images.registry.requests())
+    stack.pull(images.ours)
+    out = stack.ctr("run", "--rm", "--snapshotter", SNAPSHOTTER, images.ours, "first",
+                    "/bin/cat", "/etc/debian_version").stdout  # fmt: skip
+    assert out.startswith("12.")
+    fetched, total = pack_bytes_fetched(images, since)
+    assert 0 < fetched <= total // 10, f"{fetched} of {total} pack bytes fetched"
+    # containerd never fetched the placeholder layer: the snapshotter served it
+    got = [r.path for r in images.registry.requests()[since:] if r.method == "GET"]
+    assert not any(p.endswith(images.placeholder) for p in got), got
+    st = stack.status()
+    lazy = st["lazy"]
+    assert isinstance(lazy, list) and len(lazy) == 1
+    assert lazy[0]["image_id"] == images.image_id and lazy[0]["mounted"]
+    assert st["downloaded"] == []
+    assert f"image id {images.image_id}" in stack.snapshotter.output() or images.image_id in stack.snapshotter.output()
+    assert "served lazily" in stack.snapshotter.output()
+
+
+def test_container_tree_is_the_image(images: Images, stack: Stack) -> None:
+    stack.pull(images.ours)
+    inside, inside_sums, mounted = container_listing(stack, images.ours, "tree")
+    want, want_sums = tree_listing(images.reference_tree, mounted)
+    assert len(want) > 6000
+    assert inside == want
+    assert inside_sums == {p: d for p, d in want_sums.items() if not _hidden(p, mounted)}
+
+
+def test_ordinary_image_uses_overlayfs(images: Images, stack: Stack) -> None:
+    """A plain image through the same snapshotter: containerd downloads and unpacks its
+    layers (said in status and the log), beside a lazily served one."""
+    stack.pull(images.plain)
+    stack.pull(images.ours)
+    out = stack.ctr("run", "--rm", "--snapshotter", SNAPSHOTTER, images.plain, "plain",
+                    "/bin/cat", "/etc/golden-release").stdout  # fmt: skip
+    assert out.strip()
+    out2 = stack.ctr("run", "--rm", "--snapshotter", SNAPSHOTTER, images.ours, "ours",
+                     "/bin/cat", "/etc/golden-release").stdout  # fmt: skip
+    assert out == out2
+    st = stack.status()
+    downloaded, lazy = st["downloaded"], st["lazy"]
+    assert isinstance(downloaded, list) and isinstance(lazy, list)
+    assert len(downloaded) == 2 and len(lazy) == 1
+    assert "ordinary layer" in stack.snapshotter.output()
+
+
+def test_snapshotter_and_containerd_restarts(images: Images, stack: Stack) -> None:
+    stack.pull(images.ours)
+    stack.ctr("run", "-d", "--snapshotter", SNAPSHOTTER, images.ours, "long", "/bin/sleep", "600")
+    stack.snapshotter.kill()
+    # the running container still reads (its data comes from ublkd, not the snapshotter)
+    out = stack.ctr("task", "exec", "--exec-id", "e1", "long", "/bin/cat", "/etc/os-release").stdout
+    assert "bookworm" in out
+    stack.start_snapshotter()
+    lazy = stack.status()["lazy"]
+    assert isinstance(lazy, list) and len(lazy) == 1 and lazy[0]["mounted"]
+    out = stack.ctr("run", "--rm", "--snapshotter", SNAPSHOTTER, images.ours, "after",
+                    "/bin/cat", "/etc/debian_version").stdout  # fmt: skip
+    assert out.startswith("12.")
+    stack.restart_containerd()
+    out = stack.ctr("task", "exec", "--exec-id", "e2", "long", "/usr/bin/md5sum", "/bin/ls").stdout
+    assert "/bin/ls" in out
+    out = stack.ctr("run", "--rm", "--snapshotter", SNAPSHOTTER, images.ours, "after2",
+                    "/bin/cat", "/etc/debian_version").stdout  # fmt: skip
+    assert out.startswith("12.")
+
+
+def test_image_removal_unmounts(images: Images, stack: Stack) -> None:
+    stack.pull(images.ours)
+    root = stack.snapshotter_root
+    assert any(str(root) in line for line in Path("/proc/self/mounts").read_text().splitlines())
+    stack.ctr("image", "rm", "--sync", images.ours)
+    deadline = time.monotonic() + 20
+    while any(str(root) in ln for ln in Path("/proc/self/mounts").read_text().splitlines()):
+        assert time.monotonic() < deadline, "bundle still mounted after the image was removed"
+        time.sleep(0.1)
+    assert stack.status()["lazy"] == []
+    assert "bundle unmounted" in stack.snapshotter.output()
