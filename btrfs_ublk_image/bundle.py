@@ -14,7 +14,8 @@ import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from btrfs_ublk_image import __version__
 from btrfs_ublk_image.blockmap import VERSION, VERSION_COMPRESSED, BlockMap, PackEntry, Range
@@ -24,6 +25,9 @@ from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.packs import DEFAULT_CHUNK_SIZE, PackWriter
 from btrfs_ublk_image.progress import Progress
 from btrfs_ublk_image.tree import Tree
+
+if TYPE_CHECKING:
+    from btrfs_ublk_image.spec import Spec
 
 FORMAT = "btrfs-ublk-image.bundle"
 FORMAT_VERSION = 1
@@ -92,6 +96,34 @@ def write_bundle(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return BuildResult(out_dir, result[0], result[1], result[2])
+
+
+def build_spec(spec: Spec, spec_path: Path, out: str, progress: Progress | None) -> BuildResult:
+    """Build ``spec`` (its paths relative to ``spec_path``'s directory) into the bundle
+    directory ``out``: every layer's sources, then the writer (``write_bundle``)."""
+    from btrfs_ublk_image.sources import build_sources
+
+    opts = WriterOptions(
+        inline_limit=spec.btrfs.inline_limit,
+        label=spec.btrfs.label,
+        fsid=spec.btrfs.fsid,
+        time_ns=(spec.source_date_epoch or 0) * 1_000_000_000,
+    )
+
+    def fill(packs: PackWriter) -> tuple[Tree, list[dict[str, Any]], dict[str, Any] | None]:
+        built = build_sources(spec, spec_path, packs, progress)
+        return built.tree, [r.to_json() for r in built.records], built.image_config
+
+    return write_bundle(
+        out,
+        name=spec.name,
+        opts=opts,
+        fill=fill,
+        spec_sha256=spec.spec_sha256,
+        progress=progress,
+        prefetch=spec.prefetch,
+        pack_compression=spec.pack_compression,
+    )
 
 
 def _write_into(

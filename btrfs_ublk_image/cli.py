@@ -1,5 +1,5 @@
 """Command line: ``btrfs-ublk-image build | schema | inspect | ls | manifest | diff | push |
-push-trace``."""
+push-trace | convert``."""
 
 from __future__ import annotations
 
@@ -8,15 +8,11 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from btrfs_ublk_image import __version__
-from btrfs_ublk_image.btrfs.writer import WriterOptions
-from btrfs_ublk_image.bundle import read_manifest, write_bundle
+from btrfs_ublk_image.bundle import build_spec, read_manifest
 from btrfs_ublk_image.errors import ImageError
-from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.progress import Progress, human_bytes
-from btrfs_ublk_image.tree import Tree
 
 PROG = "btrfs-ublk-image"
 # how long a thread waiting for the GIL lets the holder run before asking for it (the
@@ -27,25 +23,18 @@ SWITCH_INTERVAL = 250e-6
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from btrfs_ublk_image.sources import build_sources
     from btrfs_ublk_image.spec import OciLayer, load_spec
 
     sys.setswitchinterval(SWITCH_INTERVAL)
     spec_path = Path(args.spec)
     spec = load_spec(spec_path)
     out = args.output or f"{spec.name}.bundle"
-    opts = WriterOptions(
-        inline_limit=spec.btrfs.inline_limit,
-        label=spec.btrfs.label,
-        fsid=spec.btrfs.fsid,
-        time_ns=(spec.source_date_epoch or 0) * 1_000_000_000,
-    )
     progress = Progress("reading sources", force=args.progress)
     pins: dict[str, str] = {}
-    if any(isinstance(x, OciLayer) and x.oci.path is None for x in spec.layers):
-        from btrfs_ublk_image import pull
+    try:
+        if any(isinstance(x, OciLayer) and x.oci.path is None for x in spec.layers):
+            from btrfs_ublk_image import pull
 
-        try:
             spec, pins = pull.pin_spec(
                 spec,
                 spec_path,
@@ -54,25 +43,8 @@ def cmd_build(args: argparse.Namespace) -> int:
                 auth=args.auth,
                 progress=progress,
             )
-        finally:
-            progress.done()
-        progress.phase("reading sources")
-
-    def fill(packs: PackWriter) -> tuple[Tree, list[dict[str, Any]], dict[str, Any] | None]:
-        built = build_sources(spec, spec_path, packs, progress)
-        return built.tree, [r.to_json() for r in built.records], built.image_config
-
-    try:
-        res = write_bundle(
-            out,
-            name=spec.name,
-            opts=opts,
-            fill=fill,
-            spec_sha256=spec.spec_sha256,
-            progress=progress,
-            prefetch=spec.prefetch,
-            pack_compression=spec.pack_compression,
-        )
+            progress.phase("reading sources")
+        res = build_spec(spec, spec_path, out, progress)
     finally:
         progress.done()
     if pins:
@@ -211,6 +183,38 @@ def cmd_push_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from btrfs_ublk_image.convert import convert
+
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    progress = Progress("converting", force=args.progress)
+    try:
+        result = convert(
+            args.source,
+            args.destination,
+            output=args.output,
+            platform=args.platform,
+            all_platforms=args.all_platforms,
+            name=args.name,
+            plain_http=args.plain_http,
+            auth=args.auth,
+            progress=progress,
+        )
+    finally:
+        progress.done()
+    for image in result.images:
+        plat = f" ({image.platform})" if image.platform else ""
+        print(f"{image.reference}: image {image.pushed.image_digest}{plat}")
+        print(f"bundle: manifest {image.pushed.bundle.manifest_digest}")
+        print(f"image id: {image.image_id}")
+        if image.bundle is not None:
+            print(f"kept: {image.bundle}")
+    if result.index_digest is not None:
+        print(f"{args.destination}: index {result.index_digest}")
+    print(f"converted in {progress.elapsed():.1f} s", file=sys.stderr)
+    return 0
+
+
 def _registry_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plain-http",
@@ -316,6 +320,37 @@ def parser() -> argparse.ArgumentParser:
         "--progress", action="store_true", help="show progress even when stderr is not a terminal"
     )
     pu.set_defaults(func=cmd_push)
+
+    cv = sub.add_parser(
+        "convert",
+        help="convert an OCI image into a bundle and push it as a runnable image (docs/convert.md)",
+        description="Read the OCI image SRC, build its bundle (the image config kept:"
+        " entrypoint, env, user, workdir) and push it to DST as `push --image` does: the"
+        " runnable image at DST's tag, the bundle artifact at TAG-bundle. SRC:"
+        " REGISTRY[:PORT]/REPO[:TAG|@sha256:HEX], oci-layout:PATH[:REF],"
+        " oci-archive:PATH[:REF] or docker-archive:PATH[:REF]. With --all-platforms and an"
+        " image index: one bundle and runnable image per platform (tags TAG-OS-ARCH), DST's"
+        " tag an index of them.",
+    )
+    cv.add_argument("source", metavar="SRC")
+    cv.add_argument("destination", metavar="DST", help="REGISTRY[:PORT]/REPO[:TAG]")
+    cv.add_argument(
+        "-o",
+        "--output",
+        metavar="DIR",
+        help="keep the bundle in DIR (several platforms: DIR/OS-ARCH.bundle); default: a"
+        " temporary directory, removed",
+    )
+    cv.add_argument(
+        "--platform", metavar="OS/ARCH[/VARIANT]", help="from an image index; default: the host's"
+    )
+    cv.add_argument("--all-platforms", action="store_true", help="every platform of an image index")
+    cv.add_argument("--name", help="the bundle's name (default: from SRC)")
+    _registry_options(cv)
+    cv.add_argument(
+        "--progress", action="store_true", help="show progress even when stderr is not a terminal"
+    )
+    cv.set_defaults(func=cmd_convert)
 
     pt = sub.add_parser(
         "push-trace",

@@ -297,16 +297,19 @@ def pin_spec(
     spec_path: Path,
     *,
     update_lock: bool = False,
+    locked: dict[str, str] | None = None,
     plain_http: bool = False,
     auth: str | None = None,
     progress: Progress | None = None,
 ) -> tuple[Spec, dict[str, str]]:
     """Pull every registry image of ``spec`` into the cache, each by its digest in the
     lock file (or the spec), else by its tag; -> the spec with each such source pinned to
-    its digest, and the lock's new content (ref -> digest)."""
+    its digest, and the lock's new content (ref -> digest). ``update_lock``: the lock file
+    is not read; ``locked``: these pins instead of the lock file's."""
     from btrfs_ublk_image.sources.oci import host_platform_name
 
-    locked = {} if update_lock else read_lock(lock_path(spec_path))
+    if locked is None:
+        locked = {} if update_lock else read_lock(lock_path(spec_path))
     cache: BlobCache | None = None
     pins: dict[str, str] = {}
     layers = []

@@ -287,6 +287,24 @@ class _Oci:
         return data
 
     def select(self, ref: str | None, digest: str | None, plat: str) -> _Image:
+        desc = self.top(ref, digest)
+        pinned = digest is None or desc.get("digest") == digest
+        return self.resolve(
+            desc, digest if not pinned else None, plat, f"image {ref or desc.get('digest')}"
+        )
+
+    def platforms(self, ref: str | None) -> list[str]:
+        """The platforms of the image ``ref`` selects when it is an index, else []."""
+        desc = self.top(ref, None)
+        what = f"image {ref or desc.get('digest')}"
+        doc = _json(self.blob(desc, what), f"{self.label}: {what}")
+        if not isinstance(doc, dict) or not isinstance(doc.get("manifests"), list):
+            return []
+        names = [platform_name(d.get("platform")) for d in _descriptors(doc, what)]
+        return [n for n in names if n is not None and not n.startswith("unknown/")]
+
+    def top(self, ref: str | None, digest: str | None) -> dict[str, Any]:
+        """The descriptor of index.json that ``ref`` (a tag) or ``digest`` selects."""
         if self.store.exists("oci-layout"):
             layout = _json(self.store.read("oci-layout"), f"{self.label}: oci-layout")
             version = layout.get("imageLayoutVersion") if isinstance(layout, dict) else None
@@ -310,10 +328,7 @@ class _Oci:
                     f" (tags: {_tag_list(top)}) or digest"
                 )
             desc = top[0]
-        pinned = digest is None or desc.get("digest") == digest
-        return self.resolve(
-            desc, digest if not pinned else None, plat, f"image {ref or desc.get('digest')}"
-        )
+        return desc
 
     def resolve(self, desc: dict[str, Any], digest: str | None, plat: str, what: str) -> _Image:
         """The image ``desc`` names: an index (nested ones too) resolved to ``plat``'s
@@ -518,6 +533,18 @@ def apply(layer: OciLayer, ctx: LayerContext) -> SourceRecord:
         sha256=image.config_digest,
         image_config=image_config(config, image.config_digest),
     )
+
+
+def local_platforms(path: Path, ref: str | None) -> list[str]:
+    """The platforms of a local image (layout or archive) that is an index; [] otherwise
+    (one manifest, or a docker-archive)."""
+    store = _Store(path)
+    try:
+        if not store.exists("index.json"):
+            return []
+        return _Oci(store, str(path)).platforms(ref)
+    finally:
+        store.close()
 
 
 def _apply_registry(layer: OciLayer, ctx: LayerContext) -> SourceRecord:
