@@ -7,6 +7,8 @@ Containers
   A tarball is never unpacked: one pass over its headers finds each member's offset,
   then every blob is read in place, once. A directory holding ``manifest.json`` (an
   unpacked docker-archive) works too. A tarball with both (docker 25+) is read as OCI.
+  * an image in a registry (no ``path``, ``ref: REGISTRY/REPO:TAG`` or ``@sha256:``):
+    pulled into the digest-checked cache (pull.py), then read from it as a layout.
 
 Selection: ``ref`` matches the ``org.opencontainers.image.ref.name`` annotation of a
 descriptor in ``index.json`` (docker-archive: a ``RepoTags`` entry, whole or its tag);
