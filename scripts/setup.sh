@@ -24,6 +24,7 @@ APT_PACKAGES=(
   curl ca-certificates
   nginx-light docker-registry         # remote packs: HTTP range server and OCI registry (tests, bench)
   apache2-utils     # htpasswd -B: bcrypt password files of the registry auth tests (test_push, test_remote)
+  containerd runc   # containerd 1.6 + runc: containers through btrfs-ublk-snapshotter (tests, bench)
 )
 
 if [ -z "${SKIP_APT:-}" ]; then
@@ -84,10 +85,51 @@ if [ -f ublkd/Cargo.toml ]; then
   install -m 0755 ublkd/target/release/ublkd /usr/local/bin/ublkd
 fi
 
+# btrfs-ublk-snapshotter (Go): the containerd snapshotter (docs/containerd.md). Its
+# containerd module names the Go version it needs (snapshotter/go.mod); a Go >= 1.21 fetches
+# that toolchain itself through the machine's Go module proxy (GOTOOLCHAIN=auto).
+GO_MIN=1.21
+find_go() {
+  local g
+  for g in "$(command -v go || true)" /usr/local/go/bin/go /usr/lib/go/bin/go; do
+    [ -n "$g" ] && [ -x "$g" ] || continue
+    local have
+    have=$("$g" env GOVERSION 2>/dev/null | sed 's/^go//')
+    [ -n "$have" ] && [ "$(printf '%s\n%s\n' "$GO_MIN" "$have" | sort -V | head -1)" = "$GO_MIN" ] \
+      && { echo "$g"; return 0; }
+  done
+  return 1
+}
+GO=$(find_go || true)
+if [ -z "$GO" ]; then
+  log "go: none >= $GO_MIN found, trying Debian's golang-go"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    -o Dir::Cache::archives=/var/cache/btrfs-ublk-image/apt golang-go || true
+  GO=$(find_go) || { log "go: need Go >= $GO_MIN (Debian 12's golang-go is 1.19: install golang-1.22 or newer from bookworm-backports, or Go from its upstream release)"; exit 1; }
+fi
+log "snapshotter: go build ($("$GO" version))"
+(cd snapshotter && GOFLAGS=-buildvcs=false "$GO" build -trimpath -o btrfs-ublk-snapshotter .)
+install -m 0755 snapshotter/btrfs-ublk-snapshotter /usr/local/bin/btrfs-ublk-snapshotter
+
+# containerd 2.x beside Debian's 1.6, for the tests and the bench (not installed on PATH):
+# built from the Go module proxy into a cache, keyed by version.
+CONTAINERD2_VERSION=v2.4.2
+CONTAINERD2_DIR=/var/cache/btrfs-ublk-image/containerd2
+if [ -z "${SKIP_CONTAINERD2:-}" ] && [ "$(cat "$CONTAINERD2_DIR/version" 2>/dev/null)" != "$CONTAINERD2_VERSION" ]; then
+  log "containerd $CONTAINERD2_VERSION: go install (containerd, ctr, containerd-shim-runc-v2)"
+  rm -rf "$CONTAINERD2_DIR"
+  mkdir -p "$CONTAINERD2_DIR/bin"
+  for cmd in containerd ctr containerd-shim-runc-v2; do
+    GOBIN="$CONTAINERD2_DIR/bin" GOFLAGS=-buildvcs=false "$GO" install -trimpath \
+      "github.com/containerd/containerd/v2/cmd/$cmd@$CONTAINERD2_VERSION"
+  done
+  echo "$CONTAINERD2_VERSION" >"$CONTAINERD2_DIR/version"
+fi
+
 # --- VM test assets (tests/vm, owner: VM harness) ---------------------------------------
 # Kernel with ublk_drv + busybox initramfs for the QEMU VM suite, cached in
 # /var/cache/btrfs-ublk-image/vm. SKIP_VM=1 skips it.
 log "vm: preparing VM test assets"
 bash tests/vm/setup.sh
 # --- end VM test assets -------------------------------------------------------------------
-log "done: $(command -v btrfs-ublk-image) $(command -v ublkd || echo "(no ublkd)")"
+log "done: $(command -v btrfs-ublk-image) $(command -v ublkd || echo "(no ublkd)") $(command -v btrfs-ublk-snapshotter)"

@@ -17,4 +17,11 @@ if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1
 else
   echo "test.sh: cargo fmt/clippy not installed: ublkd's format and lints NOT checked" >&2
 fi
+# the snapshotter (Go): gofmt and go vet
+GO=$(command -v go || echo /usr/local/go/bin/go)
+if [ -x "$GO" ]; then
+  unformatted=$(cd snapshotter && "$("$GO" env GOROOT)/bin/gofmt" -l .)
+  [ -z "$unformatted" ] || { echo "test.sh: gofmt: $unformatted" >&2; exit 1; }
+  (cd snapshotter && GOFLAGS=-buildvcs=false "$GO" vet ./...)
+fi
 exec "$PY" -m pytest "$@"

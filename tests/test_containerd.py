@@ -1,7 +1,7 @@
 """Containers from a registry through btrfs-ublk-snapshotter (issue 20, docs/containerd.md).
 
 Real containerd (Debian's 1.6, and 2.x built by scripts/setup.sh), runc and
-docker-registry run as our own child processes on loopback (tests/containerd.py,
+docker-registry run as our own child processes on loopback (tests/containerdtools.py,
 tests/servers.py). The Debian minbase image (specs/golden/debian/prepare.sh: an OCI
 layout of two layers) goes to the registry twice: as it is (`skopeo copy`) and as a
 bundle with its runnable image (`btrfs-ublk-image push --image`). Oracles: `umoci
@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from bundletools import prepare_debian_inputs
-from containerd import FLAVOURS, SNAPSHOTTER, Stack, containerd_binaries, containerd_stack
+from containerdtools import FLAVOURS, SNAPSHOTTER, Stack, containerd_binaries, containerd_stack
 from servers import Registry, docker_registry
+
+from bundletools import prepare_debian_inputs
 
 pytestmark = pytest.mark.root
 
@@ -80,9 +81,13 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Images]:
     cache = prepare_debian_inputs()
     work = tmp_path_factory.mktemp("ctd-images")
     spec = work / "spec.yaml"
-    spec.write_text(f"version: 1\nname: ctd\nlayers:\n  - oci: {{path: {cache / 'oci'}, ref: bookworm}}\n")
+    spec.write_text(
+        f"version: 1\nname: ctd\nlayers:\n  - oci: {{path: {cache / 'oci'}, ref: bookworm}}\n"
+    )
     _run("btrfs-ublk-image", "build", spec, "-o", work / "bundle")
-    image_id = "sha256:" + hashlib.sha256((work / "bundle" / "manifest.json").read_bytes()).hexdigest()
+    image_id = (
+        "sha256:" + hashlib.sha256((work / "bundle" / "manifest.json").read_bytes()).hexdigest()
+    )
     _run("umoci", "unpack", "--image", f"{cache / 'oci'}:bookworm", work / "umoci")
     with docker_registry(work / "registry") as reg:
         ours = f"{reg.address}/ours/debian:v1"
@@ -94,7 +99,9 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Images]:
         _, runnable = raw_manifest(reg, "ours/debian", "v1")
         layers = runnable["layers"]
         assert isinstance(layers, list) and len(layers) == 1
-        yield Images(reg, ours, plain, image_id, bundle, layers[0]["digest"], work / "umoci" / "rootfs")
+        yield Images(
+            reg, ours, plain, image_id, bundle, layers[0]["digest"], work / "umoci" / "rootfs"
+        )
 
 
 @pytest.fixture(params=FLAVOURS)
@@ -179,7 +186,10 @@ def test_run_from_registry_lazily(images: Images, stack: Stack) -> None:
     assert isinstance(lazy, list) and len(lazy) == 1
     assert lazy[0]["image_id"] == images.image_id and lazy[0]["mounted"]
     assert st["downloaded"] == []
-    assert f"image id {images.image_id}" in stack.snapshotter.output() or images.image_id in stack.snapshotter.output()
+    assert (
+        f"image id {images.image_id}" in stack.snapshotter.output()
+        or images.image_id in stack.snapshotter.output()
+    )
     assert "served lazily" in stack.snapshotter.output()
 
 

@@ -166,7 +166,9 @@ class Stack:
             r = self.ctr("snapshot", "--snapshotter", SNAPSHOTTER, "ls", check=False)
             if r.returncode == 0:
                 return
-            assert time.monotonic() < deadline, f"containerd cannot reach the snapshotter: {r.stderr}"
+            assert time.monotonic() < deadline, (
+                f"containerd cannot reach the snapshotter: {r.stderr}"
+            )
             time.sleep(0.2)
 
     def clear(self) -> None:
@@ -220,7 +222,9 @@ def mounts_under(path: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def containerd_stack(flavour: str = "1.6", *, extra_env: dict[str, str] | None = None) -> Iterator[Stack]:
+def containerd_stack(
+    flavour: str = "1.6", *, extra_env: dict[str, str] | None = None
+) -> Iterator[Stack]:
     d = Path(tempfile.mkdtemp(prefix="bui-ctd-", dir="/tmp"))
     containerd, ctr, shim_dir = containerd_binaries(flavour)
     env = dict(os.environ)
