@@ -343,3 +343,94 @@ def test_pull_with_basic_auth_from_docker_config(
         ok(build(spec, tmp_path / "ok.bundle"))
         # push reads the same file
         ok(push("push", tmp_path / "ok.bundle", f"{reg.address}/images/bundle:v1"))
+
+
+class _Front:
+    """A registry front on two loopback ports: A answers /v2/ with Basic auth (user:pw) and
+    forwards manifests to the registry, but redirects blob GETs (307) to B, another host as
+    far as a client can tell, which serves them from the registry: a registry whose blobs
+    live in a separate store. B records the Authorization header of each request."""
+
+    def __init__(self, upstream: str) -> None:
+        import threading
+        import urllib.error
+        import urllib.request
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        front = self
+        self.blob_auth: list[str | None] = []
+
+        def relay(handler: BaseHTTPRequestHandler) -> None:
+            req = urllib.request.Request(f"http://{upstream}{handler.path}")
+            if handler.headers.get("Accept"):
+                req.add_header("Accept", handler.headers["Accept"])
+            try:
+                with urllib.request.urlopen(req) as resp:
+                    status, headers, body = resp.status, resp.headers, resp.read()
+            except urllib.error.HTTPError as e:
+                status, headers, body = e.code, e.headers, e.read()
+            handler.send_response(status)
+            for k in ("Content-Type", "Docker-Content-Digest"):
+                if headers.get(k):
+                    handler.send_header(k, headers[k])
+            handler.send_header("Content-Length", str(len(body)))
+            handler.end_headers()
+            handler.wfile.write(body)
+
+        class A(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if (
+                    self.headers.get("Authorization")
+                    != "Basic " + base64.b64encode(b"user:pw").decode()
+                ):
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Basic realm="front"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif "/blobs/" in self.path:
+                    self.send_response(307)
+                    self.send_header("Location", f"http://{front.b_address}{self.path}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                else:
+                    relay(self)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        class B(A):
+            def do_GET(self) -> None:
+                front.blob_auth.append(self.headers.get("Authorization"))
+                relay(self)
+
+        self.a = ThreadingHTTPServer(("127.0.0.1", 0), A)
+        self.b = ThreadingHTTPServer(("localhost", 0), B)
+        self.address = f"127.0.0.1:{self.a.server_address[1]}"
+        self.b_address = f"localhost:{self.b.server_address[1]}"
+        for server in (self.a, self.b):
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        for server in (self.a, self.b):
+            server.shutdown()
+            server.server_close()
+
+
+def test_blobs_behind_a_redirect_get_no_credentials(tmp_path: Path, registry: Registry) -> None:
+    lay = Layout(tmp_path / "oci")
+    lay.tag(lay.image([BASE, TOP], config=CONFIG), "v1")
+    skopeo_copy(f"oci:{tmp_path / 'oci'}:v1", f"docker://{registry.address}/images/app:v1")
+    front = _Front(registry.address)
+    try:
+        spec = tmp_path / "spec.yaml"
+        spec.write_text(spec_text(f"{{ref: {front.address}/images/app:v1}}"))
+        r = build(spec, tmp_path / "anon.bundle")
+        assert r.returncode == 1 and "HTTP 401 (the registry needs credentials" in r.stderr
+        ok(build(spec, tmp_path / "app.bundle", "--auth", "user:pw"))
+        # config + 2 layers came from the blob store, which never saw the credentials
+        assert front.blob_auth == [None, None, None]
+    finally:
+        front.close()
+    (tmp_path / "local.yaml").write_text(spec_text(f"{{path: {tmp_path / 'oci'}, ref: v1}}"))
+    ok(build(tmp_path / "local.yaml", tmp_path / "local.bundle"))
+    same_image_files(tmp_path / "local.bundle", tmp_path / "app.bundle")
