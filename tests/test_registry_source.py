@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 from ocitools import Layout, entry
-from servers import Registry, docker_registry, htpasswd_auth
+from servers import Registry, TokenService, docker_registry, htpasswd_auth
 from test_push import ok, push
 
 from btrfs_ublk_image import pull
 from btrfs_ublk_image.errors import ImageError, SpecError
-from btrfs_ublk_image.registry import credentials_for, parse_pull_reference
+from btrfs_ublk_image.registry import AUTH_ENV, credentials_for, parse_pull_reference
 from btrfs_ublk_image.spec import parse_spec
 
 pytestmark = pytest.mark.unit
@@ -434,3 +434,49 @@ def test_blobs_behind_a_redirect_get_no_credentials(tmp_path: Path, registry: Re
     (tmp_path / "local.yaml").write_text(spec_text(f"{{path: {tmp_path / 'oci'}, ref: v1}}"))
     ok(build(tmp_path / "local.yaml", tmp_path / "local.bundle"))
     same_image_files(tmp_path / "local.bundle", tmp_path / "app.bundle")
+
+
+def test_pull_with_a_bearer_token_asks_only_for_pull(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(pull.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker"))
+    lay = Layout(tmp_path / "oci")
+    lay.tag(lay.image([BASE, TOP], config=CONFIG), "v1")
+    tokens = TokenService(tmp_path, "puller", "s3cret")
+    auth = (
+        f"{{token: {{realm: '{tokens.realm}', service: bui-registry, issuer: bui-test-issuer,"
+        f" rootcertbundle: {tokens.cert}}}}}"
+    )
+    with tokens.running(), docker_registry(tmp_path / "registry", auth=auth) as reg:
+        ref = f"{reg.address}/images/app:v1"
+        skopeo_copy(f"oci:{tmp_path / 'oci'}:v1", f"docker://{ref}", "--dest-creds=puller:s3cret")
+        spec = tmp_path / "spec.yaml"
+        spec.write_text(spec_text(f"{{ref: {ref}}}"))
+        r = build(spec, tmp_path / "anon.bundle")
+        assert r.returncode == 1 and f"token from {tokens.realm}: HTTP 401" in r.stderr
+        tokens.scopes.clear()
+        ok(push("build", spec, "-o", tmp_path / "app.bundle", env={AUTH_ENV: "puller:s3cret"}))
+        assert tokens.scopes and all(s == ["repository:images/app:pull"] for s in tokens.scopes)
+
+
+def test_docker_schema2_manifest_builds_the_same_tree(tmp_path: Path, registry: Registry) -> None:
+    lay = Layout(tmp_path / "oci")
+    lay.tag(lay.image([BASE, TOP], config=CONFIG), "v1")
+    ref = f"{registry.address}/images/docker:v1"
+    skopeo_copy(f"oci:{tmp_path / 'oci'}:v1", f"docker://{ref}", "--format", "v2s2")
+    r = subprocess.run(
+        ["skopeo", "inspect", "--raw", "--tls-verify=false", f"docker://{ref}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert (
+        json.loads(r.stdout)["mediaType"] == "application/vnd.docker.distribution.manifest.v2+json"
+    )
+    (tmp_path / "reg.yaml").write_text(spec_text(f"{{ref: {ref}}}"))
+    (tmp_path / "local.yaml").write_text(spec_text(f"{{path: {tmp_path / 'oci'}, ref: v1}}"))
+    ok(build(tmp_path / "reg.yaml", tmp_path / "reg.bundle"))
+    ok(build(tmp_path / "local.yaml", tmp_path / "local.bundle"))
+    same_image_files(tmp_path / "local.bundle", tmp_path / "reg.bundle")
+    assert manifest(tmp_path / "reg.bundle")["image_config"]["config"] == CONFIG
