@@ -47,6 +47,7 @@ from btrfs_ublk_image.spec import OciLayer, OciSource, Spec
 
 LOCAL_KINDS = ("oci-layout", "oci-archive", "docker-archive")
 _PLATFORM_RE = re.compile(r"[a-z0-9]+/[a-z0-9_]+(/[a-z0-9]+)?")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,254}")  # the spec's name rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +138,11 @@ def convert(
     if output is not None and Path(output).exists():
         raise ImageError(f"{output}: already exists (a bundle is never overwritten)")
     name = name or spec_name(src)
+    if not _NAME_RE.fullmatch(name):
+        raise ImageError(f"--name {name!r}: letters, digits, '.', '_', '+', '-' (255 at most)")
     if src.kind == "registry" and all_platforms:
         src = _pin_registry_index(src, plain_http, auth, progress, log)
-    platforms = _platforms(src, all_platforms) if all_platforms else []
+    platforms = _platforms(src) if all_platforms else []
     multi = len(platforms) > 0
     work = None if output is not None else tempfile.mkdtemp(prefix="btrfs-ublk-image-convert.")
     try:
@@ -196,8 +199,8 @@ def _pin_registry_index(
     return Source("registry", src.location, digest=pulled.digest)
 
 
-def _platforms(src: Source, all_platforms: bool) -> list[str]:
-    """With --all-platforms, the platforms of an index ([] for a single manifest)."""
+def _platforms(src: Source) -> list[str]:
+    """The platforms of an index, sorted ([] for a single manifest)."""
     if src.kind == "registry":
         from btrfs_ublk_image import pull
 

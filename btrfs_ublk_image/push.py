@@ -9,7 +9,8 @@ docker-registry 2.8 has no referrers API.
 
 The bundle is verified completely before the first request, so a corrupt bundle uploads
 nothing; the registry checks every blob's digest again when the upload completes. Blobs
-the registry already has (HEAD) are not uploaded again.
+the registry already has (HEAD) are not uploaded again. The registry client itself
+(references, auth, requests) is registry.py, shared with pulls.
 """
 
 from __future__ import annotations
