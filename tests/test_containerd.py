@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import time
 import urllib.request
@@ -21,7 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from containerdtools import FLAVOURS, SNAPSHOTTER, Stack, containerd_binaries, containerd_stack
+from containerdtools import (
+    FLAVOURS,
+    SNAPSHOTTER,
+    Stack,
+    containerd_binaries,
+    containerd_stack,
+    mounts_under,
+)
 from servers import Registry, docker_registry
 
 from bundletools import prepare_debian_inputs
@@ -29,6 +38,7 @@ from bundletools import prepare_debian_inputs
 pytestmark = pytest.mark.root
 
 MT_PACK = "application/vnd.btrfs-ublk-image.pack.v1"
+LABEL_IMAGE_ID = "containerd.io/snapshot/btrfs-ublk-image.image-id"
 # find(1)'s listing of a tree: path, type, mode, owner, group, size, link target
 LISTING = r"%P\t%y\t%m\t%U\t%G\t%s\t%l\n"
 
@@ -252,3 +262,158 @@ def test_image_removal_unmounts(images: Images, stack: Stack) -> None:
         time.sleep(0.1)
     assert stack.status()["lazy"] == []
     assert "bundle unmounted" in stack.snapshotter.output()
+
+
+# --- many containers, one mount -------------------------------------------------------------
+BIG = 64 << 20  # a file every container reads: its page cache must exist once
+
+
+@pytest.fixture(scope="module")
+def big_image(images: Images, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The Debian image with /big (64 MiB of random bytes) on top, pushed with --image."""
+    work = tmp_path_factory.mktemp("ctd-big")
+    (work / "top").mkdir()
+    (work / "top" / "big").write_bytes(os.urandom(BIG))
+    cache = prepare_debian_inputs()
+    spec = work / "spec.yaml"
+    spec.write_text(
+        "version: 1\nname: ctd-big\nlayers:\n"
+        f"  - oci: {{path: {cache / 'oci'}, ref: bookworm}}\n"
+        f"  - dir: {{path: {work / 'top'}, uid: 0, gid: 0}}\n"
+    )
+    _run("btrfs-ublk-image", "build", spec, "-o", work / "bundle")
+    ref = f"{images.registry.address}/ours/debian-big:v1"
+    _run("btrfs-ublk-image", "push", "--image", work / "bundle", ref)
+    return ref
+
+
+def _cached_kib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Cached:"):
+            return int(line.split()[1])
+    raise AssertionError("no Cached: in /proc/meminfo")
+
+
+@pytest.mark.parametrize("stack", ["1.6"], indirect=True)
+def test_sixteen_containers_share_one_mount(big_image: str, stack: Stack) -> None:
+    stack.pull(big_image)
+    names = [f"c{i}" for i in range(16)]
+    for n in names:
+        stack.ctr("run", "-d", "--snapshotter", SNAPSHOTTER, big_image, n, "/bin/sleep", "600")
+    btrfs = [m for m in mounts_under(stack.snapshotter_root)]
+    assert len(btrfs) == 1, btrfs  # the bundle, mounted once; each container is an overlay on it
+    mine = [
+        m
+        for m in json.loads(_run("ublkd", "status", "--json"))
+        if m["mountpoint"].startswith(str(stack.snapshotter_root) + "/")
+    ]
+    assert len(mine) == 1 and mine[0]["server_alive"], mine  # one server
+
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    before = _cached_kib()
+    stack.ctr("task", "exec", "--exec-id", "r0", names[0], "/bin/sh", "-c", "cat /big > /dev/null")
+    one = _cached_kib() - before
+    assert one >= BIG // 1024 * 9 // 10, f"one container's read cached {one} KiB"
+    for i, n in enumerate(names[1:]):
+        stack.ctr("task", "exec", "--exec-id", f"r{i + 1}", n, "/bin/sh", "-c",
+                  "cat /big > /dev/null")  # fmt: skip
+    total = _cached_kib() - before
+    assert total <= one * 1.2, f"16 containers cached {total} KiB, one {one} KiB"
+
+
+# --- bad input ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_bundle(images: Images, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small image of its own (host busybox), whose registry blobs the tests may break."""
+    work = tmp_path_factory.mktemp("ctd-small")
+    root = work / "rootfs"
+    for d in ("bin", "etc", "proc", "dev", "sys", "run", "tmp"):
+        (root / d).mkdir(parents=True)
+    shutil.copy2("/bin/busybox", root / "bin" / "busybox")
+    for cmd in ("sh", "cat", "echo"):
+        (root / "bin" / cmd).symlink_to("busybox")
+    (root / "etc" / "motd").write_text("small\n")
+    (work / "spec.yaml").write_text(
+        f"version: 1\nname: ctd-small\nlayers:\n  - dir: {{path: {root}, uid: 0, gid: 0}}\n"
+    )
+    _run("btrfs-ublk-image", "build", work / "spec.yaml", "-o", work / "bundle")
+    return work / "bundle"
+
+
+def _nothing_left(stack: Stack) -> None:
+    assert mounts_under(stack.snapshotter_root) == []
+    lazy = stack.status()["lazy"]
+    assert lazy == []
+
+
+def _blob_file(images: Images, digest: str) -> Path:
+    hex_ = digest.removeprefix("sha256:")
+    return (
+        images.registry.workdir
+        / "storage/docker/registry/v2/blobs/sha256"
+        / hex_[:2]
+        / hex_
+        / "data"
+    )
+
+
+def test_bundle_id_not_what_the_image_says(
+    images: Images, small_bundle: Path, stack: Stack
+) -> None:
+    repo = f"bad/id-{stack.flavour.replace('.', '')}"
+    ref = f"{images.registry.address}/{repo}:v1"
+    _run("btrfs-ublk-image", "push", "--image", small_bundle, ref)
+    _, m = raw_manifest(images.registry, repo, "v1")
+    wrong = "sha256:" + "ab" * 32
+    m["layers"][0]["annotations"][LABEL_IMAGE_ID] = wrong  # type: ignore[index]
+    put_manifest(images.registry, repo, "v2", json.dumps(m).encode())
+    r = stack.pull(f"{images.registry.address}/{repo}:v2", check=False)
+    assert r.returncode != 0
+    assert wrong in r.stdout + r.stderr, r.stdout + r.stderr
+    _nothing_left(stack)
+
+
+def test_registry_serves_a_wrong_blob(images: Images, small_bundle: Path, stack: Stack) -> None:
+    """meta.img changed in the registry's storage: the mount is refused (the pull fails);
+    a pack chunk changed: the file's read fails with EIO, the rest of the image works."""
+    repo = f"bad/blob-{stack.flavour.replace('.', '')}"
+    ref = f"{images.registry.address}/{repo}:v1"
+    _run("btrfs-ublk-image", "push", "--image", small_bundle, ref)
+    _, bundle = raw_manifest(images.registry, repo, "v1-bundle")
+    layers = bundle["layers"]
+    assert isinstance(layers, list)
+    meta = _blob_file(images, layers[0]["digest"])
+    good = meta.read_bytes()
+    meta.write_bytes(good[:65536] + bytes([good[65536] ^ 1]) + good[65537:])
+    try:
+        r = stack.pull(ref, check=False)
+        assert r.returncode != 0
+        assert "meta.img" in r.stdout + r.stderr, r.stdout + r.stderr
+        _nothing_left(stack)
+    finally:
+        meta.write_bytes(good)
+    largest = max(layers[2:], key=lambda d: int(d["size"]))  # busybox's pack
+    pack = _blob_file(images, largest["digest"])
+    good = pack.read_bytes()
+    data = bytearray(good)
+    data[len(data) // 2] ^= 1
+    pack.write_bytes(bytes(data))
+    try:
+        stack.pull(ref)
+        # busybox's chunk fails verification: its exec fails with EIO, nothing runs
+        r = stack.ctr("run", "--rm", "--snapshotter", SNAPSHOTTER, ref, "eio", "/bin/sh", "-c",
+                      "echo hi", check=False)  # fmt: skip
+        assert r.returncode != 0 and "hi" not in r.stdout, r
+        assert "input/output error" in r.stderr.lower(), r
+    finally:
+        pack.write_bytes(good)
+
+
+def test_unreachable_registry(images: Images, small_bundle: Path, stack: Stack) -> None:
+    with docker_registry(images.registry.workdir.parent / f"gone-{stack.flavour}") as reg:
+        ref = f"{reg.address}/gone/small:v1"
+        _run("btrfs-ublk-image", "push", "--image", small_bundle, ref)
+    r = stack.pull(ref, check=False)
+    assert r.returncode != 0
+    assert reg.address in r.stdout + r.stderr
+    _nothing_left(stack)
