@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ocitools import Layout, docker_archive, entry
+from ocitools import Layout, archive, docker_archive, entry
 from servers import Registry, docker_registry
 from test_push import ok, push, raw_manifest
 from test_registry_source import registry_blob, skopeo_copy
@@ -151,6 +151,19 @@ def test_all_platforms_index_of_runnable_images(tmp_path: Path, registry: Regist
     index_digest = r.stdout.split(f"{dst}: index ")[1].split()[0]
     again = ok(push("convert", src, dst, "--all-platforms"))
     assert f"{dst}: index {index_digest}" in again.stdout
+
+    # a local oci-archive of the same index: its platforms are found there
+    archive(tmp_path / "multi", tmp_path / "multi.tar")
+    local = ok(
+        push(
+            "convert", f"oci-archive:{tmp_path / 'multi.tar'}:m", f"{dst}-local", "--all-platforms"
+        )
+    )
+    assert f"{dst}-local-linux-arm64: image" in local.stdout
+    assert [m["platform"]["architecture"] for m in raw_manifest(f"{dst}-local")["manifests"]] == [
+        "amd64",
+        "arm64",
+    ]
 
 
 @pytest.mark.unit
