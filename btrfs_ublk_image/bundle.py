@@ -121,6 +121,7 @@ def build_spec(spec: Spec, spec_path: Path, out: str, progress: Progress | None)
         fill=fill,
         spec_sha256=spec.spec_sha256,
         progress=progress,
+        chunk_size=spec.pack_chunk_size,
         prefetch=spec.prefetch,
         pack_compression=spec.pack_compression,
     )

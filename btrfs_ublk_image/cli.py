@@ -184,7 +184,7 @@ def cmd_push_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from btrfs_ublk_image.convert import convert
+    from btrfs_ublk_image.convert import CONTAINER_CHUNK_SIZE, convert
 
     sys.setswitchinterval(SWITCH_INTERVAL)
     progress = Progress("converting", force=args.progress)
@@ -196,6 +196,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             platform=args.platform,
             all_platforms=args.all_platforms,
             name=args.name,
+            chunk_size=args.pack_chunk_size or CONTAINER_CHUNK_SIZE,
             plain_http=args.plain_http,
             auth=args.auth,
             progress=progress,
@@ -346,6 +347,13 @@ def parser() -> argparse.ArgumentParser:
     )
     cv.add_argument("--all-platforms", action="store_true", help="every platform of an image index")
     cv.add_argument("--name", help="the bundle's name (default: from SRC)")
+    cv.add_argument(
+        "--pack-chunk-size",
+        type=int,
+        metavar="BYTES",
+        help="the spec's pack_chunk_size: what a lazy mount fetches per miss (default 262144,"
+        " for containers' scattered small reads; a power of two, 65536..16777216)",
+    )
     _registry_options(cv)
     cv.add_argument(
         "--progress", action="store_true", help="show progress even when stderr is not a terminal"

@@ -8,6 +8,7 @@ A spec is a YAML mapping::
     source_date_epoch: null                               # optional
     remove: ["/usr/share/doc/**"]                         # optional
     prefetch: ["/usr/bin/*", "/etc/**"]                   # optional: prefetch.trace
+    pack_chunk_size: 1048576                              # optional: fetch/verify unit
     pack_compression: none                                # optional: none | zstd
     layers:
       - tar: {path: rootfs.tar.zst, exclude: ["/var/cache/**"], uid: 0, gid: 0}
@@ -65,6 +66,9 @@ from btrfs_ublk_image.errors import ImageError, SpecError
 SPEC_VERSION = 1
 DEFAULT_INLINE_LIMIT = 2048
 MAX_INLINE_LIMIT = 4095
+DEFAULT_CHUNK_SIZE = 1 << 20  # packs.DEFAULT_CHUNK_SIZE (not imported: the CLI's start)
+MIN_CHUNK_SIZE = 64 << 10  # pack chunks: ublkd's fetch, verify and cache unit
+MAX_CHUNK_SIZE = 16 << 20
 
 _MODE_RE = re.compile(r"(?:0o|0)?([0-7]{1,4})")
 
@@ -220,6 +224,11 @@ Glob = Annotated[
 ]
 
 Owner = Annotated[int, _Rules(ge=0, le=0xFFFFFFFF)]
+
+
+def check_chunk_size(value: int) -> None:
+    if value < MIN_CHUNK_SIZE or value > MAX_CHUNK_SIZE or value & (value - 1):
+        raise ValueError(f"{value} is not a power of two from {MIN_CHUNK_SIZE} to {MAX_CHUNK_SIZE}")
 
 
 def _check_label(value: str) -> None:
@@ -462,6 +471,13 @@ class Spec(_Model):
         " prefetch.trace (beside manifest.json, not part of the image id) listing the pack"
         " chunks of the files these globs select (a directory: everything under it), in this"
         " order; each glob must match something",
+    )
+    pack_chunk_size: int = _field(
+        default=DEFAULT_CHUNK_SIZE,
+        check=check_chunk_size,
+        description="Bytes per pack chunk, the unit a lazy mount fetches, verifies and caches:"
+        " a power of two from 64 KiB to 16 MiB (default 1 MiB). Smaller chunks move fewer"
+        " bytes for scattered small reads (a container's start); larger ones fewer requests",
     )
     pack_compression: Literal["none", "zstd"] = _field(
         default="none",

@@ -91,8 +91,9 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Images]:
     cache = prepare_debian_inputs()
     work = tmp_path_factory.mktemp("ctd-images")
     spec = work / "spec.yaml"
-    spec.write_text(
-        f"version: 1\nname: ctd\nlayers:\n  - oci: {{path: {cache / 'oci'}, ref: bookworm}}\n"
+    spec.write_text(  # 256 KiB chunks: what a container start fetches (docs/containerd.md)
+        "version: 1\nname: ctd\npack_chunk_size: 262144\nlayers:\n"
+        f"  - oci: {{path: {cache / 'oci'}, ref: bookworm}}\n"
     )
     _run("btrfs-ublk-image", "build", spec, "-o", work / "bundle")
     image_id = (

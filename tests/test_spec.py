@@ -314,3 +314,16 @@ def test_spec_round_trips_through_json(tmp_path: Path) -> None:
     assert again == spec
     assert again.to_json() == data
     assert isinstance(again, Spec) and again.btrfs.fsid == spec.btrfs.fsid
+
+
+def test_pack_chunk_size(tmp_path: Path) -> None:
+    from btrfs_ublk_image import packs, spec
+
+    assert spec.DEFAULT_CHUNK_SIZE == packs.DEFAULT_CHUNK_SIZE
+    p = tmp_path / "spec.yaml"
+    p.write_text("version: 1\nname: x\npack_chunk_size: 262144\nlayers: []\n")
+    assert load_spec(p).pack_chunk_size == 262144
+    for bad in ("100000", "32768", "33554432", "true"):
+        p.write_text(f"version: 1\nname: x\npack_chunk_size: {bad}\nlayers: []\n")
+        with pytest.raises(SpecError, match=r"spec.yaml:3: pack_chunk_size"):
+            load_spec(p)
