@@ -57,6 +57,8 @@ from bench.report import (
     build_section,
     build_summary,
     build_table,
+    containerd_section,
+    containerd_table,
     input_results,
     laziness_section,
     laziness_table,
@@ -81,7 +83,7 @@ TAR_SPEC = "spec.yaml"  # one tar: layer
 OCI_SPEC = "spec-oci.yaml"  # one oci: layer, the input's OCI layout
 IN_PLACE_SPEC = "spec-in-place.yaml"  # one tar: layer, in_place: true
 BUILD_INPUTS = ("synthetic", "debian")
-SECTIONS = ("build", "mount", "randread", "laziness", "vm", "remote")
+SECTIONS = ("build", "mount", "randread", "laziness", "vm", "remote", "containerd")
 
 
 @dataclass
@@ -634,11 +636,18 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
         print(remote_table(doc["remote"]))
         if args.update_docs:
             update_doc(path, "remote", remote_section(doc))
+    if "containerd" in doc:
+        print("\nContainers from a registry, cold (Debian image):\n")
+        print(containerd_table(doc["containerd"]))
+        if args.update_docs:
+            update_doc(path, "containerd", containerd_section(doc))
     if "randread" in doc and args.update_docs:
         update_doc(path, "randread", randread_section(doc))
     for name, why in doc.get("runtime_skipped", {}).items():
         print(f"skipped {name}: {why}")
-    if args.update_docs and any(k in doc for k in ("mount", "laziness", "randread", "remote")):
+    if args.update_docs and any(
+        k in doc for k in ("mount", "laziness", "randread", "remote", "containerd")
+    ):
         _log(f"{path}: runtime sections updated")
     return failed
 

@@ -446,6 +446,41 @@ def remote_table(rm: dict[str, Any]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def containerd_table(cd: dict[str, Any]) -> str:
+    """Medians of the cold container starts; ours against containerd's overlayfs."""
+    from bench.containerd import medians
+
+    rows = [
+        "| containerd | snapshotter | pull (s) | first line (s) | requests | bytes moved"
+        " | speed-up | fewer bytes |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for flavour, ways in cd["runs"].items():
+        base = medians(ways["overlayfs"])
+        for name, runs in ways.items():
+            m = medians(runs)
+            rows.append(
+                f"| {flavour} | {name} | {m['pull_s']:.2f} | {m['to_first_line_s']:.2f}"
+                f" | {int(m['requests']):,} | {human(m['bytes'])}"
+                f" | {base['to_first_line_s'] / m['to_first_line_s']:.1f}x"
+                f" | {base['bytes'] / max(1.0, m['bytes']):.1f}x |"
+            )
+    return "\n".join(rows) + "\n"
+
+
+def containerd_section(doc: dict[str, Any]) -> str:
+    cd = doc["containerd"]
+    return (
+        f"Run `{doc.get('command', 'bench/run')}` on {machine_line(doc['machine'])}.\n\n"
+        "The Debian minbase image in docker-registry on loopback, as it is and as a bundle"
+        " (`push --image`); every run cold (new containerd and snapshotter, empty ublkd"
+        " cache, page cache dropped); timed from the start of the pull to the first line"
+        f" of `ctr run ... {cd['command']}`; medians of {cd['repeats']} runs. Bytes and"
+        " requests from the registry's access log. Ratios against containerd's overlayfs"
+        " snapshotter on the same containerd.\n\n" + containerd_table(cd)
+    )
+
+
 def remote_section(doc: dict[str, Any]) -> str:
     rm = doc["remote"]
     return (

@@ -723,6 +723,14 @@ def run_runtime(
         if "randread" in sections and "synthetic" in by:
             syn = by["synthetic"]
             doc["randread"] = measure_randread(syn, ublkd, "large/blob-0.bin", jobs, runtime_s, log)
+        if "containerd" in sections:
+            from bench.containerd import measure_containerd
+
+            tar, why = debian_inputs(log)
+            if tar is None:
+                skipped["containerd"] = why
+            else:
+                doc["containerd"] = measure_containerd(DEBIAN_CACHE / "oci", base / "ctd", repeats)
     if "vm" in sections:
         try:
             doc["randread_vm"] = measure_randread_vm(workdir, jobs, min(runtime_s, 2.0), log)
