@@ -17,11 +17,11 @@ if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1
 else
   echo "test.sh: cargo fmt/clippy not installed: ublkd's format and lints NOT checked" >&2
 fi
-# the snapshotter (Go): gofmt and go vet
+# the snapshotter (Go): gofmt, go vet, its unit tests
 GO=$(command -v go || echo /usr/local/go/bin/go)
 if [ -x "$GO" ]; then
   unformatted=$(cd snapshotter && "$("$GO" env GOROOT)/bin/gofmt" -l .)
   [ -z "$unformatted" ] || { echo "test.sh: gofmt: $unformatted" >&2; exit 1; }
-  (cd snapshotter && GOFLAGS=-buildvcs=false "$GO" vet ./...)
+  (cd snapshotter && GOFLAGS=-buildvcs=false "$GO" vet ./... && GOFLAGS=-buildvcs=false "$GO" test ./...)
 fi
 exec "$PY" -m pytest "$@"

@@ -134,7 +134,7 @@ func pullCommand(args []string) error {
 	fs.StringVar(&o.namespace, "namespace", "default", "containerd namespace")
 	fs.StringVar(&o.snapshotter, "snapshotter", defaultName, "the snapshotter's name in containerd's proxy_plugins")
 	fs.BoolVar(&o.plainHTTP, "plain-http", false, "plain HTTP to the registry (default: HTTPS, except for localhost)")
-	fs.StringVar(&o.auth, "auth", os.Getenv("BUI_REGISTRY_AUTH"), "registry credentials USER:PASS (default: env BUI_REGISTRY_AUTH)")
+	fs.StringVar(&o.auth, "auth", os.Getenv("BUI_REGISTRY_AUTH"), "registry credentials USER:PASS (default: env BUI_REGISTRY_AUTH, else docker's config.json)")
 	fs.StringVar(&o.platform, "platform", "", "platform to pull (default: the host's)")
 	fs.Usage = func() {
 		fmt.Fprintln(fs.Output(), "usage: btrfs-ublk-snapshotter pull [OPTIONS] REGISTRY/REPO[:TAG|@DIGEST]")

@@ -39,14 +39,18 @@ func pull(ctx context.Context, ref string, o pullOptions, w io.Writer) error {
 	if o.plainHTTP {
 		hostOpts = []docker.RegistryOpt{docker.WithPlainHTTP(func(string) (bool, error) { return true, nil })}
 	}
+	var creds func(host string) (string, string, error)
 	if o.auth != "" {
 		user, pass, ok := strings.Cut(o.auth, ":")
 		if !ok {
 			return fmt.Errorf("--auth: credentials must be USER:PASS")
 		}
-		hostOpts = append(hostOpts, docker.WithAuthorizer(docker.NewDockerAuthorizer(
-			docker.WithAuthCreds(func(string) (string, string, error) { return user, pass, nil }))))
+		creds = func(string) (string, string, error) { return user, pass, nil }
+	} else {
+		path := dockerConfigPath()
+		creds = func(host string) (string, string, error) { return dockerCredentials(path, host) }
 	}
+	hostOpts = append(hostOpts, docker.WithAuthorizer(docker.NewDockerAuthorizer(docker.WithAuthCreds(creds))))
 	resolver := docker.NewResolver(docker.ResolverOptions{Hosts: docker.ConfigureDefaultRegistries(hostOpts...)})
 
 	start := time.Now()
