@@ -150,9 +150,39 @@ func (s *snapshotter) Mounts(ctx context.Context, key string) ([]mount.Mount, er
 }
 
 func (s *snapshotter) Commit(ctx context.Context, name, key string, opts ...snapshots.Opt) error {
+	if err := s.refusePlaceholder(ctx, key); err != nil {
+		return err
+	}
 	err := s.Snapshotter.Commit(ctx, name, key, opts...)
 	s.status.refresh(ctx, s)
 	return err
+}
+
+// placeholderName is the one file of a runnable image's placeholder layer (runnable.py).
+const placeholderName = ".btrfs-ublk-image"
+
+// refusePlaceholder fails the commit of a placeholder layer that a client unpacked as
+// an ordinary layer because it passed no layer annotations (containerd 1.6's `ctr image
+// pull`): the container would see that one file instead of the image.
+func (s *snapshotter) refusePlaceholder(ctx context.Context, key string) error {
+	info, err := s.Snapshotter.Stat(ctx, key)
+	if err != nil || info.Parent != "" {
+		return nil // the commit itself reports a missing snapshot
+	}
+	dir, err := s.fsDir(ctx, key)
+	if err != nil {
+		return nil
+	}
+	entries, err := os.ReadDir(dir)
+	if err != nil || len(entries) != 1 || entries[0].Name() != placeholderName {
+		return nil
+	}
+	text, _ := os.ReadFile(filepath.Join(dir, placeholderName))
+	id, _, _ := strings.Cut(string(text), "\n")
+	log.G(ctx).WithField("image_id", id).Error("placeholder layer unpacked without its annotations: refused")
+	return fmt.Errorf("layer is the placeholder of btrfs-ublk-image bundle %s, unpacked as an ordinary layer"+
+		" because the client passed no layer annotations (containerd 1.6's `ctr image pull` does that):"+
+		" pull with `btrfs-ublk-snapshotter pull`, containerd 2.x's ctr, nerdctl or the CRI: %w", id, errdefs.ErrFailedPrecondition)
 }
 
 // prepareBundle makes `target` a committed snapshot whose directory is the bundle's

@@ -418,3 +418,16 @@ def test_unreachable_registry(images: Images, small_bundle: Path, stack: Stack) 
     assert r.returncode != 0
     assert reg.address in r.stdout + r.stderr
     _nothing_left(stack)
+
+
+@pytest.mark.parametrize("stack", ["1.6"], indirect=True)
+def test_pull_without_annotations_is_refused(images: Images, stack: Stack) -> None:
+    """containerd 1.6's own `ctr image pull` passes no layer annotations: the placeholder
+    would be unpacked as an ordinary layer (a container of one file); the commit is
+    refused with what to do instead."""
+    r = stack.ctr("image", "pull", "--plain-http", "--snapshotter", SNAPSHOTTER, images.ours,
+                  check=False)  # fmt: skip
+    assert r.returncode != 0
+    assert "passed no layer annotations" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert images.image_id in r.stdout + r.stderr
+    _nothing_left(stack)
