@@ -59,6 +59,8 @@ func main() {
 		err = pullCommand(os.Args[2:])
 	case "status":
 		err = statusCommand(os.Args[2:])
+	case "podman-store":
+		err = podmanStoreCommand(os.Args[2:])
 	default:
 		fmt.Fprintf(os.Stderr, "btrfs-ublk-snapshotter: unknown command %q\n\n%s", os.Args[1], usage)
 		os.Exit(2)
