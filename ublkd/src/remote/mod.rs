@@ -4,6 +4,9 @@
 //! before it is renamed into place) and the bundle is opened from there with the local
 //! checks of [`Bundle::open`]; pack bytes are fetched lazily by range requests
 //! ([`RemotePacks`]) through the persistent chunk cache ([`cache::DiskCache`]).
+//! An OCI layer whose mediaType ends in `+zstd` (meta.img as `push` uploads it) is one
+//! zstd stream, decompressed as it arrives; the decompressed file is what is checked
+//! against manifest.json and cached.
 //!
 //! Image directory: `<cache dir>/<image id hex>/` = `manifest.json`, `meta.img`,
 //! `blockmap`, `oci-manifest.json` (oci), `chunks/`.
@@ -116,8 +119,16 @@ pub enum Store {
     /// blobs, by the `org.opencontainers.image.title` of the layers
     Oci {
         reg: Registry,
-        blobs: HashMap<String, (String, u64)>,
+        blobs: HashMap<String, Layer>,
     },
+}
+
+/// One layer of the OCI artifact.
+pub struct Layer {
+    digest: String,
+    /// the blob's size (for `+zstd` layers: the compressed size)
+    size: u64,
+    media_type: String,
 }
 
 impl Store {
@@ -133,8 +144,20 @@ impl Store {
             Store::Http { base, .. } => Ok(format!("{base}{rel}")),
             Store::Oci { reg, blobs } => blobs
                 .get(rel)
-                .map(|(d, _)| reg.url("blobs", d))
+                .map(|l| reg.url("blobs", &l.digest))
                 .ok_or_else(|| Failure::Permanent(format!("{}: the artifact has no layer {rel:?}", reg.base))),
+        }
+    }
+
+    /// The file `rel` travels as one zstd stream (an OCI layer whose mediaType ends in
+    /// `+zstd`: meta.img as `btrfs-ublk-image push` uploads it); -> its compressed size.
+    fn zstd_size(&self, rel: &str) -> Option<u64> {
+        match self {
+            Store::Http { .. } => None,
+            Store::Oci { blobs, .. } => blobs
+                .get(rel)
+                .filter(|l| l.media_type.ends_with("+zstd"))
+                .map(|l| l.size),
         }
     }
 
@@ -320,13 +343,15 @@ fn resolve(
             p.path
         );
         if let Store::Oci { blobs, .. } = &store {
-            let (digest, size) = blobs
+            let layer = blobs
                 .get(&p.path)
                 .with_context(|| format!("{location}: the artifact has no layer titled {:?}", p.path))?;
             ensure!(
-                *size == p.size,
-                "{location}: layer {:?} ({digest}) has {size} bytes, the manifest says {}",
+                layer.size == p.size,
+                "{location}: layer {:?} ({}) has {} bytes, the manifest says {}",
                 p.path,
+                layer.digest,
+                layer.size,
                 p.size
             );
         }
@@ -508,32 +533,67 @@ fn ensure_file(
     let url = store.url(name).map_err(|f| anyhow!("{f:?}"))?;
     let tmp = dir.join(format!("{name}.tmp.{}", std::process::id()));
     let http = store.http();
+    let zstd_size = store.zstd_size(name);
     let res = http.retry(&url, Instant::now() + timeout, |_| {
         // no overall deadline for a whole file: a stalled transfer fails after the
         // read timeout (= the fetch timeout) and is retried
         let resp = store.get(name, &[], None)?;
         let mut f = std::fs::File::create(&tmp).map_err(|e| Failure::Permanent(format!("{}: {e}", tmp.display())))?;
-        let mut r = resp.into_reader().take(info.size + 1);
+        // what came over the wire (counted in fetch_bytes), and whether reading it failed
+        let seen = WireState::default();
+        let wire = Wire {
+            inner: resp.into_reader(),
+            counters: &http.counters,
+            seen: &seen,
+        };
+        let (mut r, what): (Box<dyn Read + '_>, &str) = match zstd_size {
+            // one zstd stream (of at most the layer's size), decompressed as it arrives
+            Some(csize) => {
+                let d = zstd::stream::read::Decoder::new(wire.take(csize + 1))
+                    .map_err(|e| Failure::Permanent(format!("{url}: zstd: {e}")))?;
+                (Box::new(d.take(info.size + 1)), "decompressed to ")
+            }
+            None => (Box::new(wire.take(info.size + 1)), ""),
+        };
         let mut h = Sha256::new();
         let mut buf = vec![0u8; 1 << 20];
         let mut total = 0u64;
         loop {
-            let n = r
-                .read(&mut buf)
-                .map_err(|e| Failure::Transient(format!("{url}: reading the body: {e}")))?;
+            let n = match r.read(&mut buf) {
+                Ok(n) => n,
+                Err(e) if seen.failed.get() || zstd_size.is_none() => {
+                    return Err(Failure::Transient(format!("{url}: reading the body: {e}")))
+                }
+                // the bytes arrived but are no zstd stream of the layer's size: fetching
+                // again will not help
+                Err(e) => {
+                    let csize = zstd_size.unwrap_or(0);
+                    return Err(Failure::Permanent(if seen.bytes.get() > csize {
+                        format!("{url}: more than the {csize} bytes of the layer's descriptor (refused)")
+                    } else {
+                        format!("{url}: the zstd-compressed blob does not decompress ({e}) after {total} bytes")
+                    }));
+                }
+            };
             if n == 0 {
                 break;
             }
-            Counters::add(&http.counters.fetch_bytes, n as u64);
             h.update(&buf[..n]);
             f.write_all(&buf[..n])
                 .map_err(|e| Failure::Permanent(format!("{}: {e}", tmp.display())))?;
             total += n as u64;
+            if total > info.size {
+                // bounded: never more than the manifest's size (+1) is read or written
+                return Err(Failure::Permanent(format!(
+                    "{url}: {what}more than the {} bytes the manifest says (refused)",
+                    info.size
+                )));
+            }
         }
         let got = hex::encode(h.finalize());
         if total != info.size || got != want {
             return Err(Failure::Permanent(format!(
-                "{url}: {total} bytes with sha256 {got}, the manifest says {} bytes with {want}",
+                "{url}: {what}{total} bytes with sha256 {got}, the manifest says {} bytes with {want}",
                 info.size
             )));
         }
@@ -553,6 +613,30 @@ fn ensure_file(
     Ok(Some(
         std::fs::File::open(&path).with_context(|| format!("{}: open", path.display()))?,
     ))
+}
+
+/// A response body, its bytes counted in `fetch_bytes` as they arrive.
+struct Wire<'a, R> {
+    inner: R,
+    counters: &'a Counters,
+    seen: &'a WireState,
+}
+
+/// What a [`Wire`] saw, for the reader of what a decoder made of its bytes.
+#[derive(Default)]
+struct WireState {
+    /// a read of the connection failed (not the decoder)
+    failed: std::cell::Cell<bool>,
+    bytes: std::cell::Cell<u64>,
+}
+
+impl<R: Read> Read for Wire<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf).inspect_err(|_| self.seen.failed.set(true))?;
+        Counters::add(&self.counters.fetch_bytes, n as u64);
+        self.seen.bytes.set(self.seen.bytes.get() + n as u64);
+        Ok(n)
+    }
 }
 
 #[derive(Deserialize)]
@@ -603,8 +687,8 @@ fn parse_oci_manifest(location: &str, bytes: &[u8]) -> Result<OciManifest> {
     Ok(m)
 }
 
-/// Bundle-relative path (layer title) -> (blob digest, size).
-fn oci_layers(location: &str, bytes: &[u8]) -> Result<HashMap<String, (String, u64)>> {
+/// Bundle-relative path (layer title) -> its layer.
+fn oci_layers(location: &str, bytes: &[u8]) -> Result<HashMap<String, Layer>> {
     let m = parse_oci_manifest(location, bytes)?;
     let mut out = HashMap::new();
     for l in m.layers {
@@ -613,7 +697,14 @@ fn oci_layers(location: &str, bytes: &[u8]) -> Result<HashMap<String, (String, u
             .get(oci::TITLE)
             .with_context(|| format!("{location}: layer {} has no {} annotation", l.digest, oci::TITLE))?;
         normalize_id(&l.digest).with_context(|| format!("{location}: layer {title:?} digest"))?;
-        out.insert(title.clone(), (l.digest.clone(), l.size));
+        out.insert(
+            title.clone(),
+            Layer {
+                digest: l.digest,
+                size: l.size,
+                media_type: l.media_type,
+            },
+        );
     }
     Ok(out)
 }
