@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zstandard
 from servers import Registry, TokenService, docker_registry, htpasswd_auth
 
 from btrfs_ublk_image import trace as trace_format
@@ -28,6 +29,7 @@ from btrfs_ublk_image.cli import main as cli
 from btrfs_ublk_image.push import (
     ARTIFACT_BUNDLE,
     ARTIFACT_TRACE,
+    MT_META_ZSTD,
     MT_OCI_INDEX,
     MT_OCI_MANIFEST,
     referrers_tag,
@@ -136,7 +138,10 @@ def test_push_then_skopeo_reads_the_artifact(tmp_path: Path, registry: Registry)
         *["pack"] * len(manifest["packs"]),
     ]
 
-    # an independent client copies every blob out; each must be the bundle's file, byte for byte
+    assert m["layers"][0]["mediaType"] == MT_META_ZSTD
+
+    # an independent client copies every blob out; each must be the bundle's file, byte for
+    # byte, except meta.img: one zstd frame that decompresses to it
     layout = tmp_path / "layout"
     c = skopeo("copy", "--src-tls-verify=false", f"docker://{ref}", f"oci:{layout}:v1")
     assert c.returncode == 0, c.stderr
@@ -148,8 +153,19 @@ def test_push_then_skopeo_reads_the_artifact(tmp_path: Path, registry: Registry)
     for d in [m["config"], *m["layers"]]:
         blob = layout / "blobs" / "sha256" / d["digest"].split(":")[1]
         title = d.get("annotations", {}).get("org.opencontainers.image.title", MANIFEST)
-        assert blob.read_bytes() == (bundle / title).read_bytes(), title
         assert sha256_file(blob) == d["digest"] and blob.stat().st_size == d["size"]
+        if title != META_IMG:
+            assert blob.read_bytes() == (bundle / title).read_bytes(), title
+            continue
+        meta = (bundle / META_IMG).read_bytes()
+        frame = blob.read_bytes()
+        params = zstandard.get_frame_parameters(frame)
+        assert params.content_size == len(meta) == manifest["files"][META_IMG]["size"]
+        assert params.dict_id == 0 and not params.has_checksum
+        assert zstandard.ZstdDecompressor().decompress(frame) == meta
+        # the image id still names the uncompressed file
+        assert sha256_file(bundle / META_IMG) == manifest["files"][META_IMG]["sha256"]
+        assert len(frame) < len(meta) // 2, (len(frame), len(meta))
 
 
 def test_push_again_uploads_nothing_and_a_new_tag_shares_blobs(
@@ -167,9 +183,15 @@ def test_push_again_uploads_nothing_and_a_new_tag_shares_blobs(
     other_tag = ok(push("push", bundle, f"{registry.address}/images/app:v2"))
     assert blob_uploads(registry) == uploads, "a blob the registry had was uploaded again"
     assert "0 blobs uploaded" in again.stderr and "0 blobs uploaded" in other_tag.stderr
-    # same bundle, same manifest: the digest is deterministic
+    # same bundle, same manifest: the digest is deterministic (meta.img is compressed again
+    # by each push: the same zstd frame)
     assert first.stdout.splitlines()[0].split()[-1] == again.stdout.splitlines()[0].split()[-1]
     assert raw_manifest(f"{registry.address}/images/app:v2") == raw_manifest(ref)
+    # and so is a push to an empty registry: every blob uploaded again, the same manifest
+    with docker_registry(tmp_path / "registry2") as other:
+        fresh = ok(push("push", bundle, f"{other.address}/images/app:v1"))
+        assert len(blob_uploads(other)) == len(uploads)
+    assert fresh.stdout.splitlines()[0].split()[-1] == first.stdout.splitlines()[0].split()[-1]
 
 
 @pytest.mark.parametrize("damage", ["pack chunk", "meta.img", "blockmap", "missing pack"])

@@ -13,11 +13,20 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
 import pytest
-from servers import AccessRecord, TokenService, docker_registry, htpasswd_auth, nginx_serving
+import zstandard
+from servers import (
+    AccessRecord,
+    Registry,
+    TokenService,
+    docker_registry,
+    htpasswd_auth,
+    nginx_serving,
+)
 from test_push import ok, push, write_trace
 from test_ublkd import (
     CHUNK,
@@ -373,6 +382,131 @@ def test_oci_mount_by_tag_and_digest(no_leftovers: Path, cache_dir: Path) -> Non
         r = ublkd("mount", loc, mnt, *FRONTEND, "--expect-id", "sha256:" + "0" * 64, check=False)
         assert r.returncode != 0 and f"{loc}: image id is {image_id}" in r.stderr, r.stderr
     assert status() == []
+
+
+def registry_blob(reg: Registry, digest: str) -> Path:
+    """Where docker-registry's filesystem storage keeps a blob's bytes."""
+    hex_ = digest.removeprefix("sha256:")
+    return reg.workdir / "storage/docker/registry/v2/blobs/sha256" / hex_[:2] / hex_ / "data"
+
+
+def test_oci_meta_img_travels_zstd_compressed(no_leftovers: Path, cache_dir: Path) -> None:
+    """push uploads meta.img as one zstd frame: the mount GETs fewer bytes than the file
+    and caches the decompressed, verified meta.img. A wrong blob in the registry's storage
+    (a flipped byte, another valid frame, a frame that inflates past the manifest's size,
+    a blob longer than its descriptor) fails the mount naming meta.img, leaving nothing
+    mounted and no meta.img in the cache. An artifact with an uncompressed meta.img layer
+    (pushed before) still mounts."""
+    tmp = no_leftovers
+    bundle, tarball, files = build_served_bundle(tmp)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    meta = (bundle / "meta.img").read_bytes()
+    img = cache_dir / image_hex(bundle)
+    with docker_registry(tmp / "registry") as reg:
+        ok(push("push", bundle, f"{reg.address}/images/zst:v1"))
+        layer = json.loads(raw_oci_manifest(reg, "images/zst", "v1"))["layers"][0]
+        assert layer["mediaType"] == "application/vnd.btrfs-ublk-image.meta.v1+zstd"
+        assert layer["annotations"]["org.opencontainers.image.title"] == "meta.img"
+        loc = f"oci://{reg.address}/images/zst:v1"
+        before = len(reg.requests())
+        ublkd("mount", loc, mnt, *FRONTEND)
+        try:
+            sent = [
+                r.bytes_sent
+                for r in reg.requests()[before:]
+                if r.method == "GET" and r.path.endswith(f"/blobs/{layer['digest']}")
+            ]
+            assert sent == [layer["size"]], sent
+            assert layer["size"] < len(meta) // 2, (layer["size"], len(meta))
+            assert (img / "meta.img").read_bytes() == meta
+            assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
+            assert list_dir(mnt) == list_tar(tarball)
+        finally:
+            ublkd("umount", mnt)
+        assert status() == []
+
+        blob = registry_blob(reg, layer["digest"])
+        good = blob.read_bytes()
+        flipped = bytearray(good)
+        flipped[len(flipped) // 2] ^= 0x55
+        other = bytearray(meta)
+        nonzero = next(i for i in range(65536, len(meta), 4096) if any(meta[i : i + 4096]))
+        other[nonzero : nonzero + 4096] = bytes(4096)  # another meta.img, no larger a frame
+        cctx = zstandard.ZstdCompressor(level=3, write_content_size=True)
+        another = cctx.compress(bytes(other))
+        bomb = cctx.compress(bytes(len(meta) + (1 << 20)))  # zeros: far smaller than good
+        assert len(another) <= len(good) and len(bomb) < len(good)
+        for name, bad, expect in [
+            ("flipped byte", bytes(flipped), ("sha256", "does not decompress")),
+            ("another frame", another, (f"the manifest says {len(meta)} bytes with",)),
+            ("too large", bomb, (f"more than the {len(meta)} bytes the manifest says",)),
+            ("longer blob", good + bytes(10), (f"more than the {len(good)} bytes of the layer",)),
+        ]:
+            shutil.rmtree(img)  # a cold cache: the mount must fetch meta.img
+            blob.write_bytes(bad)
+            try:
+                r = ublkd("mount", loc, mnt, *FRONTEND, check=False)
+            finally:
+                blob.write_bytes(good)
+            assert r.returncode != 0, (name, r.stdout)
+            assert f"{loc}: fetching meta.img: " in r.stderr, (name, r.stderr)
+            assert any(e in r.stderr for e in expect), (name, r.stderr)
+            assert status() == [] and not os.path.ismount(mnt), name
+            assert sorted(p.name for p in img.iterdir() if "meta.img" in p.name) == [], name
+        # the good blob back: the same mount works
+        shutil.rmtree(img)
+        ublkd("mount", loc, mnt, *FRONTEND)
+        try:
+            assert read_file(mnt / "data" / "small.bin") == files["data/small.bin"]
+        finally:
+            ublkd("umount", mnt)
+        assert status() == []
+
+        # an artifact pushed before meta.img was compressed (layer 0 = the file itself)
+        # still mounts
+        raw_loc = push_uncompressed_meta(bundle, reg, "images/zst", "raw")
+        shutil.rmtree(img)
+        before = len(reg.requests())
+        ublkd("mount", raw_loc, mnt, *FRONTEND)
+        try:
+            meta_digest = "sha256:" + hashlib.sha256(meta).hexdigest()
+            sent = [
+                r.bytes_sent
+                for r in reg.requests()[before:]
+                if r.method == "GET" and r.path.endswith(f"/blobs/{meta_digest}")
+            ]
+            assert sent == [len(meta)], sent
+            assert (img / "meta.img").read_bytes() == meta
+            assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
+        finally:
+            ublkd("umount", mnt)
+    assert status() == []
+
+
+def push_uncompressed_meta(bundle: Path, reg: Registry, repo: str, tag: str) -> str:
+    """The artifact as push made it before meta.img travelled compressed -> its oci://."""
+    from btrfs_ublk_image.push import MT_META, MT_OCI_MANIFEST, bundle_manifest, verify_bundle
+    from btrfs_ublk_image.registry import Reference
+    from btrfs_ublk_image.registry import Registry as Client
+
+    b = verify_bundle(str(bundle))  # no workdir: layer 0 is meta.img itself
+    assert b.layers[0].media_type == MT_META
+    client = Client(Reference(reg.address, repo, tag))
+    try:
+        for blob in [b.config, *b.layers]:
+            client.put_blob(blob)
+        client.put_manifest(tag, bundle_manifest(b), MT_OCI_MANIFEST)
+    finally:
+        client.close()
+    return f"oci://{reg.address}/{repo}:{tag}"
+
+
+def raw_oci_manifest(reg: Registry, repo: str, tag: str) -> bytes:
+    """The manifest as the registry stores it (through its link files)."""
+    store = reg.workdir / "storage/docker/registry/v2/repositories" / repo / "_manifests"
+    digest = (store / "tags" / tag / "current" / "link").read_text().strip()
+    return registry_blob(reg, digest).read_bytes()
 
 
 def test_oci_registry_basic_auth(no_leftovers: Path, cache_dir: Path) -> None:
