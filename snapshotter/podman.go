@@ -253,6 +253,7 @@ func podmanAdd(ctx context.Context, ref string, o podmanOptions, w io.Writer) er
 	for _, l := range layers {
 		dir := filepath.Join(refDir(o.store, ref), l.desc.Digest.String())
 		if err := addLayer(ctx, dir, l, o.ublkd); err != nil {
+			_ = os.Remove(refDir(o.store, ref)) // when it is empty: nothing left behind
 			return err
 		}
 		fmt.Fprintf(w, "%s: layer %s: bundle %s (image id %s) at %s\n", ref, l.desc.Digest, l.bundle.location, l.bundle.imageID, filepath.Join(dir, "diff"))

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ RUN_FLAGS = (
     "--runtime", "runc", "--cgroup-manager", "cgroupfs", "--network", "none",
     "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096",
 )  # fmt: skip
+MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+LABEL_IMAGE_ID = "containerd.io/snapshot/btrfs-ublk-image.image-id"
 # find(1)'s listing of a tree: path, type, mode, owner, group, size, link target
 LISTING = r"%P\t%y\t%m\t%U\t%G\t%s\t%l\n"
 
@@ -252,6 +255,30 @@ def test_ordinary_image_is_refused_by_the_store(image: Image, podman: Podman) ->
     assert r.returncode == 1
     assert "is not a btrfs-ublk-image runnable image" in r.stderr
     assert list(podman.store.iterdir()) == []
+
+
+def test_bundle_id_not_what_the_image_says(image: Image, podman: Podman) -> None:
+    """A runnable image whose image-id annotation names another bundle: ublkd's
+    --expect-id refuses it, and the store is left empty."""
+    repo, tag = image.ref.split("/", 1)[1].rsplit(":", 1)
+    url = f"{image.registry.url}/v2/{repo}/manifests"
+    req = urllib.request.Request(f"{url}/{tag}", headers={"Accept": MT_MANIFEST})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        manifest = json.loads(resp.read())
+    manifest["layers"][0]["annotations"][LABEL_IMAGE_ID] = "sha256:" + "0" * 64
+    req = urllib.request.Request(
+        f"{url}/wrong-id",
+        data=json.dumps(manifest).encode(),
+        method="PUT",
+        headers={"Content-Type": MT_MANIFEST},
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 201
+    r = podman.store_cmd(image.ref.rsplit(":", 1)[0] + ":wrong-id")
+    assert r.returncode == 1
+    assert "0" * 64 in r.stderr and "ublkd" in r.stderr, r.stderr
+    assert list(podman.store.iterdir()) == []
+    assert mounts_under(podman.store) == []
 
 
 def test_remove_unmounts(image: Image, podman: Podman) -> None:
