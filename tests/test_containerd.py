@@ -432,3 +432,15 @@ def test_pull_without_annotations_is_refused(images: Images, stack: Stack) -> No
     assert "passed no layer annotations" in r.stdout + r.stderr, r.stdout + r.stderr
     assert images.image_id in r.stdout + r.stderr
     _nothing_left(stack)
+
+
+def test_ublkd_mounts_a_runnable_image(images: Images, tmp_path: Path) -> None:
+    """`ublkd mount oci://REPO:TAG` of a runnable image follows it to its bundle."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    out = _run("ublkd", "mount", "--cache-dir", tmp_path / "cache", f"oci://{images.ours}", mnt)
+    try:
+        assert images.image_id in out
+        assert (mnt / "etc" / "debian_version").read_text().startswith("12.")
+    finally:
+        _run("ublkd", "umount", mnt)

@@ -709,21 +709,45 @@ fn oci_layers(location: &str, bytes: &[u8]) -> Result<HashMap<String, Layer>> {
     Ok(out)
 }
 
-/// Tag (or digest) -> (OCI manifest bytes, config blob bytes = the bundle's manifest.json).
-fn oci_resolve(reg: &Registry, r: &Reference, timeout: Duration) -> Result<(Vec<u8>, Vec<u8>)> {
-    let location = format!("oci://{}/{}:{}", r.registry, r.repo, r.reference);
-    let url = reg.url("manifests", &r.reference);
-    let deadline = Instant::now() + timeout;
-    let mbytes = reg
+/// The annotation of a runnable image (`push --image`) naming its bundle artifact's
+/// manifest digest in the same repository.
+const RUNNABLE_BUNDLE: &str = "dev.btrfs-ublk-image.bundle";
+
+/// The manifest at `reference` (a tag, or a digest it must hash to).
+fn oci_manifest_bytes(reg: &Registry, location: &str, reference: &str, deadline: Instant) -> Result<Vec<u8>> {
+    let url = reg.url("manifests", reference);
+    let bytes = reg
         .http
         .retry(&url, deadline, |left| {
             let resp = reg.get(&url, &[("Accept", oci::MANIFEST_MEDIA_TYPE)], Some(left))?;
             read_small(&url, resp, &reg.http.counters)
         })
         .map_err(|m| anyhow!("{location}: {m}"))?;
-    if r.reference.starts_with("sha256:") {
-        let got = format!("sha256:{}", sha256_hex(&mbytes));
-        ensure!(got == r.reference, "{url}: the manifest's digest is {got}");
+    if reference.starts_with("sha256:") {
+        let got = format!("sha256:{}", sha256_hex(&bytes));
+        ensure!(got == reference, "{url}: the manifest's digest is {got}");
+    }
+    Ok(bytes)
+}
+
+/// The bundle digest a runnable image's manifest names; None for anything else.
+fn runnable_image_bundle(manifest: &[u8]) -> Option<String> {
+    let m: serde_json::Value = serde_json::from_slice(manifest).ok()?;
+    if m["artifactType"].as_str() == Some(oci::ARTIFACT_TYPE) {
+        return None;
+    }
+    normalize_id(m["annotations"][RUNNABLE_BUNDLE].as_str()?).ok()
+}
+
+/// Tag (or digest) -> (OCI manifest bytes, config blob bytes = the bundle's manifest.json).
+fn oci_resolve(reg: &Registry, r: &Reference, timeout: Duration) -> Result<(Vec<u8>, Vec<u8>)> {
+    let location = format!("oci://{}/{}:{}", r.registry, r.repo, r.reference);
+    let deadline = Instant::now() + timeout;
+    let mut mbytes = oci_manifest_bytes(reg, &location, &r.reference, deadline)?;
+    if let Some(bundle) = runnable_image_bundle(&mbytes) {
+        // a runnable image (`push --image`, docs/containerd.md): mount the bundle it names
+        log::info!("{location}: a runnable image; mounting its bundle {bundle}");
+        mbytes = oci_manifest_bytes(reg, &location, &bundle, deadline)?;
     }
     let m = parse_oci_manifest(&location, &mbytes)?;
     ensure!(
@@ -752,6 +776,22 @@ fn oci_resolve(reg: &Registry, r: &Reference, timeout: Duration) -> Result<(Vec<
 mod tests {
     use super::*;
     use std::net::TcpListener;
+
+    #[test]
+    fn runnable_images_name_their_bundle() {
+        let d = format!("sha256:{}", "ab".repeat(32));
+        let image = format!(r#"{{"schemaVersion":2,"annotations":{{"{RUNNABLE_BUNDLE}":"{d}"}}}}"#);
+        assert_eq!(runnable_image_bundle(image.as_bytes()), Some(d.clone()));
+        let bundle = format!(
+            r#"{{"artifactType":"{}","annotations":{{"{RUNNABLE_BUNDLE}":"{d}"}}}}"#,
+            oci::ARTIFACT_TYPE
+        );
+        assert_eq!(runnable_image_bundle(bundle.as_bytes()), None);
+        assert_eq!(runnable_image_bundle(br#"{"annotations":{}}"#), None);
+        let bad = format!(r#"{{"annotations":{{"{RUNNABLE_BUNDLE}":"sha256:xyz"}}}}"#);
+        assert_eq!(runnable_image_bundle(bad.as_bytes()), None);
+        assert_eq!(runnable_image_bundle(b"not json"), None);
+    }
 
     fn packs_at(addr: std::net::SocketAddr, timeout: Duration) -> (RemotePacks, Arc<Counters>) {
         let counters = Arc::new(Counters::default());
