@@ -126,16 +126,19 @@ class Stack:
         return r
 
     def pull(
-        self, ref: str, snapshotter: str = SNAPSHOTTER, check: bool = True
+        self, ref: str, snapshotter: str = SNAPSHOTTER, check: bool = True, user: str = ""
     ) -> subprocess.CompletedProcess[str]:
         """Pull and unpack ``ref`` into ``snapshotter`` with the layers' annotations passed
-        as labels: the snapshotter's pull client on 1.6, ctr's transfer service on 2.x."""
+        as labels: the snapshotter's pull client on 1.6 (credentials from docker's
+        config.json in the stack's environment), ctr's transfer service on 2.x (``user``:
+        USER:PASS)."""
         if self.flavour == "1.6":  # its ctr pull passes no layer annotations
             argv = [snapshotter_binary(), "pull", "--address", str(self.socket)]
             argv += ["--namespace", NAMESPACE, "--snapshotter", snapshotter, ref]
         else:
             argv = [self.ctr_binary, "--address", str(self.socket), "--namespace", NAMESPACE]
             argv += ["image", "pull", "--plain-http", "--snapshotter", snapshotter, ref]
+            argv += ["--user", user] if user else []
         r = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=self.env)
         if check:
             assert r.returncode == 0, f"pull {ref}: {r.returncode}\n{r.stdout}{r.stderr}"

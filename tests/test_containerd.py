@@ -11,6 +11,7 @@ fetched, /proc/self/mountinfo and `ublkd status` for what is left behind.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -31,7 +32,7 @@ from containerdtools import (
     containerd_stack,
     mounts_under,
 )
-from servers import Registry, docker_registry
+from servers import Registry, docker_registry, htpasswd_auth
 
 from bundletools import prepare_debian_inputs
 
@@ -444,3 +445,24 @@ def test_ublkd_mounts_a_runnable_image(images: Images, tmp_path: Path) -> None:
         assert (mnt / "etc" / "debian_version").read_text().startswith("12.")
     finally:
         _run("ublkd", "umount", mnt)
+
+
+def test_registry_with_credentials(small_bundle: Path, tmp_path: Path) -> None:
+    """A registry that wants Basic auth: ublkd (run by the snapshotter) and the 1.6 pull
+    client read docker's config.json; containerd 2.x's ctr gets --user."""
+    with docker_registry(tmp_path / "reg", auth=htpasswd_auth(tmp_path, "u", "s3cret")) as reg:
+        ref = f"{reg.address}/auth/small:v1"
+        env = dict(os.environ, BUI_REGISTRY_AUTH="u:s3cret")
+        subprocess.run(["btrfs-ublk-image", "push", "--image", str(small_bundle), ref],
+                       check=True, capture_output=True, env=env)  # fmt: skip
+        docker = tmp_path / "docker"
+        docker.mkdir()
+        (docker / "config.json").write_text(
+            json.dumps({"auths": {reg.address: {"auth": base64.b64encode(b"u:s3cret").decode()}}})
+        )
+        for flavour in FLAVOURS:
+            with containerd_stack(flavour, extra_env={"DOCKER_CONFIG": str(docker)}) as st:
+                st.pull(ref, user="u:s3cret" if flavour != "1.6" else "")
+                out = st.ctr("run", "--rm", "--snapshotter", SNAPSHOTTER, ref, "auth",
+                             "/bin/cat", "/etc/motd").stdout  # fmt: skip
+                assert out == "small\n"

@@ -56,7 +56,7 @@ pub struct MountArgs {
     /// starts its server; later mounts share it).
     #[arg(long, default_value_t = DEFAULT_CACHE_MB)]
     pub cache_mb: u64,
-    /// Registry credentials USER:PASSWORD (also from $UBLKD_REGISTRY_AUTH).
+    /// Registry credentials USER:PASSWORD (also from $UBLKD_REGISTRY_AUTH, else docker's config.json).
     #[arg(long)]
     pub registry_auth: Option<String>,
     #[command(flatten)]

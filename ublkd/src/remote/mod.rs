@@ -301,7 +301,9 @@ fn resolve(
             (dir, store)
         }
         (Location::Oci(r), cached) => {
-            let creds = std::env::var(AUTH_ENV).ok();
+            let creds = std::env::var(AUTH_ENV)
+                .ok()
+                .or_else(|| oci::docker_config_auth(&r.registry));
             let reg = Registry::new(http, r, args.plain_http, creds.as_deref())?;
             let (dir, oci_manifest) = match cached.filter(|d| d.join("oci-manifest.json").exists()) {
                 Some(d) => {

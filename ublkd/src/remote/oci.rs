@@ -100,6 +100,52 @@ fn base64(data: &[u8]) -> String {
     out
 }
 
+fn unbase64(text: &str) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    let (mut acc, mut bits) = (0u32, 0u32);
+    for b in text.trim_end_matches('=').bytes() {
+        let v = match b {
+            b'A'..=b'Z' => b - b'A',
+            b'a'..=b'z' => b - b'a' + 26,
+            b'0'..=b'9' => b - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        };
+        acc = acc << 6 | v as u32;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+            acc &= (1 << bits) - 1;
+        }
+    }
+    Some(out)
+}
+
+/// `USER:PASS` for `registry` from docker's config.json (`$DOCKER_CONFIG/config.json`,
+/// else `~/.docker/config.json`: `auths[registry].auth`, as `docker login` and skopeo
+/// write it); None when there is none. Credential helpers are not used.
+pub fn docker_config_auth(registry: &str) -> Option<String> {
+    let path = match std::env::var_os("DOCKER_CONFIG") {
+        Some(d) => std::path::PathBuf::from(d).join("config.json"),
+        None => std::path::PathBuf::from(std::env::var_os("HOME")?).join(".docker/config.json"),
+    };
+    docker_config_auth_in(&std::fs::read(path).ok()?, registry)
+}
+
+fn docker_config_auth_in(config: &[u8], registry: &str) -> Option<String> {
+    let doc: serde_json::Value = serde_json::from_slice(config).ok()?;
+    doc["auths"].as_object()?.iter().find_map(|(key, entry)| {
+        let host = key.trim_start_matches("https://").trim_start_matches("http://");
+        if host.trim_end_matches('/') != registry {
+            return None;
+        }
+        let auth = String::from_utf8(unbase64(entry["auth"].as_str()?)?).ok()?;
+        auth.contains(':').then_some(auth)
+    })
+}
+
 /// `Bearer realm="x",service="y"` -> ("bearer", {realm: x, service: y}).
 fn parse_challenge(h: &str) -> (String, Vec<(String, String)>) {
     let (scheme, rest) = h.trim().split_once(' ').unwrap_or((h.trim(), ""));
@@ -281,5 +327,21 @@ mod tests {
         assert_eq!(base64(b"user:pass"), "dXNlcjpwYXNz");
         assert_eq!(base64(b"ab"), "YWI=");
         assert_eq!(base64(b"a"), "YQ==");
+        for text in [&b"user:pass"[..], b"ab", b"a", b"u:p:q"] {
+            assert_eq!(unbase64(&base64(text)).as_deref(), Some(text));
+        }
+        assert_eq!(unbase64("!!"), None);
+    }
+
+    #[test]
+    fn docker_config() {
+        let cfg = br#"{"auths": {"https://reg.example:5000/": {"auth": "dXNlcjpwYXNz"}, "x": {"auth": "YQ=="}}}"#;
+        assert_eq!(
+            docker_config_auth_in(cfg, "reg.example:5000").as_deref(),
+            Some("user:pass")
+        );
+        assert_eq!(docker_config_auth_in(cfg, "other"), None);
+        assert_eq!(docker_config_auth_in(cfg, "x"), None); // not USER:PASS
+        assert_eq!(docker_config_auth_in(b"{", "x"), None);
     }
 }
