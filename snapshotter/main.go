@@ -39,6 +39,7 @@ commands:
   serve    serve the snapshot API on a unix socket (containerd proxy_plugins)
   pull     pull an image into containerd, unpacking through a snapshotter with layer labels
   status   which images are served lazily and which layers were downloaded
+  podman-store  mount an image's bundle into a podman additional layer store (docs/containerd.md)
 
 Run 'btrfs-ublk-snapshotter COMMAND -h' for a command's options.
 `
