@@ -7,13 +7,17 @@
 //! know how many device instances sit on it: a FUSE file can back any number of loop
 //! devices, and more ublk devices could be added over the same `Arc<Device2>`.
 
-use crate::device::Device2;
-use crate::frontend::fuse::Dev2Cache;
-use crate::frontend::{self, Kind};
-use crate::remote::{self, Opened, RemoteArgs};
-use crate::state::write_atomic;
+use crate::args::ServeArgs;
+use crate::device::{prefetch, Device2};
+use crate::format::blockmap::Segment;
+use crate::format::trace;
+use crate::frontend;
+use crate::plumbing::{btrfs, mount as mnt};
+use crate::state::STATS_FILE;
 use crate::stats::Counters;
-use crate::trace;
+use crate::store::remote::{self, Opened};
+use crate::types::{Dev2Cache, Frontend};
+use crate::util::{timing, write_atomic};
 use crate::verify::VerifiedChunks;
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::{SigSet, Signal};
@@ -26,43 +30,11 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-#[derive(clap::Args, Debug, Clone)]
-pub struct ServeArgs {
-    /// Bundle directory, `http(s)://.../manifest.json` or `oci://REGISTRY/REPO[:TAG]`.
-    pub bundle: String,
-    /// Frontend (auto: ublk when available, else fuse).
-    #[arg(long, value_enum, default_value = "auto")]
-    pub frontend: Kind,
-    /// Directory for stats.json (the mount's state directory when started by `mount`).
-    #[arg(long)]
-    pub dir: Option<PathBuf>,
-    /// Refuse to serve unless the bundle's image id is this.
-    #[arg(long)]
-    pub expect_id: Option<String>,
-    /// Memory for verified chunks, in MiB.
-    #[arg(long, default_value_t = crate::ops::DEFAULT_CACHE_MB)]
-    pub cache_mb: u64,
-    /// fuse frontend: how device 2's FUSE file is cached (default: page for a local
-    /// bundle, direct for a remote one; see `ublkd mount --help`). ublk: ignored.
-    #[arg(long, value_enum)]
-    pub dev2_cache: Option<Dev2Cache>,
-    /// FUSE worker threads / ublk queues.
-    #[arg(long, default_value_t = 4)]
-    pub threads: usize,
-    /// Reattach to an existing ublk device left by a dead server (USER_RECOVERY).
-    #[arg(long)]
-    pub ublk_recover: Option<i32>,
-    #[command(flatten)]
-    pub poll: frontend::ublk::PollArg,
-    #[command(flatten)]
-    pub remote: RemoteArgs,
-}
-
 /// The line `serve` prints once the device is live.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct Ready {
     pub pid: i32,
-    pub frontend: String,
+    pub frontend: Frontend,
     /// The device-2 node: /dev/ublkbN, or /proc/<pid>/fd/<n> for the FUSE file.
     pub device: String,
     pub ublk_id: Option<i32>,
@@ -98,7 +70,7 @@ fn stats_writer(counters: Arc<Counters>, dir: PathBuf) {
                 let s = counters.snapshot();
                 if last.as_ref() != Some(&s) {
                     if let Ok(b) = serde_json::to_vec(&s) {
-                        let _ = write_atomic(&dir.join("stats.json"), &b);
+                        let _ = write_atomic(&dir.join(STATS_FILE), &b);
                     }
                     last = Some(s);
                 }
@@ -118,10 +90,10 @@ pub fn open_device(opened: Opened, counters: Arc<Counters>, cache_mb: u64) -> Ar
 
 pub fn serve(args: ServeArgs) -> Result<()> {
     let kind = match args.frontend {
-        Kind::Auto => frontend::choose(Kind::Auto)?.0,
+        Frontend::Auto => frontend::choose(Frontend::Auto)?.0,
         k => k,
     };
-    if kind == Kind::Ublk {
+    if kind == Frontend::Ublk {
         // before any thread exists: unshare(CLONE_NEWNS) fails in a threaded process
         isolate_mount_namespace()?;
     }
@@ -141,17 +113,17 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // SAFETY: ignoring SIGPIPE is always sound.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
 
-    crate::timing("serve: signals set up");
+    timing("serve: signals set up");
     let counters = Arc::new(Counters::default());
     let mut opened = remote::open_for_serving(&args.bundle, &args.remote, args.expect_id.as_deref(), counters.clone())?;
     let dev2_cache = match args.dev2_cache {
         Some(c) => c,
-        None => Dev2Cache::default_for(&remote::Location::parse(&opened.location)?),
+        None => Dev2Cache::default_for(remote::Location::parse(&opened.location)?.is_remote()),
     };
-    if kind == Kind::Fuse && dev2_cache == Dev2Cache::Page {
+    if kind == Frontend::Fuse && dev2_cache == Dev2Cache::Page {
         frontend::fuse::tune_fetching(&mut opened.fetching);
     }
-    crate::timing("serve: bundle opened");
+    timing("serve: bundle opened");
     let location = opened.location.clone();
     let bundle_ranges = opened.bundle.blockmap.ranges.len();
     let image_id = opened.bundle.image_id.clone();
@@ -178,7 +150,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 Ok(Signal::SIGUSR1) => dir
                     .as_deref()
                     .context("no --dir to read a prefetch request from")
-                    .and_then(|d| trace::start_requested(&dev, d, &image_id, &prefetching)),
+                    .and_then(|d| prefetch::start_requested(&dev, d, &image_id, &prefetching)),
                 Ok(Signal::SIGUSR2) => dir
                     .as_deref()
                     .context("no --dir to write the access trace into")
@@ -197,13 +169,13 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let pid = std::process::id() as i32;
 
     match kind {
-        Kind::Fuse => {
+        Frontend::Fuse => {
             let fe = frontend::fuse::start(dev.clone(), args.threads, dev2_cache)?;
-            crate::timing("serve: fuse frontend up");
+            timing("serve: fuse frontend up");
             let device = format!("/proc/{pid}/fd/{}/{}", fe.root.as_raw_fd(), frontend::fuse::FILE_NAME);
             announce(&Ready {
                 pid,
-                frontend: "fuse".into(),
+                frontend: Frontend::Fuse,
                 device,
                 ublk_id: None,
                 image_id,
@@ -225,7 +197,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             write_final(&args.dir, &counters);
             Ok(())
         }
-        Kind::Ublk => {
+        Frontend::Ublk => {
             let stopper = frontend::ublk::Stopper::default();
             let opts = frontend::ublk::Options {
                 recover_id: args.ublk_recover,
@@ -240,7 +212,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 let ready = move |path: String, id: i32| {
                     let _ = tx_ready.send(Event::Ready(Ready {
                         pid,
-                        frontend: "ublk".into(),
+                        frontend: Frontend::Ublk,
                         device: path,
                         ublk_id: Some(id),
                         image_id: img,
@@ -289,7 +261,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             write_final(&args.dir, &counters);
             Ok(())
         }
-        Kind::Auto => unreachable!(),
+        Frontend::Auto => unreachable!(),
     }
 }
 
@@ -299,10 +271,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 /// an access for `record`).
 fn warm_superblock_chunk(dev: &Arc<Device2>) {
     let bm = dev.chunks.blockmap();
-    let Ok(segs) = bm.segments(crate::plumbing::btrfs::SUPER_OFFSET, 4096) else {
+    let Ok(segs) = bm.segments(btrfs::SUPER_OFFSET, 4096) else {
         return;
     };
-    let Some(crate::blockmap::Segment::Pack { pack, pack_offset, .. }) = segs.into_iter().next() else {
+    let Some(Segment::Pack { pack, pack_offset, .. }) = segs.into_iter().next() else {
         return;
     };
     let chunk = pack_offset >> bm.chunk_shift;
@@ -327,10 +299,10 @@ fn isolate_mount_namespace() -> Result<()> {
         None::<&str>,
     )
     .context("make / rslave in the server's mount namespace")?;
-    for m in crate::plumbing::mount::mounts()? {
+    for m in mnt::mounts()? {
         let image_dev = m.source.starts_with("/dev/loop") || m.source.starts_with("/dev/ublkb");
         if m.fstype == "btrfs" && image_dev && m.mount_point != "/" {
-            let _ = crate::plumbing::mount::umount(Path::new(&m.mount_point), true);
+            let _ = mnt::umount(Path::new(&m.mount_point), true);
         }
     }
     Ok(())
@@ -353,7 +325,7 @@ fn write_access_trace(dev: &Device2, dir: &Path, image_id: &str) -> Result<()> {
 fn write_final(dir: &Option<PathBuf>, counters: &Counters) {
     if let Some(d) = dir {
         if let Ok(b) = serde_json::to_vec(&counters.snapshot()) {
-            let _ = write_atomic(&Path::new(d).join("stats.json"), &b);
+            let _ = write_atomic(&Path::new(d).join(STATS_FILE), &b);
         }
     }
 }

@@ -11,13 +11,21 @@
 //! are removed by the holder when the directory goes; [`lock`] re-checks that the file
 //! it locked is still the one at the path, so a waiter never holds a stale lock.
 
-use crate::frontend::fuse::Dev2Cache;
-use crate::frontend::ublk::PollMode;
+use crate::format::digest::{self, sha256_hex};
+use crate::types::{Dev2Cache, Frontend, Mode, Phase, PollMode};
+use crate::util::write_atomic;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
+
+/// A bundle's or a mount's state in its directory.
+pub const STATE_FILE: &str = "state.json";
+/// The server's counters in its bundle's directory (rewritten by the server).
+pub const STATS_FILE: &str = "stats.json";
+/// The server's stderr in its bundle's directory.
+pub const SERVER_LOG: &str = "server.log";
 
 pub fn run_dir() -> PathBuf {
     std::env::var_os("UBLKD_RUN_DIR")
@@ -35,7 +43,7 @@ pub fn bundles_dir() -> PathBuf {
 
 /// Directory name for a bundle: derived from its image id (one server per image).
 pub fn bundle_key(image_id: &str) -> String {
-    let hex = image_id.strip_prefix("sha256:").unwrap_or(image_id);
+    let hex = digest::strip_prefix(image_id).unwrap_or(image_id);
     format!("b-{}", &hex[..16.min(hex.len())])
 }
 
@@ -54,7 +62,7 @@ pub struct SharedMount {
     pub rw_loop: Option<LoopRecord>,
     pub rw_path: Option<String>,
     /// "mounting" until it is up and read-only, then "mounted".
-    pub phase: String,
+    pub phase: Phase,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
@@ -89,11 +97,11 @@ impl BundleState {
     pub fn save(&self) -> Result<()> {
         let dir = self.dir();
         std::fs::create_dir_all(&dir).with_context(|| format!("{}: mkdir", dir.display()))?;
-        write_atomic(&dir.join("state.json"), &serde_json::to_vec_pretty(self)?)
+        write_atomic(&dir.join(STATE_FILE), &serde_json::to_vec_pretty(self)?)
     }
 
     pub fn load(key: &str) -> Option<BundleState> {
-        let b = std::fs::read(Self::dir_of(key).join("state.json")).ok()?;
+        let b = std::fs::read(Self::dir_of(key).join(STATE_FILE)).ok()?;
         serde_json::from_slice(&b).ok()
     }
 
@@ -112,7 +120,7 @@ impl BundleState {
 
 /// Directory name for a mount point: stable, short, filesystem-safe.
 pub fn mount_id(mountpoint: &Path) -> String {
-    let h = crate::bundle::sha256_hex(mountpoint.as_os_str().as_encoded_bytes());
+    let h = sha256_hex(mountpoint.as_os_str().as_encoded_bytes());
     format!("m-{}", &h[..16])
 }
 
@@ -130,7 +138,7 @@ pub struct ServerRecord {
     pub pid: i32,
     /// Field 22 of /proc/PID/stat: with the pid, identifies the process across pid reuse.
     pub start_time: u64,
-    pub frontend: String,
+    pub frontend: Frontend,
     /// The device-2 node the server exposes (/dev/ublkbN, or the FUSE file).
     pub device: String,
     #[serde(default)]
@@ -178,10 +186,10 @@ pub struct MountState {
     pub rw_loop: Option<LoopRecord>,
     pub rw_path: Option<String>,
     /// "mounting" until the filesystem is up, then "mounted".
-    pub phase: String,
+    pub phase: Phase,
     /// "ro" (bind mount of the bundle's shared mount), "ephemeral" (overlayfs over it,
     /// upper and work dirs in this state dir), "rw" (own devices, native sprout).
-    pub mode: String,
+    pub mode: Mode,
     /// Key of the bundle (`bundles/<key>/`) whose server and shared mount this uses.
     #[serde(default)]
     pub bundle_key: String,
@@ -199,11 +207,11 @@ impl MountState {
 
     pub fn save(&self) -> Result<()> {
         let dir = self.dir();
-        write_atomic(&dir.join("state.json"), &serde_json::to_vec_pretty(self)?)
+        write_atomic(&dir.join(STATE_FILE), &serde_json::to_vec_pretty(self)?)
     }
 
     pub fn load(dir: &Path) -> Result<MountState> {
-        let p = dir.join("state.json");
+        let p = dir.join(STATE_FILE);
         let b = std::fs::read(&p).with_context(|| format!("{}: read", p.display()))?;
         serde_json::from_slice(&b).with_context(|| format!("{}: parse", p.display()))
     }
@@ -227,35 +235,6 @@ impl MountState {
         out.sort_by(|a, b| a.mountpoint.cmp(&b.mountpoint));
         Ok(out)
     }
-}
-
-/// Replace `path` with `data` atomically: a temp file beside it, renamed over it (the
-/// temp file is removed if anything fails).
-pub fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
-    write_via_temp(path, data, false)
-}
-
-/// [`write_atomic`], with the data on disk (fsync) before the rename: for files that
-/// must survive a crash (traces), not for the state files rewritten many times a second.
-pub fn write_atomic_synced(path: &Path, data: &[u8]) -> Result<()> {
-    write_via_temp(path, data, true)
-}
-
-fn write_via_temp(path: &Path, data: &[u8], sync: bool) -> Result<()> {
-    use std::io::Write;
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let res = (|| -> Result<()> {
-        let mut f = File::create(&tmp).with_context(|| format!("{}: create", tmp.display()))?;
-        f.write_all(data).with_context(|| format!("{}: write", tmp.display()))?;
-        if sync {
-            f.sync_all().with_context(|| format!("{}: fsync", tmp.display()))?;
-        }
-        std::fs::rename(&tmp, path).with_context(|| format!("{}: rename", path.display()))
-    })();
-    if res.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    res
 }
 
 /// An flock(2) held until dropped. With `gone_with`, the lock file is removed on drop

@@ -26,7 +26,7 @@ pub struct Counters {
     pub fetch_latency_us_total: AtomicU64,
     pub fetch_latency_us_max: AtomicU64,
     pub readahead_chunks: AtomicU64,
-    // prefetch (src/trace.rs): chunks loaded on demand vs by the prefetcher
+    // prefetch (src/device/prefetch.rs): chunks loaded on demand vs by the prefetcher
     pub demand_chunk_loads: AtomicU64,
     pub prefetch_total: AtomicU64,
     pub prefetch_done: AtomicU64,

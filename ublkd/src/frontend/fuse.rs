@@ -25,6 +25,8 @@
 //! reaches the server, and with FUSE_ASYNC_DIO many at once (misses overlap).
 
 use crate::device::Device2;
+use crate::store::source::Fetching;
+use crate::types::Dev2Cache;
 use anyhow::{Context, Result};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, LockOwner, OpenAccMode,
@@ -41,42 +43,6 @@ pub const FILE_NAME: &str = "dev2";
 const ROOT: u64 = 1;
 const FILE: u64 = 2;
 const TTL: Duration = Duration::from_secs(86400);
-
-/// How device 2's FUSE file is cached (`--dev2-cache`), see the module comment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Dev2Cache {
-    /// Page-cached FUSE file under buffered loop devices: warm reads at local-loop
-    /// speed, cold misses one at a time.
-    Page,
-    /// Direct-I/O FUSE file and loop devices: every read reaches the server, misses in
-    /// parallel.
-    Direct,
-}
-
-impl Dev2Cache {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Dev2Cache::Page => "page",
-            Dev2Cache::Direct => "direct",
-        }
-    }
-
-    /// The default for a bundle: `page` when its packs are local files (a miss costs a
-    /// pack read and a sha256), `direct` when they are fetched over the network (a miss
-    /// costs a round trip, and a buffered loop device would send misses one at a time).
-    pub fn default_for(location: &crate::remote::Location) -> Dev2Cache {
-        match location {
-            crate::remote::Location::Local(_) => Dev2Cache::Page,
-            _ => Dev2Cache::Direct,
-        }
-    }
-
-    /// Whether a loop device on `dev2` runs with direct I/O in this mode.
-    pub fn loop_direct_io(&self) -> bool {
-        *self == Dev2Cache::Direct
-    }
-}
 
 pub struct DevFs {
     dev: Arc<Device2>,
@@ -309,7 +275,7 @@ pub fn open_for_loop(path: &str, cache: Dev2Cache) -> Result<File> {
 /// every chunk read ahead is pack I/O for data perhaps never read (`chroot MNT
 /// /bin/true` on Debian: 7 chunks without, 8 with one, 11 with four). Remote packs keep
 /// their own setting.
-pub fn tune_fetching(fetching: &mut crate::verify::Fetching) {
+pub fn tune_fetching(fetching: &mut Fetching) {
     if fetching.disk.is_none() {
         fetching.readahead = 1;
         fetching.workers = 1;

@@ -1,29 +1,12 @@
 //! Frontends expose [`crate::device::Device2`] to the kernel as a block device
-//! (ublk) or as a file a loop device can sit on (FUSE).
+//! (ublk) or as a file a loop device can sit on (FUSE). Which one: [`Frontend`].
 
 pub mod fuse;
 pub mod ublk;
 
+use crate::types::Frontend;
 use anyhow::{bail, Result};
 use std::path::Path;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Kind {
-    Auto,
-    Ublk,
-    Fuse,
-}
-
-impl Kind {
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Kind::Auto => "auto",
-            Kind::Ublk => "ublk",
-            Kind::Fuse => "fuse",
-        }
-    }
-}
 
 /// `modprobe ublk_drv` unless /dev/ublk-control is already there (failure is fine: the
 /// caller checks for the control node). Skipped when the running kernel has no module
@@ -41,22 +24,22 @@ fn load_ublk_drv() {
 }
 
 /// Resolve `auto`: try `modprobe ublk_drv`, use ublk when /dev/ublk-control exists.
-pub fn choose(kind: Kind) -> Result<(Kind, String)> {
+pub fn choose(kind: Frontend) -> Result<(Frontend, String)> {
     match kind {
-        Kind::Fuse => Ok((Kind::Fuse, "fuse (requested)".into())),
-        Kind::Ublk => {
+        Frontend::Fuse => Ok((Frontend::Fuse, "fuse (requested)".into())),
+        Frontend::Ublk => {
             load_ublk_drv();
             if !Path::new("/dev/ublk-control").exists() {
                 bail!("--frontend ublk: /dev/ublk-control does not exist (no ublk_drv in this kernel?); use --frontend fuse");
             }
-            Ok((Kind::Ublk, "ublk (requested)".into()))
+            Ok((Frontend::Ublk, "ublk (requested)".into()))
         }
-        Kind::Auto => {
+        Frontend::Auto => {
             load_ublk_drv();
             if Path::new("/dev/ublk-control").exists() {
-                Ok((Kind::Ublk, "ublk (auto: /dev/ublk-control exists)".into()))
+                Ok((Frontend::Ublk, "ublk (auto: /dev/ublk-control exists)".into()))
             } else {
-                Ok((Kind::Fuse, "fuse (auto: no /dev/ublk-control)".into()))
+                Ok((Frontend::Fuse, "fuse (auto: no /dev/ublk-control)".into()))
             }
         }
     }

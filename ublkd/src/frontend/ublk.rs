@@ -7,6 +7,7 @@
 //! This host's kernel has no ublk_drv; this path runs in the VM harness (tests/vm/).
 
 use crate::device::Device2;
+use crate::types::PollMode;
 use anyhow::{anyhow, Context, Result};
 use libublk::ctrl::{UblkCtrl, UblkCtrlBuilder};
 use libublk::io::{BufDescList, UblkDev, UblkIOCtx, UblkQueue};
@@ -48,84 +49,9 @@ impl Options {
     }
 }
 
-/// `--ublk-poll` without a value: a fixed window of this many microseconds.
-pub const DEFAULT_POLL_US: &str = "2000";
-
 /// The longest window of `--ublk-poll=auto`, and the longest gap between two requests it
 /// grows its window for.
 pub const AUTO_POLL_MAX: Duration = Duration::from_millis(2);
-
-/// How the queue thread waits for the next request (`--ublk-poll`, a property of the
-/// bundle's server).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PollMode {
-    /// Sleep in io_uring_enter at once (libublk's loop), one queue per `--threads`.
-    Off,
-    /// Poll for a window that follows how close together requests arrive
-    /// ([`PollWindow`]): none while the device is idle or sparsely used.
-    #[default]
-    Auto,
-    /// Poll for this many microseconds after every batch.
-    Fixed(u64),
-}
-
-impl std::str::FromStr for PollMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(PollMode::Auto),
-            "off" | "0" => Ok(PollMode::Off),
-            _ => s
-                .parse::<u64>()
-                .map(PollMode::Fixed)
-                .map_err(|_| format!("{s:?}: expected auto, off or a number of microseconds")),
-        }
-    }
-}
-
-impl std::fmt::Display for PollMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            PollMode::Off => f.write_str("off"),
-            PollMode::Auto => f.write_str("auto"),
-            PollMode::Fixed(us) => write!(f, "{us}"),
-        }
-    }
-}
-
-impl serde::Serialize for PollMode {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
-    }
-}
-
-impl<'de> serde::Deserialize<'de> for PollMode {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-/// `--ublk-poll`, one definition for `mount`, `serve` and `ublk-null`.
-#[derive(clap::Args, Debug, Clone, Default)]
-pub struct PollArg {
-    /// ublk frontend: what the server's queue thread does between requests. auto (the
-    /// default): after each request it busy-polls its ring for a window that grows while
-    /// requests keep arriving close together (up to 2 ms) and shrinks to nothing when
-    /// they do not, so a request arriving meanwhile costs no wakeup of the server while
-    /// an idle or sparsely read device costs no CPU. US: always poll that many
-    /// microseconds (the flag alone: 2000). off (or 0): always sleep, one queue per
-    /// --threads. A property of the bundle's server, like --dev2-cache (docs/ublkd.md).
-    #[arg(long = "ublk-poll", value_name = "MODE", num_args = 0..=1, require_equals = true, default_missing_value = DEFAULT_POLL_US)]
-    pub ublk_poll: Option<PollMode>,
-}
-
-impl PollArg {
-    /// The mode a new server runs with: the one given, else the default.
-    pub fn mode(&self) -> PollMode {
-        self.ublk_poll.unwrap_or_default()
-    }
-}
 
 /// `--ublk-poll=auto`'s window, kept apart from the loop so it can be tested: how long to
 /// poll after a batch, learnt from the gaps between batches. A gap is *close* when it

@@ -193,3 +193,31 @@ pub fn read_body(url: &str, resp: ureq::Response, len: u64, counters: &Counters)
         Ok(_) => Ok(buf),
     }
 }
+
+/// A GET of an optional document: Ok(None) on 404.
+pub fn fetch_optional(
+    http: &Http,
+    url: &str,
+    headers: &[(&str, &str)],
+    timeout: Duration,
+) -> Result<Option<Vec<u8>>, String> {
+    http.retry(url, Instant::now() + timeout, |left| {
+        match http.get(url, headers, Some(left)).map_err(|e| *e) {
+            Ok(r) => read_small(url, r, &http.counters).map(Some),
+            Err(ureq::Error::Status(404, _)) => Ok(None),
+            Err(e) => Err(classify(url, e)),
+        }
+    })
+}
+
+/// Bound of a JSON document fetched whole (manifests, a config blob, a trace).
+pub const SMALL_MAX: u64 = 64 << 20;
+
+/// A small JSON document (manifest.json, an OCI manifest, a trace): at most [`SMALL_MAX`].
+pub fn read_small(url: &str, r: ureq::Response, counters: &Counters) -> Result<Vec<u8>, Failure> {
+    let mut buf = Vec::new();
+    let res = r.into_reader().take(SMALL_MAX).read_to_end(&mut buf);
+    Counters::add(&counters.fetch_bytes, buf.len() as u64);
+    res.map_err(|e| Failure::Transient(format!("{url}: reading the body: {e}")))?;
+    Ok(buf)
+}

@@ -5,6 +5,7 @@
 //! credentials.
 
 use super::http::{classify, Failure, Http};
+use crate::format::digest::{self, Sha256Digest};
 use anyhow::{bail, ensure, Result};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -32,7 +33,7 @@ impl Reference {
             bail!("{loc}: expected oci://REGISTRY/REPO[:TAG|@sha256:DIGEST]");
         };
         let (repo, reference) = if let Some((r, d)) = path.split_once('@') {
-            crate::bundle::normalize_id(d).map_err(|e| anyhow::anyhow!("{loc}: digest: {e}"))?;
+            Sha256Digest::parse_id(d).map_err(|e| anyhow::anyhow!("{loc}: digest: {e}"))?;
             (r, d.to_string())
         } else {
             match path.rsplit_once(':') {
@@ -47,7 +48,7 @@ impl Reference {
                         .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-".contains(&b))
             });
         ensure!(ok_repo, "{loc}: repository {repo:?} is not a valid OCI repository name");
-        let ok_tag = reference.starts_with("sha256:")
+        let ok_tag = digest::strip_prefix(&reference).is_some()
             || (!reference.is_empty()
                 && reference.len() <= 128
                 && reference

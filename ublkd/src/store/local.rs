@@ -1,48 +1,15 @@
 //! Opening a bundle: manifest.json (its sha256 is the image id), the digests it lists
 //! for meta.img and blockmap, and the blockmap's agreement with the manifest.
 
-use crate::blockmap::Blockmap;
+use crate::format::blockmap::{chunks_in, Blockmap};
+use crate::format::digest::{sha256_hex, Sha256Digest};
+use crate::format::manifest::{Manifest, BLOCKMAP, FORMAT, FORMAT_VERSION, MANIFEST, META_IMG};
+use crate::util::write_atomic;
 use anyhow::{bail, ensure, Context, Result};
-use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
-use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-
-#[derive(Debug, Deserialize)]
-pub struct DeviceInfo {
-    pub devid: u64,
-    pub uuid: String,
-    pub size: u64,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct FileInfo {
-    pub sha256: String,
-    pub size: u64,
-}
-
-#[derive(Debug, Deserialize)]
-pub struct PackInfo {
-    pub id: String,
-    pub size: u64,
-    pub path: String,
-}
-
-/// The fields of manifest.json that ublkd uses (others are ignored).
-#[derive(Debug, Deserialize)]
-pub struct Manifest {
-    pub format: String,
-    pub format_version: u32,
-    #[serde(default)]
-    pub name: String,
-    pub fsid: String,
-    pub devices: Vec<DeviceInfo>,
-    pub files: BTreeMap<String, FileInfo>,
-    pub packs: Vec<PackInfo>,
-    pub chunk_size: u64,
-}
 
 pub struct Bundle {
     pub dir: PathBuf,
@@ -55,31 +22,6 @@ pub struct Bundle {
     pub meta: Option<File>,
 }
 
-pub fn sha256_hex(data: &[u8]) -> String {
-    hex::encode(Sha256::digest(data))
-}
-
-fn strip_sha(s: &str) -> Result<&str> {
-    let hex = s
-        .strip_prefix("sha256:")
-        .with_context(|| format!("digest {s:?} does not start with sha256:"))?;
-    ensure!(
-        hex.len() == 64 && hex.bytes().all(|c| c.is_ascii_hexdigit()),
-        "digest {s:?} is not 64 hex digits"
-    );
-    Ok(hex)
-}
-
-/// Normalize a user-given image id (`sha256:<hex>` or bare hex) to `sha256:<hex>`.
-pub fn normalize_id(id: &str) -> Result<String> {
-    let with = if id.starts_with("sha256:") {
-        id.to_string()
-    } else {
-        format!("sha256:{id}")
-    };
-    Ok(format!("sha256:{}", strip_sha(&with)?.to_ascii_lowercase()))
-}
-
 impl Bundle {
     /// Open and verify a bundle. `verify_meta` also checks meta.img against the manifest
     /// and keeps it open in `meta` (the mount command does; the server, which never reads
@@ -88,11 +30,11 @@ impl Bundle {
         let dir = dir
             .canonicalize()
             .with_context(|| format!("bundle {}: not found", dir.display()))?;
-        let mpath = dir.join("manifest.json");
+        let mpath = dir.join(MANIFEST);
         let mbytes = std::fs::read(&mpath).with_context(|| format!("{}: read", mpath.display()))?;
-        let image_id = format!("sha256:{}", sha256_hex(&mbytes));
+        let image_id = Sha256Digest::of(&mbytes).to_string();
         if let Some(want) = expect_id {
-            let want = normalize_id(want)?;
+            let want = Sha256Digest::parse_id(want)?.to_string();
             ensure!(
                 want == image_id,
                 "{}: image id is {image_id}, expected {want}",
@@ -102,14 +44,14 @@ impl Bundle {
         let manifest: Manifest =
             serde_json::from_slice(&mbytes).with_context(|| format!("{}: not a valid manifest", mpath.display()))?;
         ensure!(
-            manifest.format == "btrfs-ublk-image.bundle",
-            "{}: format is {:?}, not \"btrfs-ublk-image.bundle\"",
+            manifest.format == FORMAT,
+            "{}: format is {:?}, not \"{FORMAT}\"",
             mpath.display(),
             manifest.format
         );
         ensure!(
-            manifest.format_version == 1,
-            "{}: format_version {} is not supported (this ublkd reads 1)",
+            manifest.format_version == FORMAT_VERSION,
+            "{}: format_version {} is not supported (this ublkd reads {FORMAT_VERSION})",
             mpath.display(),
             manifest.format_version
         );
@@ -135,11 +77,12 @@ impl Bundle {
             );
             Ok(path)
         };
-        let meta_path = check("meta.img")?;
+        let meta_path = check(META_IMG)?;
         let meta = if verify_meta {
-            let want = strip_sha(&manifest.files["meta.img"].sha256)
-                .with_context(|| format!("{}: files.meta.img.sha256", mpath.display()))?;
-            match open_checked_meta(&meta_path, want)? {
+            let want = Sha256Digest::parse(&manifest.files[META_IMG].sha256)
+                .with_context(|| format!("{}: files.meta.img.sha256", mpath.display()))?
+                .hex();
+            match open_checked_meta(&meta_path, &want)? {
                 Ok(f) => Some(f),
                 Err(got) => bail!("{}: sha256 is {got}, the manifest says {want}", meta_path.display()),
             }
@@ -152,9 +95,9 @@ impl Bundle {
             meta_path.display(),
             manifest.devices[0].size
         );
-        let bm_path = check("blockmap")?;
+        let bm_path = check(BLOCKMAP)?;
         let bm_bytes = std::fs::read(&bm_path).with_context(|| format!("{}: read", bm_path.display()))?;
-        let want = strip_sha(&manifest.files["blockmap"].sha256)?;
+        let want = Sha256Digest::parse(&manifest.files[BLOCKMAP].sha256)?.hex();
         let got = sha256_hex(&bm_bytes);
         ensure!(
             got == want,
@@ -186,7 +129,7 @@ impl Bundle {
             manifest.packs.len()
         );
         for (i, (bp, mp)) in blockmap.packs.iter().zip(&manifest.packs).enumerate() {
-            let want = strip_sha(&mp.id)?;
+            let want = Sha256Digest::parse(&mp.id)?.hex();
             ensure!(
                 hex::encode(bp.id) == want,
                 "pack {i}: blockmap id {} but the manifest says {want}",
@@ -202,7 +145,7 @@ impl Bundle {
             );
             // the pack id is sha256 over its chunk digests: check the digest table against it
             let first = bp.first_chunk as usize;
-            let n = crate::blockmap::chunks_in(bp.size, blockmap.chunk_size()) as usize;
+            let n = chunks_in(bp.size, blockmap.chunk_size()) as usize;
             let mut h = Sha256::new();
             for d in &blockmap.digests[first..first + n] {
                 h.update(d);
@@ -226,7 +169,7 @@ impl Bundle {
     }
 
     pub fn meta_path(&self) -> PathBuf {
-        self.dir.join("meta.img")
+        self.dir.join(META_IMG)
     }
 
     pub fn pack_paths(&self) -> Vec<PathBuf> {
@@ -317,7 +260,7 @@ fn write_record(path: &Path, rec: &MetaRecord) -> Result<()> {
         .mode(0o700)
         .create(dir)
         .with_context(|| format!("{}: mkdir", dir.display()))?;
-    crate::state::write_atomic(path, &serde_json::to_vec(rec)?)
+    write_atomic(path, &serde_json::to_vec(rec)?)
 }
 
 /// Open meta.img and check it against `want` (sha256 hex from the manifest): `Ok(file)`

@@ -1,7 +1,9 @@
 //! Device 2 as a byte array: the one read path every frontend (FUSE file, ublk queue)
 //! calls. It knows nothing about how many device instances are served from it.
 
-use crate::blockmap::Segment;
+pub mod prefetch;
+
+use crate::format::blockmap::Segment;
 use crate::stats::Counters;
 use crate::verify::VerifiedChunks;
 use std::sync::Arc;
@@ -81,8 +83,8 @@ impl Device2 {
 #[cfg(test)]
 pub mod tests {
     use super::*;
-    use crate::blockmap::{encode, Blockmap, PackEntry, Range};
-    use crate::verify::source::{LocalPacks, PackSource};
+    use crate::format::blockmap::{encode, Blockmap, PackEntry, Range};
+    use crate::store::source::{LocalPacks, PackSource};
     use sha2::{Digest as _, Sha256};
     use std::path::{Path, PathBuf};
 
@@ -139,7 +141,7 @@ pub mod tests {
             }],
             ranges,
             digests,
-            version: crate::blockmap::VERSION,
+            version: crate::format::blockmap::VERSION,
             stored: vec![],
         };
         let bm = Blockmap::parse(&encode(&bm)).unwrap();
