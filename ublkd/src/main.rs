@@ -6,6 +6,7 @@ mod device;
 mod frontend;
 mod ops;
 mod plumbing;
+mod pool;
 mod remote;
 mod server;
 mod state;
