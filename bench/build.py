@@ -83,7 +83,7 @@ TAR_SPEC = "spec.yaml"  # one tar: layer
 OCI_SPEC = "spec-oci.yaml"  # one oci: layer, the input's OCI layout
 IN_PLACE_SPEC = "spec-in-place.yaml"  # one tar: layer, in_place: true
 BUILD_INPUTS = ("synthetic", "debian")
-SECTIONS = ("build", "mount", "randread", "laziness", "vm", "remote", "containerd")
+SECTIONS = ("build", "mount", "randread", "laziness", "vm", "remote", "containerd", "latency")
 
 
 @dataclass
@@ -445,6 +445,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
     )
     ap.add_argument(
+        "--baseline-ublkd",
+        metavar="PATH",
+        help="latency section: a second ublkd binary (e.g. built from the previous commit)"
+        " measured beside this checkout's",
+    )
+    ap.add_argument(
         "--fio-runtime",
         type=float,
         metavar="S",
@@ -484,7 +490,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "build" in sections:
         doc["build"] = _run_build_section(args, params, data, workdir, can_drop, commit)
     runtime_s = args.fio_runtime or (3.0 if args.quick else 10.0)
-    if sections - {"build"}:
+    if "latency" in sections:
+        from bench.latency import measure_latency
+
+        doc["latency"] = measure_latency(workdir / "latency", args.repeat, args.baseline_ublkd)
+    if sections - {"build", "latency"}:
         from bench.runtime import run_runtime
 
         doc["runtime_commit"] = commit
@@ -641,6 +651,13 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
         print(containerd_table(doc["containerd"]))
         if args.update_docs:
             update_doc(path, "containerd", containerd_section(doc))
+    if "latency" in doc:
+        from bench.latency import latency_table
+
+        print("\nCold random reads of a remote bundle behind injected latency (fuse):\n")
+        print(latency_table(doc["latency"]))
+        if args.update_docs:
+            update_doc(path, "latency", latency_table(doc["latency"]))
     if "randread" in doc and args.update_docs:
         update_doc(path, "randread", randread_section(doc))
     for name, why in doc.get("runtime_skipped", {}).items():

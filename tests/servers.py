@@ -368,3 +368,32 @@ class TokenService:
             self.server.shutdown()
             self.server.server_close()
             thread.join()
+
+
+class SlowHttp(ServerProcess):
+    """tests/slowhttp.py: static files with a fixed delay before every response."""
+
+    def requests(self) -> list[AccessRecord]:
+        path = self.workdir / "access.log"
+        out = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            method, req_path, status, sent, rng = line.split("\t")
+            out.append(AccessRecord(method, req_path, int(status), int(sent), rng))
+        return out
+
+
+@contextlib.contextmanager
+def slow_http(root: Path, workdir: Path, delay_ms: float) -> Iterator[SlowHttp]:
+    """Serve `root` on loopback, every response `delay_ms` late (a latency source)."""
+    import sys
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    script = Path(__file__).resolve().parent / "slowhttp.py"
+    argv = [sys.executable, str(script), str(root), str(port), str(delay_ms)]
+    server = SlowHttp(argv + [str(workdir / "access.log")], port, workdir, "slowhttp")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -10,6 +10,7 @@ mod device;
 mod format;
 mod frontend;
 mod plumbing;
+mod pool;
 mod server;
 mod state;
 mod stats;

@@ -85,7 +85,7 @@ pub fn open_device(opened: Opened, counters: Arc<Counters>, cache_mb: u64) -> Ar
     let bm = opened.bundle.blockmap.clone();
     let chunks =
         VerifiedChunks::new(bm, opened.source, counters.clone(), cache_mb << 20, names).with_fetching(opened.fetching);
-    Arc::new(Device2 { chunks, counters })
+    Arc::new(Device2::new(chunks, counters))
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {

@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 /// (`store` holds `store::remote::http`); the crate root is `main`.
 const LAYERS: &[(&str, &[&str])] = &[
     (
-        "util: atomic files, timing, kernel plumbing, counters",
-        &["util", "plumbing", "stats"],
+        "util: atomic files, timing, kernel plumbing, counters, worker pools",
+        &["util", "plumbing", "stats", "pool"],
     ),
     ("formats: digest, manifest, blockmap, trace", &["format"]),
     (

@@ -4,6 +4,7 @@
 pub mod prefetch;
 
 use crate::format::blockmap::Segment;
+use crate::pool::Pool;
 use crate::stats::Counters;
 use crate::verify::VerifiedChunks;
 use std::sync::Arc;
@@ -11,7 +12,14 @@ use std::sync::Arc;
 pub struct Device2 {
     pub chunks: VerifiedChunks,
     pub counters: Arc<Counters>,
+    /// Remote bundles: where frontends hand reads that would wait for a fetch, so that
+    /// hits and other misses go on meanwhile ([`Device2::would_wait`]).
+    misses: Option<Pool>,
 }
+
+/// Reads of a remote bundle waiting for fetches at once: as many as readers ask for
+/// (the kernel's queues hold fewer), each a thread blocked on the network.
+const MISS_WORKERS: usize = 128;
 
 /// Why a device read failed; frontends turn every case into EIO.
 #[derive(Debug)]
@@ -36,6 +44,44 @@ impl std::fmt::Display for ReadError {
 }
 
 impl Device2 {
+    pub fn new(chunks: VerifiedChunks, counters: Arc<Counters>) -> Device2 {
+        let misses = chunks.remote().then(|| Pool::new("miss", MISS_WORKERS));
+        Device2 {
+            chunks,
+            counters,
+            misses,
+        }
+    }
+
+    /// Whether a read of `len` bytes at `offset` would wait for a fetch: the bundle is
+    /// remote and a chunk the read needs is not verified in memory. A frontend hands
+    /// such a read to [`Device2::defer`] instead of blocking its queue.
+    pub fn would_wait(&self, offset: u64, len: usize) -> bool {
+        if self.misses.is_none() {
+            return false;
+        }
+        let bm = self.chunks.blockmap();
+        let Ok(segs) = bm.segments(offset, len as u64) else {
+            return false; // fails at once, in the read itself
+        };
+        let shift = bm.chunk_shift;
+        !segs.iter().all(|s| match s {
+            Segment::Zero { .. } => true,
+            Segment::Pack { pack, pack_offset, .. } => {
+                let (first, last) = (pack_offset >> shift, (pack_offset + s.len().max(1) - 1) >> shift);
+                (first..=last).all(|c| self.chunks.resident(*pack, c))
+            }
+        })
+    }
+
+    /// Run `job` (a read that would wait) on the miss workers.
+    pub fn defer(&self, job: impl FnOnce() + Send + 'static) {
+        match &self.misses {
+            Some(p) => p.run(job),
+            None => job(),
+        }
+    }
+
     pub fn size(&self) -> u64 {
         self.chunks.blockmap().device_size
     }
@@ -161,7 +207,7 @@ pub mod tests {
         }
         let counters = Arc::new(Counters::default());
         let chunks = VerifiedChunks::new(Arc::new(bm), src, counters.clone(), 2 * chunk, vec!["p0".into()]);
-        (Device2 { chunks, counters }, expect, path)
+        (Device2::new(chunks, counters), expect, path)
     }
 
     #[test]

@@ -78,6 +78,17 @@ impl DevFs {
     }
 }
 
+fn answer_read(dev: &Device2, offset: u64, len: usize, reply: ReplyData) {
+    let mut buf = vec![0u8; len];
+    match dev.read(offset, &mut buf) {
+        Ok(()) => reply.data(&buf),
+        Err(e) => {
+            log::debug!("read [{offset}, +{len}): {e}");
+            reply.error(Errno::EIO)
+        }
+    }
+}
+
 impl Filesystem for DevFs {
     /// FUSE_ASYNC_DIO lets the direct-I/O loop device of [`Dev2Cache::Direct`] reach us
     /// as many requests in flight (without it each loop-issued read waits for the
@@ -140,13 +151,13 @@ impl Filesystem for DevFs {
             return reply.data(&[]);
         }
         let len = (size as u64).min(devsize - offset) as usize;
-        let mut buf = vec![0u8; len];
-        match self.dev.read(offset, &mut buf) {
-            Ok(()) => reply.data(&buf),
-            Err(e) => {
-                log::debug!("read [{offset}, +{len}): {e}");
-                reply.error(Errno::EIO)
-            }
+        if self.dev.would_wait(offset, len) {
+            // a miss of a remote bundle: answered from a miss worker when its chunks are
+            // verified, while this session thread goes on with the next request
+            let dev = self.dev.clone();
+            self.dev.defer(move || answer_read(&dev, offset, len, reply));
+        } else {
+            answer_read(&self.dev, offset, len, reply);
         }
     }
 

@@ -1,5 +1,7 @@
-//! ublk frontend: device 2 as /dev/ublkbN through libublk, one sync io handler per
-//! queue calling [`Device2::read`]. The device is created with UBLK_F_USER_RECOVERY:
+//! ublk frontend: device 2 as /dev/ublkbN through libublk, one io handler per queue
+//! calling [`Device2::read`]; a read that would wait for a fetch (a remote chunk not in
+//! memory) goes to the device's miss workers and is completed when they are done
+//! ([`Deferred`]), so hits and other misses are not held up behind it. The device is created with UBLK_F_USER_RECOVERY:
 //! when the server dies the kernel keeps /dev/ublkbN (I/O waits) and a new server
 //! started with `recover_id` reattaches to it (START/END_USER_RECOVERY) without the
 //! filesystem on top noticing.
@@ -131,6 +133,14 @@ pub trait Reads: Send + Sync + 'static {
     /// Fill `buf` with the bytes at `off`: `buf.len()` or a negative errno.
     fn read(&self, off: u64, buf: &mut [u8]) -> i32;
     fn reject_write(&self) {}
+    /// Whether this read would wait for a fetch (then it is handed to [`Reads::defer`]).
+    fn would_wait(&self, _off: u64, _len: usize) -> bool {
+        false
+    }
+    /// Run a read that would wait elsewhere; the queue thread goes on meanwhile.
+    fn defer(&self, job: Box<dyn FnOnce() + Send>) {
+        job()
+    }
 }
 
 impl Reads for Device2 {
@@ -148,6 +158,69 @@ impl Reads for Device2 {
     fn reject_write(&self) {
         Device2::reject_write(self)
     }
+
+    fn would_wait(&self, off: u64, len: usize) -> bool {
+        Device2::would_wait(self, off, len)
+    }
+
+    fn defer(&self, job: Box<dyn FnOnce() + Send>) {
+        Device2::defer(self, job)
+    }
+}
+
+/// Reads a queue handed to miss workers come back through here: a worker records (tag,
+/// result) and bumps the eventfd; the queue thread, which keeps an io_uring read of the
+/// eventfd posted (a target I/O, tag [`EVENTFD_TAG`]), completes them when it fires.
+/// This is libublk's advice for I/O finished in another context.
+struct Deferred {
+    efd: std::os::fd::OwnedFd,
+    done: std::sync::Mutex<Vec<(u16, i32)>>,
+}
+
+/// The target-I/O tag of the eventfd read (real tags are below the queue depth).
+const EVENTFD_TAG: u16 = u16::MAX;
+
+impl Deferred {
+    fn new() -> std::io::Result<Deferred> {
+        // SAFETY: eventfd returns a new fd or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: fd is a fresh descriptor we own.
+        let efd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        Ok(Deferred {
+            efd,
+            done: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// From a worker: the read of `tag` finished with `res`.
+    fn finish(&self, tag: u16, res: i32) {
+        self.done.lock().unwrap().push((tag, res));
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: an 8-byte write to our eventfd; it cannot block (the count never nears
+        // its maximum: the queue thread drains it).
+        unsafe { libc::write(std::os::fd::AsRawFd::as_raw_fd(&self.efd), one.as_ptr().cast(), 8) };
+    }
+
+    /// Post the io_uring read of the eventfd into `counter` (8 bytes that live as long
+    /// as the queue).
+    fn arm(&self, counter: *mut u8) {
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&self.efd);
+        let sqe = io_uring::opcode::Read::new(io_uring::types::Fd(fd), counter, 8)
+            .build()
+            .user_data(UblkIOCtx::build_user_data(EVENTFD_TAG, 0, 0, true));
+        // SAFETY: the fd and the counter outlive the read (both live as long as the queue).
+        let pushed = libublk::io::with_task_io_ring_mut(|r| unsafe { r.submission().push(&sqe) });
+        if pushed.is_err() {
+            log::error!("ublk queue: submission queue full: deferred reads complete late");
+        }
+    }
+
+    fn take(&self) -> Vec<(u16, i32)> {
+        std::mem::take(&mut *self.done.lock().unwrap())
+    }
 }
 
 /// Completes every read at once without touching the buffer: the ceiling of the ublk
@@ -162,6 +235,13 @@ impl Reads for Null {
     fn read(&self, _off: u64, buf: &mut [u8]) -> i32 {
         buf.len() as i32
     }
+}
+
+/// (offset, length) of `tag`'s request when it is a read that would wait for a fetch.
+fn read_that_would_wait<R: Reads>(dev: &R, q: &UblkQueue, tag: u16, buf_len: usize) -> Option<(u64, usize)> {
+    let iod = q.get_iod(tag);
+    let (off, len) = (iod.start_sector << 9, (iod.nr_sectors as usize) << 9);
+    (iod.op_flags & 0xff == sys::UBLK_IO_OP_READ && len <= buf_len && dev.would_wait(off, len)).then_some((off, len))
 }
 
 fn handle<R: Reads>(dev: &R, q: &UblkQueue, tag: u16, buf: &mut [u8]) -> i32 {
@@ -206,15 +286,49 @@ fn queue_fn<R: Reads>(qid: u16, udev: &UblkDev, dev: Arc<R>, poll: PollMode) {
     }
     let bufs = Rc::new(udev.alloc_queue_io_bufs());
     let bufs2 = bufs.clone();
-    let handler = move |q: &UblkQueue, tag: u16| {
+    let deferred = match Deferred::new() {
+        Ok(d) => Arc::new(d),
+        Err(e) => {
+            log::error!("ublk queue {qid}: eventfd: {e}");
+            return;
+        }
+    };
+    // the eventfd read's target: leaked (8 bytes per queue), so that a read still posted
+    // when the ring is torn down never writes to freed memory
+    let counter_ptr = (Box::leak(Box::new(0u64)) as *mut u64).cast::<u8>();
+    let d2 = deferred.clone();
+    let complete = move |q: &UblkQueue, tag: u16, res: i32| {
         let b = &bufs2[tag as usize];
-        // SAFETY: each tag's buffer is used by exactly one in-flight command, and only
-        // from this queue thread; the kernel reads it after we complete the command.
-        let slice = unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr(), b.len()) };
-        let res = handle(&*dev, q, tag, slice);
         if let Err(e) = q.complete_io_cmd_unified(tag, BufDesc::Slice(b.as_slice()), Ok(UblkIORes::Result(res))) {
             log::error!("ublk queue {qid}: complete tag {tag}: {e}");
         }
+    };
+    let bufs3 = bufs.clone();
+    let handler = move |q: &UblkQueue, tag: u16| {
+        if tag == EVENTFD_TAG {
+            // reads finished by miss workers
+            for (t, res) in d2.take() {
+                complete(q, t, res);
+            }
+            d2.arm(counter_ptr);
+            return;
+        }
+        let b = &bufs3[tag as usize];
+        // SAFETY: each tag's buffer is used by exactly one in-flight command: by this
+        // queue thread, or by the one miss worker its read was handed to, until the
+        // command is completed; the kernel reads it after that.
+        let slice = unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr(), b.len()) };
+        if let Some((off, len)) = read_that_would_wait(&*dev, q, tag, slice.len()) {
+            let (dev, done, ptr) = (dev.clone(), d2.clone(), slice.as_mut_ptr() as usize);
+            dev.clone().defer(Box::new(move || {
+                // SAFETY: see above: this worker owns the tag's buffer until completion.
+                let buf = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+                done.finish(tag, dev.read(off, buf));
+            }));
+            return;
+        }
+        let res = handle(&*dev, q, tag, slice);
+        complete(q, tag, res);
     };
     let queue = match UblkQueue::new(qid, udev)
         .and_then(|q| q.submit_fetch_commands_unified(BufDescList::Slices(Some(&bufs))))
@@ -225,6 +339,7 @@ fn queue_fn<R: Reads>(qid: u16, udev: &UblkDev, dev: Arc<R>, poll: PollMode) {
             return;
         }
     };
+    deferred.arm(counter_ptr);
     match poll {
         PollMode::Off => queue.wait_and_handle_io(move |q, tag, _io| handler(q, tag)),
         PollMode::Fixed(us) => {
@@ -256,7 +371,9 @@ fn poll_loop(
     let mut on_cqe = |_: u64, cqe: &io_uring::cqueue::Entry, _: bool| {
         // what libublk's own loop hands its handler: fetched requests, not aborts
         let data = cqe.user_data();
-        if cqe.result() == sys::UBLK_IO_RES_OK as i32 && data & libublk::UblkUringData::Target as u64 == 0 {
+        let target = data & libublk::UblkUringData::Target as u64 != 0;
+        // target I/O: the eventfd read of deferred completions (any result: re-armed)
+        if target || cqe.result() == sys::UBLK_IO_RES_OK as i32 {
             handler(q, UblkIOCtx::user_data_to_tag(data) as u16);
         }
     };

@@ -23,8 +23,7 @@ use crate::store::source::Fetching;
 use crate::store::source::PackSource;
 use sha2::{Digest as _, Sha256};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,65 +95,9 @@ struct Core {
     streaks: Mutex<HashMap<u32, (u64, u64)>>,
 }
 
-/// A fixed set of threads running readahead jobs; a job is only queued when a thread is
-/// free, so a chunk claimed for readahead is always being fetched (never stuck in a queue
-/// behind fetches that wait for a dead server).
-struct Pool {
-    tx: Mutex<mpsc::Sender<Box<dyn FnOnce() + Send>>>,
-    busy: Arc<AtomicUsize>,
-    workers: usize,
-}
-
-impl Pool {
-    fn new(workers: usize) -> Pool {
-        let (tx, rx) = mpsc::channel::<Box<dyn FnOnce() + Send>>();
-        let rx = Arc::new(Mutex::new(rx));
-        for i in 0..workers {
-            let rx = rx.clone();
-            std::thread::Builder::new()
-                .name(format!("fetch-{i}"))
-                .spawn(move || loop {
-                    let job = rx.lock().unwrap().recv();
-                    match job {
-                        Ok(j) => j(),
-                        Err(_) => return,
-                    }
-                })
-                .expect("spawn fetch worker");
-        }
-        Pool {
-            tx: Mutex::new(tx),
-            busy: Arc::new(AtomicUsize::new(0)),
-            workers,
-        }
-    }
-
-    /// Run `job` on a free worker, or return false if all are busy.
-    fn try_run(&self, job: impl FnOnce() + Send + 'static) -> bool {
-        let w = self.workers;
-        if self
-            .busy
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| (b < w).then_some(b + 1))
-            .is_err()
-        {
-            return false;
-        }
-        let busy = self.busy.clone();
-        let sent = self.tx.lock().unwrap().send(Box::new(move || {
-            job();
-            busy.fetch_sub(1, Ordering::AcqRel);
-        }));
-        if sent.is_err() {
-            self.busy.fetch_sub(1, Ordering::AcqRel);
-            return false;
-        }
-        true
-    }
-}
-
 pub struct VerifiedChunks {
     core: Arc<Core>,
-    pool: Option<Pool>,
+    pool: Option<crate::pool::Pool>,
     /// First demand access of each chunk (`ublkd record`); prefetches are not noted.
     pub access: AccessLog,
 }
@@ -416,7 +359,7 @@ impl VerifiedChunks {
     /// Remote packs: a persistent cache, readahead (see [`Fetching`]).
     pub fn with_fetching(mut self, fetching: Fetching) -> VerifiedChunks {
         if fetching.readahead > 0 && fetching.workers > 0 {
-            self.pool = Some(Pool::new(fetching.workers));
+            self.pool = Some(crate::pool::Pool::new("fetch", fetching.workers));
         }
         Arc::get_mut(&mut self.core)
             .expect("with_fetching before first use")
@@ -441,6 +384,20 @@ impl VerifiedChunks {
 
     pub fn blockmap(&self) -> &Blockmap {
         &self.core.blockmap
+    }
+
+    /// Whether chunks come over the network (a fetch can take a round trip or more).
+    pub fn remote(&self) -> bool {
+        self.core.fetching.disk.is_some()
+    }
+
+    /// Whether chunk `chunk` of `pack` is verified and in memory: a read of it costs a
+    /// copy, never a wait.
+    pub fn resident(&self, pack: u32, chunk: u64) -> bool {
+        let c = self.core.cache.lock().unwrap();
+        c.map
+            .get(&(pack, chunk))
+            .is_some_and(|(slot, _)| slot.val.try_lock().is_ok_and(|v| matches!(&*v, Some(Ok(_)))))
     }
 
     /// The verified bytes of chunk `chunk` of pack `pack`, for a device read.

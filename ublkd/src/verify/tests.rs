@@ -4,6 +4,7 @@ use super::*;
 use crate::device::tests::synthetic_parts;
 use crate::store::cache::DiskCache;
 use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
 
 /// A source that counts its reads and can be slowed down.
 struct Counting {

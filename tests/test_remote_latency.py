@@ -1,0 +1,145 @@
+"""Misses of a remote bundle overlap (issue 21): with a fixed delay per HTTP request
+(tests/slowhttp.py), 16 concurrent cold readers finish far sooner than one reader doing
+the same reads, and a read of a cached chunk does not wait behind a miss.
+
+The bundle holds one file of 64 chunks (64 KiB chunks); every read is 4 KiB, O_DIRECT,
+in a different chunk: through the fuse frontend on the host with 20 ms per request,
+through ublk inside the VM (tests/vm) with 200 ms. Readahead and prefetch are off so
+that one read is one fetch.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from servers import SlowHttp, slow_http
+
+CHUNK = 64 << 10
+CHUNKS = 64
+READ = 4096
+IN_VM = os.environ.get("BUI_IN_VM") == "1"
+# per request; 200 ms in the VM, where TCG makes every CPU step ~10x slower
+DELAY_MS = float(os.environ.get("BUI_LATENCY_MS", "200" if IN_VM else "20"))
+# fuse on the host (root), ublk inside the VM (tests/test_vm.py runs `-m vm` there)
+FRONTENDS = [
+    pytest.param("fuse", marks=pytest.mark.root),
+    pytest.param("ublk", marks=pytest.mark.vm),
+]
+
+
+@dataclass
+class Remote:
+    url: str
+    server: SlowHttp
+    work: Path
+
+
+@pytest.fixture(scope="module")
+def remote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Remote]:
+    work = tmp_path_factory.mktemp("latency")
+    site = work / "site"
+    (work / "tree").mkdir()
+    (work / "tree" / "data").write_bytes(os.urandom(CHUNK * CHUNKS))
+    (work / "spec.yaml").write_text(
+        f"version: 1\nname: latency\npack_chunk_size: {CHUNK}\nlayers:\n"
+        f"  - dir: {{path: {work / 'tree'}}}\n"
+    )
+    site.mkdir()
+    subprocess.run(["btrfs-ublk-image", "build", str(work / "spec.yaml"), "-o",
+                    str(site / "bundle")], check=True, capture_output=True)  # fmt: skip
+    with slow_http(site, work / "http", DELAY_MS) as server:
+        yield Remote(f"{server.url}/bundle/manifest.json", server, work)
+
+
+@pytest.fixture
+def mounted(remote: Remote, frontend: str, tmp_path: Path) -> Iterator[Path]:
+    """A cold mount (empty chunk cache) of the remote bundle."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cache = tmp_path / "cache"
+    subprocess.run(
+        ["ublkd", "mount", remote.url, str(mnt), "--frontend", frontend, "--readahead", "0",
+         "--no-prefetch", "--cache-dir", str(cache)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    try:
+        yield mnt / "data"
+    finally:
+        subprocess.run(["ublkd", "umount", str(mnt)], check=True, capture_output=True)
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def read_direct(path: Path, offsets: list[int], latencies: list[float] | None = None) -> None:
+    buf = mmap.mmap(-1, READ)  # page-aligned, as O_DIRECT wants
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        for off in offsets:
+            t0 = time.monotonic()
+            assert os.preadv(fd, [buf], off) == READ
+            if latencies is not None:
+                latencies.append(time.monotonic() - t0)
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+def offsets() -> list[int]:
+    """One 4 KiB read in the middle of each chunk of the file."""
+    return [i * CHUNK + CHUNK // 2 for i in range(CHUNKS)]
+
+
+def timed_readers(path: Path, readers: int) -> float:
+    offs = offsets()
+    parts = [offs[i::readers] for i in range(readers)]
+    threads = [threading.Thread(target=read_direct, args=(path, p)) for p in parts]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_sixteen_readers_overlap(remote: Remote, frontend: str, tmp_path: Path) -> None:
+    def cold(readers: int) -> float:
+        mnt = tmp_path / f"mnt{readers}"
+        mnt.mkdir()
+        cache = tmp_path / f"cache{readers}"
+        subprocess.run(
+            ["ublkd", "mount", remote.url, str(mnt), "--frontend", frontend,
+             "--readahead", "0", "--no-prefetch", "--cache-dir", str(cache)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        try:
+            return timed_readers(mnt / "data", readers)
+        finally:
+            subprocess.run(["ublkd", "umount", str(mnt)], check=True, capture_output=True)
+
+    one = cold(1)
+    sixteen = cold(16)
+    assert one >= CHUNKS * DELAY_MS / 1000  # one fetch at a time, each DELAY_MS late
+    assert one / sixteen >= 8, f"1 reader {one:.2f} s, 16 readers {sixteen:.2f} s"
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_cached_read_does_not_wait_behind_a_miss(mounted: Path, frontend: str) -> None:
+    offs = offsets()
+    read_direct(mounted, offs[:1])  # chunk 0 is cached now
+    # a miss in flight (DELAY_MS late), then a read of the cached chunk
+    miss = threading.Thread(target=read_direct, args=(mounted, offs[1:2]))
+    miss.start()
+    time.sleep(min(0.005, DELAY_MS / 4000))
+    latencies: list[float] = []
+    read_direct(mounted, offs[:1] * 5, latencies)
+    miss.join()
+    assert max(latencies) < 0.005, latencies
