@@ -211,10 +211,15 @@ impl Deferred {
         let sqe = io_uring::opcode::Read::new(io_uring::types::Fd(fd), counter, 8)
             .build()
             .user_data(UblkIOCtx::build_user_data(EVENTFD_TAG, 0, 0, true));
+        // The submission queue is as deep as the queue has tags, so it is full right after
+        // the fetch commands are queued (or a batch of commits): submit those, then push.
         // SAFETY: the fd and the counter outlive the read (both live as long as the queue).
-        let pushed = libublk::io::with_task_io_ring_mut(|r| unsafe { r.submission().push(&sqe) });
-        if pushed.is_err() {
-            log::error!("ublk queue: submission queue full: deferred reads complete late");
+        let pushed = libublk::io::with_task_io_ring_mut(|r| {
+            unsafe { r.submission().push(&sqe) }.is_ok()
+                || (r.submit().is_ok() && unsafe { r.submission().push(&sqe) }.is_ok())
+        });
+        if !pushed {
+            log::error!("ublk queue: cannot post the eventfd read: deferred reads never complete");
         }
     }
 
