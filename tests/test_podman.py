@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from rootfstools import LIST_COMMAND, Listing, parse_container, tree_listing
 from servers import Registry, docker_registry
 
 from bundletools import prepare_debian_inputs
@@ -42,8 +43,6 @@ RUN_FLAGS = (
 )  # fmt: skip
 MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 LABEL_IMAGE_ID = "containerd.io/snapshot/btrfs-ublk-image.image-id"
-# find(1)'s listing of a tree: path, type, mode, owner, group, size, link target
-LISTING = r"%P\t%y\t%m\t%U\t%G\t%s\t%l\n"
 
 
 def _run(*argv: str | Path, env: dict[str, str] | None = None, timeout: float = 600) -> str:
@@ -173,53 +172,15 @@ def podman(image: Image, tmp_path: Path) -> Iterator[Podman]:
 
 
 # --- tree comparison (as tests/test_containerd.py) ------------------------------------------
-def container_listing(podman: Podman, *run: str) -> tuple[dict[str, str], dict[str, str], set[str]]:
-    """(find listing, sha256 of every regular file, paths the runtime mounts over) of a
-    container's root filesystem."""
-    out = podman.ok(
-        "run", "--rm", *RUN_FLAGS, *run, "/bin/sh", "-c",
-        f"find / -xdev -printf '{LISTING}'; echo ==; cat /proc/self/mountinfo; echo ==; "
-        "find / -xdev -type f -print0 | xargs -0 sha256sum",
-    )  # fmt: skip
-    listing, mountinfo, sums = out.split("==\n")
-    mounted = {line.split()[4].lstrip("/") for line in mountinfo.splitlines()} - {""}
+def container_listing(podman: Podman, *run: str) -> tuple[Listing, Listing, set[str]]:
+    """(listing, file digests, paths the runtime mounts over) of a container's root."""
+    out = podman.ok("run", "--rm", *RUN_FLAGS, *run, "/bin/sh", "-c", LIST_COMMAND)
+    listing, sums, mounted = parse_container(out)
     # podman (libpod) adds /etc/mtab -> /proc/mounts to every container's root (in the
     # container's own layer; it is why --rootfs of a read-only mount fails without :O)
-    assert _listing(listing, mounted).get("etc/mtab", "").endswith("/proc/mounts")
+    assert listing.pop("etc/mtab", "").endswith("/proc/mounts")
     mounted.add("etc/mtab")
-    return _listing(listing, mounted), _sums(sums, "/", mounted), mounted
-
-
-def tree_listing(root: Path, mounted: set[str]) -> tuple[dict[str, str], dict[str, str]]:
-    listing = _run("find", root, "-printf", LISTING)
-    sums = _run("sh", "-c", f"cd {root} && find . -type f -print0 | xargs -0 sha256sum")
-    return _listing(listing, mounted), _sums(sums, "./", mounted)
-
-
-def _hidden(path: str, mounted: set[str]) -> bool:
-    return any(path == m or path.startswith(m + "/") for m in mounted)
-
-
-def _listing(text: str, mounted: set[str]) -> dict[str, str]:
-    out = {}
-    for line in text.splitlines():
-        path, kind, mode, uid, gid, size, target = line.split("\t")
-        if not path or _hidden(path, mounted):
-            continue
-        if kind == "d":
-            size = "-"  # a directory's size is the filesystem's business
-        out[path] = "\t".join((kind, mode, uid, gid, size, target))
-    return out
-
-
-def _sums(text: str, prefix: str, mounted: set[str]) -> dict[str, str]:
-    out = {}
-    for line in text.splitlines():
-        digest, path = line.split("  ", 1)
-        path = path.removeprefix(prefix)
-        if not _hidden(path, mounted):
-            out[path] = digest
-    return out
+    return listing, sums, mounted
 
 
 # --- the tests ----------------------------------------------------------------------------

@@ -128,6 +128,7 @@ def test_sixteen_readers_overlap(remote: Remote, frontend: str, tmp_path: Path) 
     one = cold(1)
     sixteen = cold(16)
     assert one >= CHUNKS * DELAY_MS / 1000  # one fetch at a time, each DELAY_MS late
+    print(f"1 reader {one:.2f} s, 16 readers {sixteen:.2f} s: {one / sixteen:.1f}x")
     assert one / sixteen >= 8, f"1 reader {one:.2f} s, 16 readers {sixteen:.2f} s"
 
 
