@@ -1,6 +1,6 @@
 """Latency section: cold random reads of a remote bundle behind injected latency (issue 21).
 
-A bundle of one 64 MiB file in 64 KiB chunks is served by tests/slowhttp.py, which answers
+A bundle of one 16 MiB file in 64 KiB chunks is served by tests/slowhttp.py, which answers
 every request 0 or 20 ms late. Each run mounts it cold (empty chunk cache, readahead and
 prefetch off) through the fuse frontend and reads 4 KiB with O_DIRECT at one offset in
 each of 256 chunks, from 1 thread (qd1) or 16 threads (qd16); IOPS = reads / wall time.
