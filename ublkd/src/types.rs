@@ -76,7 +76,7 @@ pub enum PollMode {
     /// Sleep in io_uring_enter at once (libublk's loop), one queue per `--threads`.
     Off,
     /// Poll for a window that follows how close together requests arrive
-    /// (`crate::frontend::ublk::PollWindow`): none while the device is idle or sparsely used.
+    /// (`crate::frontend::ublk::poll::PollWindow`): none while the device is idle or sparsely used.
     #[default]
     Auto,
     /// Poll for this many microseconds after every batch.
