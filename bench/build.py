@@ -83,7 +83,9 @@ TAR_SPEC = "spec.yaml"  # one tar: layer
 OCI_SPEC = "spec-oci.yaml"  # one oci: layer, the input's OCI layout
 IN_PLACE_SPEC = "spec-in-place.yaml"  # one tar: layer, in_place: true
 BUILD_INPUTS = ("synthetic", "debian")
-SECTIONS = ("build", "mount", "randread", "laziness", "vm", "remote", "containerd", "latency")
+SECTIONS = (
+    "build", "mount", "randread", "laziness", "vm", "remote", "containerd", "latency", "latency_vm",
+)  # fmt: skip
 
 
 @dataclass
@@ -494,7 +496,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.latency import measure_latency
 
         doc["latency"] = measure_latency(workdir / "latency", args.repeat, args.baseline_ublkd)
-    if sections - {"build", "latency"}:
+    if "latency_vm" in sections:
+        from bench.latency import measure_latency_vm
+
+        doc["latency_vm"] = measure_latency_vm(
+            workdir / "latency", args.repeat, args.baseline_ublkd
+        )
+    if sections - {"build", "latency", "latency_vm"}:
         from bench.runtime import run_runtime
 
         doc["runtime_commit"] = commit
@@ -658,6 +666,13 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
         print(latency_table(doc["latency"]))
         if args.update_docs:
             update_doc(path, "latency", latency_table(doc["latency"]))
+    if "latency_vm" in doc:
+        from bench.latency import latency_table
+
+        print("\nThe same through ublk in the VM (TCG):\n")
+        print(latency_table(doc["latency_vm"]))
+        if args.update_docs:
+            update_doc(path, "latency_vm", latency_table(doc["latency_vm"]))
     if "randread" in doc and args.update_docs:
         update_doc(path, "randread", randread_section(doc))
     for name, why in doc.get("runtime_skipped", {}).items():
