@@ -1,14 +1,18 @@
 package main
 
-// Registry credentials from docker's config.json ($DOCKER_CONFIG/config.json, else
+// The registry resolver of `pull` and `podman-store`, and registry credentials from
+// docker's config.json ($DOCKER_CONFIG/config.json, else
 // ~/.docker/config.json): `auths[host].auth`, base64 of USER:PASS, as docker login and
 // skopeo write it. Credential helpers (credsStore) are not used.
 
 import (
 	"encoding/base64"
+
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/containerd/containerd/v2/core/remotes"
+	"github.com/containerd/containerd/v2/core/remotes/docker"
 	"os"
 	"path/filepath"
 	"strings"
@@ -60,4 +64,26 @@ func dockerCredentials(path, host string) (string, string, error) {
 		return user, pass, nil
 	}
 	return "", "", nil
+}
+
+// newResolver: plain HTTP for localhost (for every host with plainHTTP); credentials from
+// auth (USER:PASS), else docker's config.json.
+func newResolver(plainHTTP bool, auth string) (remotes.Resolver, error) {
+	hostOpts := []docker.RegistryOpt{docker.WithPlainHTTP(docker.MatchLocalhost)}
+	if plainHTTP {
+		hostOpts = []docker.RegistryOpt{docker.WithPlainHTTP(func(string) (bool, error) { return true, nil })}
+	}
+	var creds func(host string) (string, string, error)
+	if auth != "" {
+		user, pass, ok := strings.Cut(auth, ":")
+		if !ok {
+			return nil, fmt.Errorf("--auth: credentials must be USER:PASS")
+		}
+		creds = func(string) (string, string, error) { return user, pass, nil }
+	} else {
+		path := dockerConfigPath()
+		creds = func(host string) (string, string, error) { return dockerCredentials(path, host) }
+	}
+	hostOpts = append(hostOpts, docker.WithAuthorizer(docker.NewDockerAuthorizer(docker.WithAuthCreds(creds))))
+	return docker.NewResolver(docker.ResolverOptions{Hosts: docker.ConfigureDefaultRegistries(hostOpts...)}), nil
 }

@@ -28,7 +28,6 @@ import (
 
 	"github.com/containerd/containerd/v2/core/images"
 	"github.com/containerd/containerd/v2/core/remotes"
-	"github.com/containerd/containerd/v2/core/remotes/docker"
 	"github.com/containerd/platforms"
 	"github.com/distribution/reference"
 	godigest "github.com/opencontainers/go-digest"
@@ -128,26 +127,6 @@ func compressionOf(mediaType string) int {
 	}
 }
 
-func podmanResolver(o podmanOptions) (remotes.Resolver, error) {
-	hostOpts := []docker.RegistryOpt{docker.WithPlainHTTP(docker.MatchLocalhost)}
-	if o.plainHTTP {
-		hostOpts = []docker.RegistryOpt{docker.WithPlainHTTP(func(string) (bool, error) { return true, nil })}
-	}
-	var creds func(host string) (string, string, error)
-	if o.auth != "" {
-		user, pass, ok := strings.Cut(o.auth, ":")
-		if !ok {
-			return nil, fmt.Errorf("--auth: credentials must be USER:PASS")
-		}
-		creds = func(string) (string, string, error) { return user, pass, nil }
-	} else {
-		path := dockerConfigPath()
-		creds = func(host string) (string, string, error) { return dockerCredentials(path, host) }
-	}
-	hostOpts = append(hostOpts, docker.WithAuthorizer(docker.NewDockerAuthorizer(docker.WithAuthCreds(creds))))
-	return docker.NewResolver(docker.ResolverOptions{Hosts: docker.ConfigureDefaultRegistries(hostOpts...)}), nil
-}
-
 func fetchJSON(ctx context.Context, f remotes.Fetcher, desc ocispec.Descriptor, v any) error {
 	rc, err := f.Fetch(ctx, desc)
 	if err != nil {
@@ -174,7 +153,7 @@ type podmanLayer struct {
 // runnableLayers reads REF's manifest (the platform's, from an index) and config and
 // returns its bundle layers.
 func runnableLayers(ctx context.Context, ref string, o podmanOptions) ([]podmanLayer, error) {
-	resolver, err := podmanResolver(o)
+	resolver, err := newResolver(o.plainHTTP, o.auth)
 	if err != nil {
 		return nil, err
 	}

@@ -9,11 +9,9 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"strings"
 	"time"
 
 	containerd "github.com/containerd/containerd/v2/client"
-	"github.com/containerd/containerd/v2/core/remotes/docker"
 	"github.com/containerd/containerd/v2/pkg/snapshotters"
 	"github.com/containerd/errdefs"
 	"github.com/opencontainers/image-spec/identity"
@@ -35,23 +33,10 @@ func pull(ctx context.Context, ref string, o pullOptions, w io.Writer) error {
 	}
 	defer client.Close()
 
-	hostOpts := []docker.RegistryOpt{docker.WithPlainHTTP(docker.MatchLocalhost)}
-	if o.plainHTTP {
-		hostOpts = []docker.RegistryOpt{docker.WithPlainHTTP(func(string) (bool, error) { return true, nil })}
+	resolver, err := newResolver(o.plainHTTP, o.auth)
+	if err != nil {
+		return err
 	}
-	var creds func(host string) (string, string, error)
-	if o.auth != "" {
-		user, pass, ok := strings.Cut(o.auth, ":")
-		if !ok {
-			return fmt.Errorf("--auth: credentials must be USER:PASS")
-		}
-		creds = func(string) (string, string, error) { return user, pass, nil }
-	} else {
-		path := dockerConfigPath()
-		creds = func(host string) (string, string, error) { return dockerCredentials(path, host) }
-	}
-	hostOpts = append(hostOpts, docker.WithAuthorizer(docker.NewDockerAuthorizer(docker.WithAuthCreds(creds))))
-	resolver := docker.NewResolver(docker.ResolverOptions{Hosts: docker.ConfigureDefaultRegistries(hostOpts...)})
 
 	start := time.Now()
 	opts := []containerd.RemoteOpt{
