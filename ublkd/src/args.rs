@@ -108,6 +108,10 @@ pub struct MountArgs {
     /// Do not apply the bundle's prefetch.trace.
     #[arg(long, conflicts_with = "prefetch")]
     pub no_prefetch: bool,
+    /// Run the structural check (meta.img's trees, extents against the blockmap, device
+    /// 2's superblock, `btrfs check --readonly`) even if a record says this image passed.
+    #[arg(long)]
+    pub recheck: bool,
     #[command(flatten)]
     pub poll: PollArg,
 }

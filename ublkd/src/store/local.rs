@@ -240,7 +240,7 @@ fn recorded_fs(f: &File) -> Option<&'static str> {
         .map(|(_, name)| *name)
 }
 
-fn read_record(path: &Path) -> Option<MetaRecord> {
+fn read_record<T: serde::de::DeserializeOwned>(path: &Path) -> Option<T> {
     use std::os::unix::fs::MetadataExt;
     let f = File::open(path).ok()?;
     let md = f.metadata().ok()?;
@@ -252,7 +252,7 @@ fn read_record(path: &Path) -> Option<MetaRecord> {
     serde_json::from_reader(std::io::BufReader::new(f)).ok()
 }
 
-fn write_record(path: &Path, rec: &MetaRecord) -> Result<()> {
+fn write_record<T: serde::Serialize>(path: &Path, rec: &T) -> Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     let dir = path.parent().expect("records live in a directory");
     std::fs::DirBuilder::new()
@@ -308,4 +308,36 @@ pub fn open_checked_meta(path: &Path, want: &str) -> Result<std::result::Result<
         }
     }
     Ok(Ok(f))
+}
+
+// ---------------------------------------------------------------------------------------
+// the structural check's record: keyed by image id, beside the meta.img records
+
+/// What `mount` writes after an image passed the structural check
+/// (`crate::verify::structure`): `<run dir>/verified/image-<image id hex>.json`, same
+/// directory and ownership rules as the meta.img records. The image id pins manifest,
+/// meta.img and blockmap (their sha256 are in the manifest), so the record holds for every
+/// copy of the image; it is believed only for the same check version.
+#[derive(Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StructureRecord {
+    /// `ublkd <version>, structure check <n>, btrfs check --readonly`
+    pub check: String,
+    /// when it passed (seconds since the epoch)
+    pub checked: u64,
+    /// what it took, ms
+    pub ms: u64,
+}
+
+pub fn structure_record_path(image_id: &str) -> PathBuf {
+    let hex = image_id.strip_prefix("sha256:").unwrap_or(image_id);
+    records_dir().join(format!("image-{hex}.json"))
+}
+
+/// The record of a passed check of this image by check `check`, if there is one.
+pub fn structure_record(image_id: &str, check: &str) -> Option<StructureRecord> {
+    read_record::<StructureRecord>(&structure_record_path(image_id)).filter(|r| r.check == check)
+}
+
+pub fn write_structure_record(image_id: &str, rec: &StructureRecord) -> Result<()> {
+    write_record(&structure_record_path(image_id), rec)
 }

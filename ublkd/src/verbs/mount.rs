@@ -13,10 +13,11 @@ use crate::format::trace::{self, Trace};
 use crate::frontend;
 use crate::plumbing::{btrfs, loopdev, mount as mnt};
 use crate::state::{self, BundleState, MountState, ServerRecord};
-use crate::store::local::Bundle;
+use crate::store::local::{self, Bundle};
 use crate::store::remote;
 use crate::types::{Dev2Cache, Frontend, Mode, Phase};
 use crate::util::timing;
+use crate::verify::structure;
 use anyhow::{anyhow, ensure, Context, Result};
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -140,6 +141,10 @@ pub fn mount(args: MountArgs) -> Result<()> {
     st.save()?;
 
     timing("mount: locked, state saved");
+    // the structural check, before anything is attached: meta.img here, device 2's
+    // superblock once the server serves it (below); skipped when a record says this image
+    // passed it
+    let check = structure_check_meta(&args, &bundle, &location)?;
     // a new instance of the image's devices needs meta.img on a loop device: attached
     // while the server starts
     let meta_loop = match (mode, &b.shared) {
@@ -157,8 +162,18 @@ pub fn mount(args: MountArgs) -> Result<()> {
         args.poll.ublk_poll,
         &id,
     )?;
-    let _same_fsid = claim_fsid(&b)?;
     timing("mount: server ready");
+    if let Some(pending) = check {
+        if let Err(e) = structure_check_dev2(pending, &bundle, &srv, &location) {
+            // an attach under way: wait for it, its fd closes (AUTOCLEAR) before the
+            // rollback releases the server
+            if let Some(m) = meta_loop {
+                let _ = m.get();
+            }
+            return Err(e);
+        }
+    }
+    let _same_fsid = claim_fsid(&b)?;
 
     let mp = mountpoint.clone();
     let note = match mode {
@@ -215,6 +230,88 @@ pub fn mount(args: MountArgs) -> Result<()> {
         srv.pid,
         t0.elapsed().as_secs_f64() * 1000.0
     );
+    Ok(())
+}
+
+/// The check this ublkd runs, as its records name it.
+fn check_id() -> String {
+    format!(
+        "ublkd {}, structure check {}, btrfs check --readonly",
+        env!("CARGO_PKG_VERSION"),
+        structure::CHECK_VERSION
+    )
+}
+
+/// A meta.img that passed the check, waiting for device 2's superblock.
+pub struct PendingCheck {
+    summary: structure::MetaSummary,
+    t0: Instant,
+}
+
+/// meta.img's part of the structural check, unless a record says this image id passed it
+/// (and `--recheck` is not given): `btrfs check --readonly` on the checked open file,
+/// then our own walk ([`structure::check_meta`]).
+fn structure_check_meta(args: &MountArgs, bundle: &Bundle, location: &str) -> Result<Option<PendingCheck>> {
+    let id = check_id();
+    if !args.recheck {
+        if let Some(r) = local::structure_record(&bundle.image_id, &id) {
+            eprintln!(
+                "ublkd: structural check: passed before ({} ms, record {}), skipped",
+                r.ms,
+                local::structure_record_path(&bundle.image_id).display()
+            );
+            return Ok(None);
+        }
+    }
+    let t0 = Instant::now();
+    let meta = bundle.meta.as_ref().context("meta.img was not checked")?;
+    let fail = |e: anyhow::Error| anyhow!("{location}: structural check: {e:#}");
+    let fd_path = PathBuf::from(format!(
+        "/proc/{}/fd/{}",
+        std::process::id(),
+        std::os::fd::AsRawFd::as_raw_fd(meta)
+    ));
+    structure::btrfs_check(&fd_path).map_err(fail)?;
+    timing("mount: btrfs check passed");
+    let m = &bundle.manifest;
+    let summary = structure::check_meta(
+        meta,
+        &m.fsid,
+        [&m.devices[0].uuid, &m.devices[1].uuid],
+        &bundle.blockmap,
+    )
+    .map_err(fail)?;
+    timing("mount: meta.img structure checked");
+    Ok(Some(PendingCheck { summary, t0 }))
+}
+
+/// Device 2's superblock, read through the bundle's server, against meta.img's; then the
+/// record that this image passed.
+fn structure_check_dev2(p: PendingCheck, bundle: &Bundle, srv: &ServerRecord, location: &str) -> Result<()> {
+    use std::os::unix::fs::FileExt;
+    let fail = |e: anyhow::Error| anyhow!("{location}: structural check: {e:#}");
+    let mut sb = vec![0u8; structure::SUPER_SIZE];
+    File::open(&srv.device)
+        .and_then(|f| f.read_exact_at(&mut sb, structure::SUPER_OFFSET))
+        .with_context(|| format!("device 2 ({}): read the superblock", srv.device))
+        .map_err(fail)?;
+    structure::check_dev2_super(&sb, &p.summary, bundle.blockmap.device_size).map_err(fail)?;
+    let ms = p.t0.elapsed().as_millis() as u64;
+    eprintln!(
+        "ublkd: structural check: passed in {ms} ms ({} tree blocks, {} file extents)",
+        p.summary.tree_blocks, p.summary.extents
+    );
+    let rec = local::StructureRecord {
+        check: check_id(),
+        checked: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        ms,
+    };
+    if let Err(e) = local::write_structure_record(&bundle.image_id, &rec) {
+        log::warn!("structural check record not written: {e:#}");
+    }
+    timing("mount: structural check passed");
     Ok(())
 }
 
