@@ -179,11 +179,12 @@ def test_http_mount_tree_one_file_fetch_and_persistent_cache(
             ublkd("umount", mnt)
         assert status() == []
         # meta.img's sha256 has a verified record, the blockmap's has none (Bundle::open
-        # hashes it on every start)
+        # hashes it on every start); the image id has its structural check record
         manifest = json.loads((bundle / "manifest.json").read_bytes())
         verified = sorted(p.name for p in Path(os.environ["UBLKD_RUN_DIR"], "verified").iterdir())
         assert verified == [
-            manifest["files"]["meta.img"]["sha256"].removeprefix("sha256:") + ".json"
+            manifest["files"]["meta.img"]["sha256"].removeprefix("sha256:") + ".json",
+            f"image-{image_hex(bundle)}.json",
         ]
         # a cached blockmap that no longer matches (same size) is fetched again
         bm = img / "blockmap"

@@ -764,7 +764,9 @@ fn uuid_eq(u: &[u8; 16], s: &str) -> bool {
 /// /proc/PID/fd link to the open meta.img).
 pub fn btrfs_check(path: &std::path::Path) -> Result<()> {
     let out = std::process::Command::new("btrfs")
-        .args(["check", "--readonly"])
+        // --force: another image of this fsid (a twin build) may be mounted; --readonly
+        // never writes, and it reads this file, not the mounted devices
+        .args(["check", "--readonly", "--force"])
         .arg(path)
         .stdin(std::process::Stdio::null())
         .output()
