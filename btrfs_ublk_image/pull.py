@@ -29,17 +29,16 @@ image. ``build --update-lock`` resolves every ref again.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.files import write_atomic
 from btrfs_ublk_image.progress import Progress
 from btrfs_ublk_image.registry import (
     MT_DOCKER_LIST,
@@ -73,9 +72,9 @@ class BlobCache:
         try:
             self.blobs.mkdir(parents=True, exist_ok=True)
             if not (root / "oci-layout").exists():
-                _write_atomic(root / "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
+                write_atomic(root / "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
             if not (root / "index.json").exists():
-                _write_atomic(root / "index.json", b'{"schemaVersion":2,"manifests":[]}')
+                write_atomic(root / "index.json", b'{"schemaVersion":2,"manifests":[]}')
         except OSError as e:
             raise ImageError(f"{root}: cannot create the image cache: {e.strerror or e}") from None
 
@@ -97,22 +96,7 @@ class BlobCache:
         got = "sha256:" + hashlib.sha256(data).hexdigest()
         if got != digest:
             raise ImageError(f"{self.root}: refusing to cache {digest}: its bytes are {got}")
-        _write_atomic(self.path(digest), data)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+        write_atomic(self.path(digest), data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,7 +270,7 @@ def write_lock(path: Path, refs: dict[str, str]) -> bool:
     except OSError:
         pass
     try:
-        _write_atomic(path, data)
+        write_atomic(path, data)
     except OSError as e:
         raise ImageError(f"{path}: cannot write the lock file: {e.strerror or e}") from None
     return True

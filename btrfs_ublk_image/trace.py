@@ -9,15 +9,13 @@ the chunks a running server was asked for (source ``record``).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.files import write_atomic
 from btrfs_ublk_image.tree import Blob, FileType, Tree
 
 FORMAT = "btrfs-ublk-image.trace"
@@ -120,19 +118,7 @@ def read(path: str) -> Trace:
 
 def write(path: str, trace: Trace) -> None:
     """Write atomically (temp file in the same directory, renamed)."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".trace.", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(encode(trace))
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.rename(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, encode(trace), prefix=".trace.")
 
 
 def check_for_bundle(trace: Trace, manifest: dict[str, Any], image_id: str, where: str) -> None:
