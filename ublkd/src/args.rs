@@ -108,6 +108,15 @@ pub struct MountArgs {
     /// Do not apply the bundle's prefetch.trace.
     #[arg(long, conflicts_with = "prefetch")]
     pub no_prefetch: bool,
+    /// Signature policy, containers-policy.json(5) as podman and skopeo read it, checked
+    /// before anything but the OCI manifest is fetched [default: /etc/containers/policy.json
+    /// when it exists; no policy file: no check].
+    #[arg(long, value_name = "FILE")]
+    pub policy: Option<PathBuf>,
+    /// containers-registries.d(5) directory: the lookaside storage of each repository's
+    /// signatures [default: /etc/containers/registries.d].
+    #[arg(long, value_name = "DIR")]
+    pub registries_d: Option<PathBuf>,
     /// Run the structural check (meta.img's trees, extents against the blockmap, device
     /// 2's superblock, `btrfs check --readonly`) even if a record says this image passed.
     #[arg(long)]

@@ -17,11 +17,39 @@ use crate::store::local::{self, Bundle};
 use crate::store::remote;
 use crate::types::{Dev2Cache, Frontend, Mode, Phase};
 use crate::util::timing;
+use crate::verify::policy::DockerRef;
+use crate::verify::signature::Checker;
 use crate::verify::structure;
 use anyhow::{anyhow, ensure, Context, Result};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+/// Open and check the bundle under the signature policy (docs/signatures.md): a local or
+/// http(s) bundle is accepted or refused by its scope before it is read; an oci:// one's
+/// manifest is checked as soon as it is fetched, before anything else of the image.
+fn open_checked(args: &MountArgs) -> Result<(Bundle, String)> {
+    let checker = Checker::load(
+        args.policy.as_deref(),
+        args.registries_d.as_deref(),
+        args.remote.timeout(),
+    )?;
+    let Some(checker) = checker else {
+        return remote::open_bundle(&args.bundle, &args.remote, args.expect_id.as_deref(), None);
+    };
+    match remote::Location::parse(&args.bundle)? {
+        remote::Location::Local(d) => {
+            checker.check_unsigned_location(&args.bundle, Some(&d.canonicalize().unwrap_or(d.clone())))?
+        }
+        remote::Location::Http(_) => checker.check_unsigned_location(&args.bundle, None)?,
+        remote::Location::Oci(_) => {}
+    }
+    let check = |r: &remote::oci::Reference, manifest: &[u8]| -> Result<()> {
+        let reference = DockerRef::of_repository(&r.registry, &r.repo, &r.reference)?;
+        checker.check_oci(&args.bundle, &reference, manifest)
+    };
+    remote::open_bundle(&args.bundle, &args.remote, args.expect_id.as_deref(), Some(&check))
+}
 
 pub fn mount(args: MountArgs) -> Result<()> {
     let t0 = Instant::now();
@@ -39,7 +67,7 @@ pub fn mount(args: MountArgs) -> Result<()> {
         std::env::set_var(remote::AUTH_ENV, a);
     }
     timing("mount: args parsed");
-    let (bundle, location) = remote::open_bundle(&args.bundle, &args.remote, args.expect_id.as_deref())?;
+    let (bundle, location) = open_checked(&args)?;
     timing("mount: bundle opened and checked");
     // checked before anything is locked or attached: a trace for another image is refused
     let prefetch = prefetch_trace(&args, &bundle)?;

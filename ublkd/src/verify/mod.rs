@@ -16,6 +16,8 @@
 //! digest matched and must give exactly the chunk's logical length. The memory cache
 //! holds decompressed chunks.
 
+pub mod policy;
+pub mod signature;
 pub mod structure;
 
 use crate::format::blockmap::Blockmap;

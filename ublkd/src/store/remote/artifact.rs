@@ -164,11 +164,26 @@ fn runnable_image_bundle(manifest: &[u8]) -> Option<String> {
         .map(|d| d.to_string())
 }
 
+/// What `mount` checks of the OCI manifest an `oci://` reference names (its bytes as
+/// fetched) before anything else of the image is fetched: the signature policy.
+pub type ManifestCheck<'a> = &'a dyn Fn(&Reference, &[u8]) -> Result<()>;
+
 /// Tag (or digest) -> (OCI manifest bytes, config blob bytes = the bundle's manifest.json).
-pub fn oci_resolve(reg: &Registry, r: &Reference, timeout: Duration) -> Result<(Vec<u8>, Vec<u8>)> {
+/// `check` sees the manifest the reference names (a runnable image's, or the bundle's)
+/// before anything else is fetched; the bundle a runnable image names is fetched by its
+/// digest, so a check of the runnable manifest covers it.
+pub fn oci_resolve(
+    reg: &Registry,
+    r: &Reference,
+    timeout: Duration,
+    check: Option<ManifestCheck>,
+) -> Result<(Vec<u8>, Vec<u8>)> {
     let location = format!("oci://{}/{}:{}", r.registry, r.repo, r.reference);
     let deadline = Instant::now() + timeout;
     let mut mbytes = oci_manifest_bytes(reg, &location, &r.reference, deadline)?;
+    if let Some(check) = check {
+        check(r, &mbytes)?;
+    }
     if let Some(bundle) = runnable_image_bundle(&mbytes) {
         // a runnable image (`push --image`, docs/containerd.md): mount the bundle it names
         log::info!("{location}: a runnable image; mounting its bundle {bundle}");

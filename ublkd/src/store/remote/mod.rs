@@ -30,6 +30,7 @@ use crate::store::local::Bundle;
 use crate::store::source::{Fetching, LocalPacks, PackSource};
 use crate::util::write_atomic;
 use anyhow::{anyhow, ensure, Context, Result};
+pub use artifact::ManifestCheck;
 use artifact::{oci_layers, oci_resolve, oci_trace};
 use files::{ensure_file, RemotePacks, Store};
 use http::{fetch_optional, read_small, Http};
@@ -98,8 +99,21 @@ struct Resolved {
 /// `mount`: open and check the bundle at `location`; a remote one's manifest (or tag) is
 /// fetched again, meta.img and blockmap only when the image directory lacks them.
 /// Returns the bundle and the location to record (a local bundle's canonical directory).
-pub fn open_bundle(location: &str, args: &RemoteArgs, expect_id: Option<&str>) -> Result<(Bundle, String)> {
-    let r = resolve(location, args, expect_id, true, true, Arc::new(Counters::default()))?;
+pub fn open_bundle(
+    location: &str,
+    args: &RemoteArgs,
+    expect_id: Option<&str>,
+    check: Option<ManifestCheck>,
+) -> Result<(Bundle, String)> {
+    let r = resolve(
+        location,
+        args,
+        expect_id,
+        true,
+        true,
+        Arc::new(Counters::default()),
+        check,
+    )?;
     Ok((r.bundle, r.location))
 }
 
@@ -111,7 +125,15 @@ pub fn open_for_serving(
     expect_id: Option<&str>,
     counters: Arc<Counters>,
 ) -> Result<Opened> {
-    let r = resolve(location, args, expect_id, false, expect_id.is_none(), counters.clone())?;
+    let r = resolve(
+        location,
+        args,
+        expect_id,
+        false,
+        expect_id.is_none(),
+        counters.clone(),
+        None,
+    )?;
     let Some(store) = r.store else {
         let bm = &r.bundle.blockmap;
         let sizes: Vec<u64> = (0..bm.packs.len() as u32).map(|i| bm.stored_size(i)).collect();
@@ -146,6 +168,7 @@ fn resolve(
     verify_meta: bool,
     refresh: bool,
     counters: Arc<Counters>,
+    check: Option<ManifestCheck>,
 ) -> Result<Resolved> {
     let loc = Location::parse(location)?;
     if let Location::Local(dir) = &loc {
@@ -195,7 +218,7 @@ fn resolve(
                     (d, m)
                 }
                 None => {
-                    let (mbytes, config) = oci_resolve(&reg, r, args.timeout())?;
+                    let (mbytes, config) = oci_resolve(&reg, r, args.timeout(), check)?;
                     let dir = image_dir(&root, location, &config, expect_id)?;
                     write_atomic(&dir.join(OCI_MANIFEST), &mbytes)?;
                     let got = oci_trace(&reg, &Sha256Digest::of(&mbytes), args.timeout());

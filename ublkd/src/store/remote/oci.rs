@@ -101,7 +101,8 @@ fn base64(data: &[u8]) -> String {
     out
 }
 
-fn unbase64(text: &str) -> Option<Vec<u8>> {
+/// Standard base64 (padding optional) -> bytes; None if not base64.
+pub fn unbase64(text: &str) -> Option<Vec<u8>> {
     let mut out = Vec::new();
     let (mut acc, mut bits) = (0u32, 0u32);
     for b in text.trim_end_matches('=').bytes() {
