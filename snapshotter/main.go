@@ -72,6 +72,36 @@ func main() {
 	}
 }
 
+// policyFlags: the signature policy every bundle mount is checked against
+// (docs/signatures.md), passed to `ublkd mount`.
+type policyFlags struct{ policy, registriesD *string }
+
+func addPolicyFlags(fs *flag.FlagSet) policyFlags {
+	return policyFlags{
+		policy:      fs.String("policy", "", "signature policy for `ublkd mount` (containers-policy.json; default: ublkd's, /etc/containers/policy.json when it exists)"),
+		registriesD: fs.String("registries-d", "", "containers-registries.d directory naming where signatures are (default: ublkd's, /etc/containers/registries.d)"),
+	}
+}
+
+// mountArgs checks the files exist now, so a typo fails at start rather than every pull.
+func (p policyFlags) mountArgs() ([]string, error) {
+	var out []string
+	for _, f := range []struct{ name, value string }{{"policy", *p.policy}, {"registries-d", *p.registriesD}} {
+		if f.value == "" {
+			continue
+		}
+		abs, err := filepath.Abs(f.value)
+		if err == nil {
+			_, err = os.Stat(abs)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("--%s %s: %w", f.name, f.value, err)
+		}
+		out = append(out, "--"+f.name+"="+abs)
+	}
+	return out, nil
+}
+
 // repeated is a flag that may be given several times.
 type repeated []string
 
@@ -88,10 +118,16 @@ func serveCommand(args []string) error {
 	var mountArgs repeated
 	fs.Var(&mountArgs, "mount-arg", "an option for `ublkd mount` (repeatable), e.g. --mount-arg=--frontend=fuse")
 	level := fs.String("log-level", "info", "debug, info, warn or error")
+	policy := addPolicyFlags(fs)
 	_ = fs.Parse(args)
 	if fs.NArg() != 0 {
 		return fmt.Errorf("unexpected arguments: %v", fs.Args())
 	}
+	extra, err := policy.mountArgs()
+	if err != nil {
+		return err
+	}
+	mountArgs = append(mountArgs, extra...)
 	if err := log.SetLevel(*level); err != nil {
 		return err
 	}

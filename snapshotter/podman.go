@@ -62,6 +62,7 @@ func podmanStoreCommand(args []string) error {
 	fs.BoolVar(&o.plainHTTP, "plain-http", false, "plain HTTP to the registry (default: HTTPS, except for localhost)")
 	fs.StringVar(&o.auth, "auth", os.Getenv("BUI_REGISTRY_AUTH"), "registry credentials USER:PASS (default: env BUI_REGISTRY_AUTH, else docker's config.json)")
 	fs.StringVar(&o.platform, "platform", "", "platform of an image index to serve (default: the host's)")
+	policy := addPolicyFlags(fs)
 	fs.Usage = func() {
 		fmt.Fprint(fs.Output(), podmanUsage)
 		fs.PrintDefaults()
@@ -84,6 +85,11 @@ func podmanStoreCommand(args []string) error {
 		return err
 	}
 	o.store = store
+	extra, err := policy.mountArgs()
+	if err != nil {
+		return err
+	}
+	o.ublkd.mount = append(o.ublkd.mount, extra...)
 	if *remove {
 		return podmanRemove(context.Background(), ref, o, os.Stdout)
 	}

@@ -1,9 +1,11 @@
 package main
 
 import (
+	"flag"
 	"os"
 	"path/filepath"
 	"reflect"
+	"strings"
 	"testing"
 )
 
@@ -80,5 +82,34 @@ func TestDockerCredentials(t *testing.T) {
 	}
 	if user, _, err := dockerCredentials(filepath.Join(dir, "missing.json"), "x"); err != nil || user != "" {
 		t.Fatalf("missing file: %q %v", user, err)
+	}
+}
+
+func TestPolicyFlagsPassAbsolutePathsAndRefuseMissingFiles(t *testing.T) {
+	dir := t.TempDir()
+	policy := filepath.Join(dir, "policy.json")
+	if err := os.WriteFile(policy, []byte(`{"default":[{"type":"reject"}]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	fs := flag.NewFlagSet("x", flag.ContinueOnError)
+	p := addPolicyFlags(fs)
+	if err := fs.Parse([]string{"--policy", policy, "--registries-d", dir}); err != nil {
+		t.Fatal(err)
+	}
+	got, err := p.mountArgs()
+	if want := []string{"--policy=" + policy, "--registries-d=" + dir}; err != nil || !reflect.DeepEqual(got, want) {
+		t.Fatalf("mountArgs() = %v, %v; want %v", got, err, want)
+	}
+	fs = flag.NewFlagSet("x", flag.ContinueOnError)
+	p = addPolicyFlags(fs)
+	_ = fs.Parse([]string{"--policy", filepath.Join(dir, "missing.json")})
+	if _, err := p.mountArgs(); err == nil || !strings.Contains(err.Error(), "--policy") {
+		t.Fatalf("a missing policy file: %v", err)
+	}
+	fs = flag.NewFlagSet("x", flag.ContinueOnError)
+	p = addPolicyFlags(fs)
+	_ = fs.Parse(nil)
+	if got, err := p.mountArgs(); err != nil || len(got) != 0 {
+		t.Fatalf("no flags: %v, %v", got, err)
 	}
 }

@@ -214,6 +214,28 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.runtime",
     return text
 
 
+def busybox_bundle(work: Path) -> Path:
+    """A small image of its own (the host's busybox as sh, cat, echo; /etc/motd; a random
+    /etc/run-id), built into work/bundle."""
+    root = work / "rootfs"
+    for d in ("bin", "etc", "proc", "dev", "sys", "run", "tmp"):
+        (root / d).mkdir(parents=True)
+    shutil.copy2("/bin/busybox", root / "bin" / "busybox")
+    for cmd in ("sh", "cat", "echo"):
+        (root / "bin" / cmd).symlink_to("busybox")
+    (root / "etc" / "motd").write_text("small\n")
+    # unique per call: runs at once must not mount one image (one kernel btrfs per fsid)
+    (root / "etc" / "run-id").write_text(os.urandom(16).hex())
+    (work / "spec.yaml").write_text(
+        f"version: 1\nname: ctd-small\nlayers:\n  - dir: {{path: {root}, uid: 0, gid: 0}}\n"
+    )
+    subprocess.run(
+        ["btrfs-ublk-image", "build", str(work / "spec.yaml"), "-o", str(work / "bundle")],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return work / "bundle"
+
+
 def mounts_under(path: Path) -> list[str]:
     prefix = str(path).rstrip("/") + "/"
     out = []
@@ -226,8 +248,12 @@ def mounts_under(path: Path) -> list[str]:
 
 @contextlib.contextmanager
 def containerd_stack(
-    flavour: str = "1.6", *, extra_env: dict[str, str] | None = None
+    flavour: str = "1.6",
+    *,
+    extra_env: dict[str, str] | None = None,
+    snapshotter_args: tuple[str, ...] = (),
 ) -> Iterator[Stack]:
+    """``snapshotter_args``: more options of ``btrfs-ublk-snapshotter serve``."""
     d = Path(tempfile.mkdtemp(prefix="bui-ctd-", dir="/tmp"))
     containerd, ctr, shim_dir = containerd_binaries(flavour)
     env = dict(os.environ)
@@ -237,7 +263,7 @@ def containerd_stack(
     (d / "config.toml").write_text(_config(d, flavour))
     snap = Daemon(
         [snapshotter_binary(), "serve", "--address", str(d / "snapshotter.sock"),
-         "--root", str(d / "snapshotter")],
+         "--root", str(d / "snapshotter"), *snapshotter_args],
         d / "snapshotter.log", d / "snapshotter.sock", env,
     )  # fmt: skip
     ctd = Daemon(

@@ -28,6 +28,7 @@ from containerdtools import (
     FLAVOURS,
     SNAPSHOTTER,
     Stack,
+    busybox_bundle,
     containerd_binaries,
     containerd_stack,
     mounts_under,
@@ -292,19 +293,7 @@ def test_sixteen_containers_share_one_mount(big_image: str, stack: Stack) -> Non
 @pytest.fixture(scope="module")
 def small_bundle(images: Images, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small image of its own (host busybox), whose registry blobs the tests may break."""
-    work = tmp_path_factory.mktemp("ctd-small")
-    root = work / "rootfs"
-    for d in ("bin", "etc", "proc", "dev", "sys", "run", "tmp"):
-        (root / d).mkdir(parents=True)
-    shutil.copy2("/bin/busybox", root / "bin" / "busybox")
-    for cmd in ("sh", "cat", "echo"):
-        (root / "bin" / cmd).symlink_to("busybox")
-    (root / "etc" / "motd").write_text("small\n")
-    (work / "spec.yaml").write_text(
-        f"version: 1\nname: ctd-small\nlayers:\n  - dir: {{path: {root}, uid: 0, gid: 0}}\n"
-    )
-    _run("btrfs-ublk-image", "build", work / "spec.yaml", "-o", work / "bundle")
-    return work / "bundle"
+    return busybox_bundle(tmp_path_factory.mktemp("ctd-small"))
 
 
 def _nothing_left(stack: Stack) -> None:

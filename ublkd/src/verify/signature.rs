@@ -378,9 +378,14 @@ impl Keyring {
             .iter()
             .filter(|l| l.first().map(String::as_str) == Some("NEWSIG"))
             .count();
-        for bad in ["BADSIG", "EXPKEYSIG", "REVKEYSIG", "EXPSIG"] {
+        for (bad, what) in [
+            ("BADSIG", "a bad signature: the signed data was altered"),
+            ("EXPKEYSIG", "made by an expired key"),
+            ("REVKEYSIG", "made by a revoked key"),
+            ("EXPSIG", "an expired signature"),
+        ] {
             if let Some(l) = has(bad) {
-                bail!("gpg: {} ({bad})", l[1..].join(" "));
+                bail!("{what} (gpg {bad} {})", l[1..].join(" "));
             }
         }
         if let Some(l) = has("ERRSIG") {
@@ -391,16 +396,18 @@ impl Keyring {
             };
             bail!("{why} (gpg ERRSIG, key ID {})", l.get(1).map_or("?", String::as_str));
         }
+        let gpg_said = String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .rfind(|l| l.starts_with("gpg: "))
+            .unwrap_or("gpg: (no message)")
+            .trim()
+            .to_string();
+        ensure!(count != 0, "not a signed message ({gpg_said})");
         ensure!(count == 1, "{count} signatures in it, expected exactly one");
-        let valid = has("VALIDSIG").ok_or_else(|| {
-            anyhow!(
-                "not a valid signature: {}",
-                String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("").trim()
-            )
-        })?;
+        let valid = has("VALIDSIG").ok_or_else(|| anyhow!("not a valid signature ({gpg_said})"))?;
         ensure!(
             out.status.success() && has("GOODSIG").is_some(),
-            "gpg did not report a good signature"
+            "a good signature in a message gpg refuses ({gpg_said})"
         );
         let primary = valid.last().map(|f| f.to_ascii_uppercase()).unwrap_or_default();
         ensure!(
