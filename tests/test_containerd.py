@@ -15,7 +15,6 @@ import base64
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import time
 import urllib.request

@@ -58,7 +58,9 @@ def keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Keys]:
         fprs.append(next(ln.split(":")[9] for ln in out.splitlines() if ln.startswith("fpr:")))
     pub = home / "trusted.gpg"
     pub.write_bytes(
-        subprocess.run(["gpg", "--export", fprs[0]], env=env, check=True, capture_output=True).stdout
+        subprocess.run(
+            ["gpg", "--export", fprs[0]], env=env, check=True, capture_output=True
+        ).stdout
     )
     try:
         yield Keys(home, fprs[0], fprs[1], pub)
@@ -105,7 +107,9 @@ def make_trust(work: Path, reg: Registry, keys: Keys) -> Trust:
     return Trust(policy, rd, sigs)
 
 
-def skopeo(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def skopeo(
+    *args: str | Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["skopeo", *map(str, args)], capture_output=True, text=True, env=env)
 
 
@@ -272,7 +276,10 @@ def test_local_bundles_and_bad_policies(no_leftovers: Path, cache_dir: Path, key
     policy.write_text('{"default": [{"type": "reject"}]}')
     r = mount()
     assert r.returncode != 0
-    assert f"{bundle}: refused by the signature policy {policy} (default): the policy rejects it" in r.stderr
+    assert (
+        f"{bundle}: refused by the signature policy {policy} (default): the policy rejects it"
+        in r.stderr
+    )
     signed_by = {"type": "signedBy", "keyType": "GPGKeys", "keyPath": str(keys.trusted_pub)}
     policy.write_text(json.dumps({"default": [{"type": "reject"}],
                                   "transports": {"dir": {str(bundle.parent): [signed_by]}}}))  # fmt: skip
@@ -303,7 +310,7 @@ def test_containerd_pull_under_a_reject_by_default_policy(
     meta.img never fetched; the same image signed with `skopeo copy --sign-by` runs."""
     small = busybox_bundle(tmp_path / "small")
     with docker_registry(tmp_path / "registry") as reg:
-        unsigned = f"{reg.address}/unsigned/small:v1"
+        unsigned = f"{reg.address}/signed/plain:v1"  # in the signed scope, never signed
         signed = f"{reg.address}/signed/small:v1"
         for ref in (unsigned, signed):
             ok(push("push", "--image", small, ref))
@@ -313,12 +320,14 @@ def test_containerd_pull_under_a_reject_by_default_policy(
         layers = json.loads(raw_manifest(f"{unsigned}-bundle"))["layers"]
         meta_blob = layers[0]["digest"]
         with containerd_stack(flavour, snapshotter_args=trust.ublkd_args()) as st:
+            before = len(reg.requests())
             r = st.pull(unsigned, check=False)
             out = r.stdout + r.stderr
             assert r.returncode != 0, out
             assert "refused by the signature policy" in out and str(trust.policy) in out, out
-            assert f"{reg.address}/unsigned/small@sha256:" in out and "has no signature" in out, out
-            assert not any(meta_blob in x.path for x in reg.requests())
+            assert f"oci://{reg.address}/signed/plain@sha256:" in out, out
+            assert "has no signature" in out, out
+            assert not any(meta_blob in x.path for x in reg.requests()[before:])
             assert mounts_under(st.snapshotter_root) == []
             st.pull(signed)
             run = st.ctr("run", "--rm", "--snapshotter", SNAPSHOTTER, signed, "signed-c1",

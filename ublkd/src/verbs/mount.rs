@@ -46,7 +46,9 @@ fn open_checked(args: &MountArgs) -> Result<(Bundle, String)> {
     }
     let check = |r: &remote::oci::Reference, manifest: &[u8]| -> Result<()> {
         let reference = DockerRef::of_repository(&r.registry, &r.repo, &r.reference)?;
-        checker.check_oci(&args.bundle, &reference, manifest)
+        checker.check_oci(&args.bundle, &reference, manifest)?;
+        timing("mount: signature policy checked");
+        Ok(())
     };
     remote::open_bundle(&args.bundle, &args.remote, args.expect_id.as_deref(), Some(&check))
 }

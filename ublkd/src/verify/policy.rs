@@ -143,7 +143,7 @@ fn normalize_name(name: &str) -> Result<String> {
 
 /// Which `docker-reference` a signature must claim (`signedIdentity`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Identity {
+pub enum SignedIdentity {
     MatchExact,
     /// the default: by tag, exactly that reference; by digest, any tag of the repository
     MatchRepoDigestOrExact,
@@ -157,15 +157,15 @@ pub enum Identity {
     },
 }
 
-impl Identity {
+impl SignedIdentity {
     pub fn name(&self) -> &'static str {
         match self {
-            Identity::MatchExact => "matchExact",
-            Identity::MatchRepoDigestOrExact => "matchRepoDigestOrExact",
-            Identity::MatchRepository => "matchRepository",
-            Identity::ExactReference(_) => "exactReference",
-            Identity::ExactRepository(_) => "exactRepository",
-            Identity::RemapIdentity { .. } => "remapIdentity",
+            SignedIdentity::MatchExact => "matchExact",
+            SignedIdentity::MatchRepoDigestOrExact => "matchRepoDigestOrExact",
+            SignedIdentity::MatchRepository => "matchRepository",
+            SignedIdentity::ExactReference(_) => "exactReference",
+            SignedIdentity::ExactRepository(_) => "exactRepository",
+            SignedIdentity::RemapIdentity { .. } => "remapIdentity",
         }
     }
 
@@ -173,12 +173,12 @@ impl Identity {
     pub fn matches(&self, intended: &DockerRef, signed: &DockerRef) -> bool {
         let name_only = |r: &DockerRef| r.tag.is_none() && r.digest.is_none();
         match self {
-            Identity::MatchExact => !name_only(intended) && !name_only(signed) && intended == signed,
-            Identity::MatchRepoDigestOrExact => repo_digest_or_exact(intended, signed),
-            Identity::MatchRepository => intended.name == signed.name,
-            Identity::ExactReference(r) => !name_only(signed) && r == signed,
-            Identity::ExactRepository(name) => &signed.name == name,
-            Identity::RemapIdentity { prefix, signed_prefix } => {
+            SignedIdentity::MatchExact => !name_only(intended) && !name_only(signed) && intended == signed,
+            SignedIdentity::MatchRepoDigestOrExact => repo_digest_or_exact(intended, signed),
+            SignedIdentity::MatchRepository => intended.name == signed.name,
+            SignedIdentity::ExactReference(r) => !name_only(signed) && r == signed,
+            SignedIdentity::ExactRepository(name) => &signed.name == name,
+            SignedIdentity::RemapIdentity { prefix, signed_prefix } => {
                 let remapped = intended
                     .name
                     .strip_prefix(prefix.as_str())
@@ -238,7 +238,7 @@ pub enum Requirement {
     Reject,
     SignedBy {
         keys: Keys,
-        identity: Identity,
+        identity: SignedIdentity,
     },
     /// a requirement type ublkd does not check (e.g. `sigstoreSigned`): refuses what it applies to
     Unsupported(String),
@@ -269,7 +269,7 @@ fn string(obj: &Map<String, Value>, at: &str, key: &str) -> Result<Option<String
         .transpose()
 }
 
-fn parse_identity(v: &Value, at: &str) -> Result<Identity> {
+fn parse_identity(v: &Value, at: &str) -> Result<SignedIdentity> {
     let ty = v.get("type").and_then(Value::as_str).unwrap_or_default();
     let need = |o: &Map<String, Value>, k: &str| -> Result<String> {
         string(o, at, k)?.ok_or_else(|| anyhow!("{at}: {ty} needs {k:?}"))
@@ -277,37 +277,37 @@ fn parse_identity(v: &Value, at: &str) -> Result<Identity> {
     Ok(match ty {
         "matchExact" => {
             fields(v, at, &["type"])?;
-            Identity::MatchExact
+            SignedIdentity::MatchExact
         }
         "matchRepoDigestOrExact" => {
             fields(v, at, &["type"])?;
-            Identity::MatchRepoDigestOrExact
+            SignedIdentity::MatchRepoDigestOrExact
         }
         "matchRepository" => {
             fields(v, at, &["type"])?;
-            Identity::MatchRepository
+            SignedIdentity::MatchRepository
         }
         "exactReference" => {
             let o = fields(v, at, &["type", "dockerReference"])?;
-            let r = DockerRef::parse(&need(o, "dockerReference")?).with_context(|| format!("{at}"))?;
+            let r = DockerRef::parse(&need(o, "dockerReference")?).with_context(|| at.to_string())?;
             ensure!(
                 r.tag.is_some() || r.digest.is_some(),
                 "{at}: dockerReference {r} has no tag or digest"
             );
-            Identity::ExactReference(r)
+            SignedIdentity::ExactReference(r)
         }
         "exactRepository" => {
             let o = fields(v, at, &["type", "dockerRepository"])?;
-            let r = DockerRef::parse(&need(o, "dockerRepository")?).with_context(|| format!("{at}"))?;
+            let r = DockerRef::parse(&need(o, "dockerRepository")?).with_context(|| at.to_string())?;
             ensure!(
                 r.tag.is_none() && r.digest.is_none(),
                 "{at}: dockerRepository {r} is not a repository"
             );
-            Identity::ExactRepository(r.name)
+            SignedIdentity::ExactRepository(r.name)
         }
         "remapIdentity" => {
             let o = fields(v, at, &["type", "prefix", "signedPrefix"])?;
-            Identity::RemapIdentity {
+            SignedIdentity::RemapIdentity {
                 prefix: need(o, "prefix")?,
                 signed_prefix: need(o, "signedPrefix")?,
             }
@@ -366,7 +366,7 @@ fn parse_requirement(v: &Value, at: &str) -> Result<Requirement> {
             };
             let identity = match o.get("signedIdentity") {
                 Some(i) => parse_identity(i, &format!("{at}.signedIdentity"))?,
-                None => Identity::MatchRepoDigestOrExact,
+                None => SignedIdentity::MatchRepoDigestOrExact,
             };
             Requirement::SignedBy { keys, identity }
         }

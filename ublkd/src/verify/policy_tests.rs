@@ -91,7 +91,7 @@ fn scopes_pick_the_most_specific() {
         reqs,
         [Requirement::SignedBy {
             keys: Keys::Paths(vec!["/k.gpg".into()]),
-            identity: Identity::MatchRepoDigestOrExact
+            identity: SignedIdentity::MatchRepoDigestOrExact
         }]
     );
     let d = Path::new("/srv/images/app");
@@ -152,7 +152,7 @@ fn policies_parse_strictly_naming_the_problem() {
         p.default,
         [Requirement::SignedBy {
             keys: Keys::Data(b"abc".to_vec()),
-            identity: Identity::MatchRepoDigestOrExact
+            identity: SignedIdentity::MatchRepoDigestOrExact
         }]
     );
     assert!(Keys::Paths(vec!["rel/k.gpg".into()]).load().is_err());
@@ -163,7 +163,7 @@ fn signed_identities() {
     let d = format!("sha256:{}", "ab".repeat(32));
     let by_tag = r("reg.example/a/app:v1");
     let by_digest = r(&format!("reg.example/a/app@{d}"));
-    let m = Identity::MatchRepoDigestOrExact;
+    let m = SignedIdentity::MatchRepoDigestOrExact;
     assert!(m.matches(&by_tag, &r("reg.example/a/app:v1")));
     assert!(!m.matches(&by_tag, &r("reg.example/a/app:v2")));
     assert!(
@@ -172,22 +172,22 @@ fn signed_identities() {
     );
     assert!(m.matches(&by_digest, &r("reg.example/a/app:v2")));
     assert!(!m.matches(&by_digest, &r("reg.example/a/other:v1")));
-    assert!(Identity::MatchExact.matches(&by_tag, &r("reg.example/a/app:v1")));
-    assert!(!Identity::MatchExact.matches(&by_digest, &r("reg.example/a/app:v1")));
-    assert!(Identity::MatchRepository.matches(&by_tag, &r("reg.example/a/app:v7")));
-    assert!(!Identity::MatchRepository.matches(&by_tag, &r("reg.example/b/app:v1")));
-    let exact = Identity::ExactReference(r("mirror.example/app:v1"));
+    assert!(SignedIdentity::MatchExact.matches(&by_tag, &r("reg.example/a/app:v1")));
+    assert!(!SignedIdentity::MatchExact.matches(&by_digest, &r("reg.example/a/app:v1")));
+    assert!(SignedIdentity::MatchRepository.matches(&by_tag, &r("reg.example/a/app:v7")));
+    assert!(!SignedIdentity::MatchRepository.matches(&by_tag, &r("reg.example/b/app:v1")));
+    let exact = SignedIdentity::ExactReference(r("mirror.example/app:v1"));
     assert!(exact.matches(&by_tag, &r("mirror.example/app:v1")));
     assert!(!exact.matches(&by_tag, &r("reg.example/a/app:v1")));
-    let repo = Identity::ExactRepository("mirror.example/app".into());
+    let repo = SignedIdentity::ExactRepository("mirror.example/app".into());
     assert!(repo.matches(&by_digest, &r("mirror.example/app:v3")));
-    let remap = Identity::RemapIdentity {
+    let remap = SignedIdentity::RemapIdentity {
         prefix: "reg.example/a".into(),
         signed_prefix: "upstream.example/b".into(),
     };
     assert!(remap.matches(&by_tag, &r("upstream.example/b/app:v1")));
     assert!(!remap.matches(&by_tag, &r("reg.example/a/app:v1")));
-    let not_at_boundary = Identity::RemapIdentity {
+    let not_at_boundary = SignedIdentity::RemapIdentity {
         prefix: "reg.example/a/ap".into(),
         signed_prefix: "x.example/y".into(),
     };

@@ -7,7 +7,7 @@
 //! policy's keys (containers/image does the same through gpgme), then its JSON payload
 //! must name this manifest's digest and an identity the policy accepts.
 
-use super::policy::{dir_namespaces, DockerRef, Identity, Policy, Requirement, DIR, DOCKER};
+use super::policy::{dir_namespaces, DockerRef, Policy, Requirement, SignedIdentity, DIR, DOCKER};
 use crate::format::digest::Sha256Digest;
 use crate::stats::Counters;
 use crate::store::remote::http::{fetch_optional, Http};
@@ -214,7 +214,7 @@ fn accept(
     sig: &[u8],
     digest: &Sha256Digest,
     reference: &DockerRef,
-    identity: &Identity,
+    identity: &SignedIdentity,
 ) -> Result<()> {
     let payload = keyring.verify(sig)?;
     let p = Payload::parse(&payload)?;
