@@ -25,6 +25,7 @@ APT_PACKAGES=(
   nginx-light docker-registry         # remote packs: HTTP range server and OCI registry (tests, bench)
   apache2-utils     # htpasswd -B: bcrypt password files of the registry auth tests (test_push, test_remote)
   containerd runc   # containerd 1.6 + runc: containers through btrfs-ublk-snapshotter (tests, bench)
+  gnupg             # gpg: ublkd verifies image signatures with it; tests sign with skopeo + gpg (docs/signatures.md)
   podman            # podman 4.3: pulls through btrfs-ublk-snapshotter podman-store, --rootfs MNT:O (tests/test_podman.py)
 )
 

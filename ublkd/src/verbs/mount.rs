@@ -45,6 +45,7 @@ fn open_checked(args: &MountArgs) -> Result<(Bundle, String)> {
         remote::Location::Oci(_) => {}
     }
     let check = |r: &remote::oci::Reference, manifest: &[u8]| -> Result<()> {
+        timing("mount: manifest fetched, checking the signature policy");
         let reference = DockerRef::of_repository(&r.registry, &r.repo, &r.reference)?;
         checker.check_oci(&args.bundle, &reference, manifest)?;
         timing("mount: signature policy checked");
