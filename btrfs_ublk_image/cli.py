@@ -8,11 +8,15 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from btrfs_ublk_image import __version__
 from btrfs_ublk_image.bundle import build_spec, read_manifest
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.progress import Progress, human_bytes
+
+if TYPE_CHECKING:
+    from btrfs_ublk_image.push import Pushed, PushedImage
 
 PROG = "btrfs-ublk-image"
 # how long a thread waiting for the GIL lets the holder run before asking for it (the
@@ -166,7 +170,34 @@ def cmd_push(args: argparse.Namespace) -> int:
     if pushed.trace_digest is not None:
         print(f"trace: {pushed.trace_digest}")
     print(f"{summary(pushed)}, {progress.elapsed():.1f} s", file=sys.stderr)
+    if args.sign_by:
+        _sign(args, result)
     return 0
+
+
+def _sign(args: argparse.Namespace, result: Pushed | PushedImage) -> None:
+    """push --sign-by: skopeo signs each manifest push tagged (docs/signatures.md)."""
+    from btrfs_ublk_image.push import PushedImage
+    from btrfs_ublk_image.registry import Reference, parse_reference
+    from btrfs_ublk_image.runnable import bundle_tag
+    from btrfs_ublk_image.sign import sign_pushed
+
+    ref = parse_reference(args.reference)
+    if isinstance(result, PushedImage):
+        bundle_ref = Reference(ref.registry, ref.repo, bundle_tag(ref.tag))
+        tagged = [(ref, result.image_digest), (bundle_ref, result.bundle.manifest_digest)]
+    else:
+        tagged = [(ref, result.manifest_digest)]
+    for r, digest in tagged:
+        sign_pushed(
+            r,
+            digest,
+            args.sign_by,
+            plain_http=args.plain_http,
+            credentials=_registry_credentials(args, args.reference),
+            registries_d=args.registries_d,
+        )
+        print(f"signed: {r} ({digest}) by {args.sign_by}")
 
 
 def cmd_push_trace(args: argparse.Namespace) -> int:
@@ -319,6 +350,18 @@ def parser() -> argparse.ArgumentParser:
     _registry_options(pu)
     pu.add_argument(
         "--progress", action="store_true", help="show progress even when stderr is not a terminal"
+    )
+    pu.add_argument(
+        "--sign-by",
+        metavar="KEY",
+        help="sign what was tagged (with --image: both tags) with this GnuPG key of $GNUPGHOME:"
+        " `skopeo copy --sign-by`, stored where containers-registries.d says (docs/signatures.md)",
+    )
+    pu.add_argument(
+        "--registries-d",
+        metavar="DIR",
+        help="the containers-registries.d directory skopeo reads for --sign-by"
+        " (default: skopeo's, /etc/containers/registries.d)",
     )
     pu.set_defaults(func=cmd_push)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import zlib
 from collections.abc import Iterator
@@ -258,6 +259,41 @@ def test_signed_mounts_unsigned_and_wrongly_signed_refused_before_meta_img(
         other = f"{reg.address}/elsewhere/app:v1"
         ok(push("push", bundle, other))
         assert_refused(reg, other, mnt, trust, "the policy rejects it")
+    assert status() == []
+
+
+def test_push_sign_by(
+    no_leftovers: Path, cache_dir: Path, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`push --image --sign-by KEY` has skopeo sign both tags: ublkd mounts the runnable
+    tag and the bundle by digest under the policy, and skopeo accepts both."""
+    tmp = no_leftovers
+    bundle, _, files = build_served_bundle(tmp)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    monkeypatch.setenv("GNUPGHOME", str(keys.home))
+    with docker_registry(tmp / "registry") as reg:
+        trust = make_trust(tmp / "trust", reg, keys)
+        ref = f"{reg.address}/signed/pushed:v1"
+        rd = str(trust.registries_d)
+        out = ok(push("push", "--image", bundle, ref, "--sign-by", keys.trusted,
+                      "--registries-d", rd)).stdout  # fmt: skip
+        assert f"signed: {ref} (sha256:" in out and f"signed: {ref}-bundle (sha256:" in out, out
+        found = re.search(r"bundle: manifest (sha256:[0-9a-f]{64})", out)
+        assert found is not None, out
+        for loc in (ref, f"{reg.address}/signed/pushed@{found[1]}"):
+            oracle = skopeo_accepts(loc, trust, tmp / "skopeo-out")
+            assert oracle.returncode == 0, oracle.stderr
+            ublkd("mount", f"oci://{loc}", mnt, *FRONTEND, *trust.ublkd_args())
+            try:
+                assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
+            finally:
+                ublkd("umount", mnt)
+        # a key GnuPG does not have: push fails naming the tag and skopeo's reason
+        r = push("push", bundle, f"{reg.address}/signed/pushed:v2", "--sign-by", "0" * 40,
+                 "--registries-d", rd)  # fmt: skip
+        assert r.returncode == 1, r.stdout
+        assert f"{reg.address}/signed/pushed:v2: skopeo copy --sign-by {'0' * 40}: " in r.stderr
     assert status() == []
 
 
