@@ -11,6 +11,7 @@ a refused mount fetched the manifest and nothing else (no config, no meta.img).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -152,6 +153,18 @@ def skopeo_accepts(ref: str, trust: Trust, dest: Path) -> subprocess.CompletedPr
                   "--src-tls-verify=false", f"docker://{ref}", f"dir:{dest}")  # fmt: skip
 
 
+@contextlib.contextmanager
+def accepted(ref: str, trust: Trust, mnt: Path) -> Iterator[Path]:
+    """skopeo accepts ``ref`` under the policy, and ublkd mounts it (unmounted on exit)."""
+    oracle = skopeo_accepts(ref, trust, mnt.parent / "skopeo-out")
+    assert oracle.returncode == 0, oracle.stderr
+    ublkd("mount", f"oci://{ref}", mnt, *FRONTEND, *trust.ublkd_args())
+    try:
+        yield mnt
+    finally:
+        ublkd("umount", mnt)
+
+
 def assert_refused(reg: Registry, ref: str, mnt: Path, trust: Trust, reason: str) -> None:
     """ublkd refuses naming the reference, the policy and ``reason``, having fetched no
     blob (only the manifest); skopeo refuses too."""
@@ -224,23 +237,15 @@ def test_signed_mounts_unsigned_and_wrongly_signed_refused_before_meta_img(
         sig.write_bytes(good)
         v = skopeo("standalone-verify", work / "m.json", ref, keys.trusted, sig, env=keys.env())
         assert v.returncode == 0, v.stderr
-        assert skopeo_accepts(ref, trust, tmp / "skopeo-out").returncode == 0
-        ublkd("mount", f"oci://{ref}", mnt, *FRONTEND, *trust.ublkd_args())
-        try:
+        with accepted(ref, trust, mnt):
             assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
-        finally:
-            ublkd("umount", mnt)
 
         # signed by `skopeo copy --sign-by` (what podman users run): a second signature
         sig.unlink()
         sign_in_place(ref, trust, keys, keys.trusted)
         assert sig.exists(), "skopeo stored its signature elsewhere"
-        assert skopeo_accepts(ref, trust, tmp / "skopeo-out").returncode == 0
-        ublkd("mount", f"oci://{ref}", mnt, *FRONTEND, *trust.ublkd_args())
-        try:
+        with accepted(ref, trust, mnt):
             assert list_dir(mnt) == list_tar(tarball)
-        finally:
-            ublkd("umount", mnt)
 
         # by the bundle's digest (what the containerd snapshotter mounts): the bundle
         # artifact's own manifest must be signed; any tag of the repository is its identity
@@ -248,12 +253,8 @@ def test_signed_mounts_unsigned_and_wrongly_signed_refused_before_meta_img(
         by_digest = f"{reg.address}/signed/app@{bundle_digest}"
         assert_refused(reg, by_digest, mnt, trust, f"manifest {bundle_digest} has no signature")
         sign_in_place(f"{ref}-bundle", trust, keys, keys.trusted)
-        assert skopeo_accepts(by_digest, trust, tmp / "skopeo-out").returncode == 0
-        ublkd("mount", f"oci://{by_digest}", mnt, *FRONTEND, *trust.ublkd_args())
-        try:
+        with accepted(by_digest, trust, mnt):
             assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
-        finally:
-            ublkd("umount", mnt)
 
         # another repository falls to the default: reject
         other = f"{reg.address}/elsewhere/app:v1"
@@ -282,13 +283,8 @@ def test_push_sign_by(
         found = re.search(r"bundle: manifest (sha256:[0-9a-f]{64})", out)
         assert found is not None, out
         for loc in (ref, f"{reg.address}/signed/pushed@{found[1]}"):
-            oracle = skopeo_accepts(loc, trust, tmp / "skopeo-out")
-            assert oracle.returncode == 0, oracle.stderr
-            ublkd("mount", f"oci://{loc}", mnt, *FRONTEND, *trust.ublkd_args())
-            try:
+            with accepted(loc, trust, mnt):
                 assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
-            finally:
-                ublkd("umount", mnt)
         # a key GnuPG does not have: push fails naming the tag and skopeo's reason
         r = push("push", bundle, f"{reg.address}/signed/pushed:v2", "--sign-by", "0" * 40,
                  "--registries-d", rd)  # fmt: skip

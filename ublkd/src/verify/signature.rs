@@ -104,53 +104,44 @@ impl Checker {
             .policy
             .requirements(DOCKER, &reference.identity(), &reference.namespaces());
         let digest = Sha256Digest::of(manifest);
+        let refuse = |why: String| self.refuse(location, &scope, why);
+        // read once, for every signedBy requirement of the scope
         let mut signatures: Option<Vec<(String, Vec<u8>)>> = None;
         for r in reqs {
             match r {
                 Requirement::InsecureAcceptAnything => {}
-                Requirement::Reject => return Err(self.refuse(location, &scope, "the policy rejects it")),
+                Requirement::Reject => return Err(refuse("the policy rejects it".into())),
                 Requirement::Unsupported(t) => {
-                    return Err(self.refuse(
-                        location,
-                        &scope,
-                        format!("requirement type {t:?} is not supported by ublkd"),
-                    ))
+                    return Err(refuse(format!("requirement type {t:?} is not supported by ublkd")))
                 }
                 Requirement::SignedBy { keys, identity } => {
                     if signatures.is_none() {
-                        signatures = Some(
-                            self.signatures(reference, &digest)
-                                .map_err(|e| self.refuse(location, &scope, format!("{e:#}")))?,
-                        );
+                        let base = self.lookaside(reference).map_err(|e| refuse(format!("{e:#}")))?;
+                        let sigs = self
+                            .signatures(&base, reference, &digest)
+                            .map_err(|e| refuse(format!("{e:#}")))?;
+                        if sigs.is_empty() {
+                            let url = signature_url(&base, reference, &digest, 1);
+                            return Err(refuse(format!(
+                                "manifest {digest} has no signature (looked up at {url})"
+                            )));
+                        }
+                        signatures = Some(sigs);
                     }
-                    let sigs = signatures.as_deref().unwrap_or_default();
-                    let base = self.lookaside(reference).unwrap_or_default();
-                    if sigs.is_empty() {
-                        return Err(self.refuse(
-                            location,
-                            &scope,
-                            format!(
-                                "manifest {digest} has no signature (looked up at {})",
-                                signature_url(&base, reference, &digest, 1)
-                            ),
-                        ));
-                    }
-                    let keys = keys
-                        .load()
-                        .map_err(|e| self.refuse(location, &scope, format!("{e:#}")))?;
-                    let keyring = Keyring::new(&keys).map_err(|e| self.refuse(location, &scope, format!("{e:#}")))?;
+                    let keys = keys.load().map_err(|e| refuse(format!("{e:#}")))?;
+                    let keyring = Keyring::new(&keys).map_err(|e| refuse(format!("{e:#}")))?;
                     let mut why = Vec::new();
-                    let accepted =
-                        sigs.iter()
-                            .any(|(url, sig)| match accept(&keyring, sig, &digest, reference, identity) {
-                                Ok(()) => true,
-                                Err(e) => {
-                                    why.push(format!("{url}: {e:#}"));
-                                    false
-                                }
-                            });
-                    if !accepted {
-                        return Err(self.refuse(location, &scope, why.join("; ")));
+                    for (url, sig) in signatures.iter().flatten() {
+                        match accept(&keyring, sig, &digest, reference, identity) {
+                            Ok(()) => {
+                                why.clear();
+                                break;
+                            }
+                            Err(e) => why.push(format!("{url}: {e:#}")),
+                        }
+                    }
+                    if !why.is_empty() {
+                        return Err(refuse(why.join("; ")));
                     }
                     log::info!(
                         "{location}: manifest {digest} signed as the policy {} requires",
@@ -170,12 +161,11 @@ impl Checker {
     }
 
     /// `signature-1`, `signature-2`, ... of the manifest until the first missing one.
-    fn signatures(&self, reference: &DockerRef, digest: &Sha256Digest) -> Result<Vec<(String, Vec<u8>)>> {
-        let base = self.lookaside(reference)?;
+    fn signatures(&self, base: &str, reference: &DockerRef, digest: &Sha256Digest) -> Result<Vec<(String, Vec<u8>)>> {
         let http = Http::new(Arc::new(Counters::default()), self.timeout);
         let mut out = Vec::new();
         for n in 1..=MAX_SIGNATURES {
-            let url = signature_url(&base, reference, digest, n);
+            let url = signature_url(base, reference, digest, n);
             let got = if let Some(path) = url.strip_prefix("file://") {
                 match std::fs::read(path) {
                     Ok(b) => Some(b),
