@@ -17,6 +17,7 @@ import json
 import os
 import re
 import subprocess
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from containerdtools import FLAVOURS, SNAPSHOTTER, busybox_bundle, containerd_stack, mounts_under
-from servers import Registry, docker_registry
+from servers import AccessRecord, Registry, docker_registry
 from test_push import ok, push
 from test_remote import FRONTEND, build_served_bundle, cache_dir, read_file
 from test_ublkd import no_leftovers, status, ublkd
@@ -153,6 +154,20 @@ def skopeo_accepts(ref: str, trust: Trust, dest: Path) -> subprocess.CompletedPr
                   "--src-tls-verify=false", f"docker://{ref}", f"dir:{dest}")  # fmt: skip
 
 
+def settled_requests(reg: Registry, before: int) -> list[AccessRecord]:
+    """The registry's requests since number ``before``, once its log stops growing (it
+    writes a line when a response ends, maybe after the client is done)."""
+    deadline = time.monotonic() + 10
+    seen = reg.requests()
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = reg.requests()
+        if len(now) == len(seen) > before:
+            break
+        seen = now
+    return seen[before:]
+
+
 @contextlib.contextmanager
 def accepted(ref: str, trust: Trust, mnt: Path) -> Iterator[Path]:
     """skopeo accepts ``ref`` under the policy, and ublkd mounts it (unmounted on exit)."""
@@ -173,7 +188,7 @@ def assert_refused(reg: Registry, ref: str, mnt: Path, trust: Trust, reason: str
     assert r.returncode != 0, r.stdout
     assert f"oci://{ref}: refused by the signature policy {trust.policy}" in r.stderr, r.stderr
     assert reason in r.stderr, r.stderr
-    fetched = [x.path for x in reg.requests()[before:]]
+    fetched = [x.path for x in settled_requests(reg, before)]
     assert fetched and all("/manifests/" in p for p in fetched), fetched
     oracle = skopeo_accepts(ref, trust, mnt.parent / "skopeo-out")
     assert oracle.returncode != 0 and "rejected" in oracle.stderr, oracle.stderr
@@ -359,7 +374,7 @@ def test_containerd_pull_under_a_reject_by_default_policy(
             assert "refused by the signature policy" in out and str(trust.policy) in out, out
             assert f"oci://{reg.address}/signed/plain@sha256:" in out, out
             assert "has no signature" in out, out
-            assert not any(meta_blob in x.path for x in reg.requests()[before:])
+            assert not any(meta_blob in x.path for x in settled_requests(reg, before))
             assert mounts_under(st.snapshotter_root) == []
             st.pull(signed)
             run = st.ctr("run", "--rm", "--snapshotter", SNAPSHOTTER, signed, "signed-c1",
