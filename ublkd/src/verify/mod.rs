@@ -15,6 +15,9 @@
 //! persistent cache is a chunk's STORED bytes (a zstd frame); it is decompressed after the
 //! digest matched and must give exactly the chunk's logical length. The memory cache
 //! holds decompressed chunks.
+//!
+//! Checks before a mount: [`structure`] (meta.img), [`policy`] and [`signature`] (the
+//! containers-policy.json signature policy, docs/signatures.md).
 
 pub mod policy;
 pub mod signature;

@@ -234,6 +234,8 @@ pub struct Payload {
 #[serde(deny_unknown_fields)]
 struct RawPayload {
     critical: RawCritical,
+    /// required, as in containers/image; what it holds (creator, timestamp) is not checked
+    #[allow(dead_code)]
     optional: serde_json::Map<String, serde_json::Value>,
 }
 
@@ -264,7 +266,6 @@ impl Payload {
     pub fn parse(bytes: &[u8]) -> Result<Payload> {
         let raw: RawPayload =
             serde_json::from_slice(bytes).context("the signed payload is not a simple signing payload")?;
-        let _ = raw.optional;
         ensure!(
             raw.critical.ty == SIGNATURE_TYPE,
             "signed payload of type {:?}, expected {SIGNATURE_TYPE:?}",
