@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 from containerdtools import FLAVOURS, SNAPSHOTTER, busybox_bundle, containerd_stack, mounts_under
-from servers import AccessRecord, Registry, docker_registry
+from servers import AccessRecord, Registry, docker_registry, nginx_serving
 from test_push import ok, push
 from test_remote import FRONTEND, build_served_bundle, cache_dir, read_file
 from test_ublkd import no_leftovers, status, ublkd
@@ -297,9 +297,20 @@ def test_push_sign_by(
         assert f"signed: {ref} (sha256:" in out and f"signed: {ref}-bundle (sha256:" in out, out
         found = re.search(r"bundle: manifest (sha256:[0-9a-f]{64})", out)
         assert found is not None, out
-        for loc in (ref, f"{reg.address}/signed/pushed@{found[1]}"):
+        signed = (ref, f"{reg.address}/signed/pushed@{found[1]}")
+        for loc in signed:
             with accepted(loc, trust, mnt):
                 assert read_file(mnt / "data" / "one.bin") == files["data/one.bin"]
+        # the same signatures published by a web server: an http:// lookaside
+        with nginx_serving(trust.sigs, tmp / "nginx") as web:
+            (trust.registries_d / "test.yaml").write_text(
+                f"default-docker:\n  lookaside: {web.url}\n"
+            )
+            for loc in signed:
+                with accepted(loc, trust, mnt):
+                    assert read_file(mnt / "etc" / "hostname") == files["etc/hostname"]
+            got = {(x.path.rsplit("/", 1)[-1], x.status) for x in web.requests()}
+            assert {("signature-1", 200), ("signature-2", 404)} <= got, got
         # a key GnuPG does not have: push fails naming the tag and skopeo's reason
         r = push("push", bundle, f"{reg.address}/signed/pushed:v2", "--sign-by", "0" * 40,
                  "--registries-d", rd)  # fmt: skip
