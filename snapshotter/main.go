@@ -78,8 +78,8 @@ type policyFlags struct{ policy, registriesD *string }
 
 func addPolicyFlags(fs *flag.FlagSet) policyFlags {
 	return policyFlags{
-		policy:      fs.String("policy", "", "signature policy for `ublkd mount` (containers-policy.json; default: ublkd's, /etc/containers/policy.json when it exists)"),
-		registriesD: fs.String("registries-d", "", "containers-registries.d directory naming where signatures are (default: ublkd's, /etc/containers/registries.d)"),
+		policy:      fs.String("policy", "", "signature policy FILE every ublkd mount is checked against (containers-policy.json; default: ublkd's, /etc/containers/policy.json when it exists)"),
+		registriesD: fs.String("registries-d", "", "containers-registries.d DIR naming where signatures are (default: ublkd's, /etc/containers/registries.d)"),
 	}
 }
 
