@@ -208,7 +208,7 @@ func runnableLayers(ctx context.Context, ref string, o podmanOptions) ([]podmanL
 	}
 	var out []podmanLayer
 	for i, l := range manifest.Layers {
-		labels := map[string]string{labelImageRef: ref}
+		labels := map[string]string{labelImageRef: ref, labelManifest: desc.Digest.String()}
 		for k, v := range l.Annotations {
 			labels[k] = v
 		}

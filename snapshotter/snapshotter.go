@@ -36,6 +36,7 @@ const (
 	labelImageID  = labelPrefix + "image-id" // sha256 of the bundle's manifest.json
 	labelLocation = labelPrefix + "location" // oci://REG/REPO@sha256:… where it was pushed
 	labelImageRef = "containerd.io/snapshot/cri.image-ref"
+	labelManifest = "containerd.io/snapshot/cri.manifest-digest" // the image manifest being unpacked
 	labelLayer    = "containerd.io/snapshot/cri.layer-digest"
 )
 
@@ -70,16 +71,18 @@ func newSnapshotter(root string, ublkd ublkdArgv) (*snapshotter, error) {
 
 // bundleRef is what the labels of a bundle layer say.
 type bundleRef struct {
-	location string // oci://REG/REPO@sha256:… passed to ublkd mount
+	location string // oci://REG/REPO@sha256:… passed to ublkd mount: the image or its bundle
 	imageID  string
 }
+
+func isDigest(s string) bool { return strings.HasPrefix(s, "sha256:") && len(s) == 71 }
 
 func bundleOf(labels map[string]string) (bundleRef, bool, error) {
 	digest, ok := labels[labelBundle]
 	if !ok {
 		return bundleRef{}, false, nil
 	}
-	if !strings.HasPrefix(digest, "sha256:") || len(digest) != 71 {
+	if !isDigest(digest) {
 		return bundleRef{}, true, fmt.Errorf("label %s: %q is not a sha256 digest", labelBundle, digest)
 	}
 	loc := labels[labelLocation]
@@ -87,6 +90,13 @@ func bundleOf(labels map[string]string) (bundleRef, bool, error) {
 	// artifact is in the same repository there
 	if ref, ok := labels[labelImageRef]; ok && ref != "" {
 		loc = "oci://" + repository(ref) + "@" + digest
+		// the image manifest containerd unpacks, when it says which: ublkd follows it to
+		// the bundle it names (these labels come from it), so a signature policy checks
+		// the image containerd runs, its config included, not only the bundle
+		// (docs/signatures.md)
+		if m := labels[labelManifest]; isDigest(m) {
+			return bundleRef{location: "oci://" + repository(ref) + "@" + m, imageID: labels[labelImageID]}, true, nil
+		}
 	}
 	if !strings.HasPrefix(loc, "oci://") || !strings.HasSuffix(loc, "@"+digest) {
 		return bundleRef{}, true, fmt.Errorf("bundle %s: no location (label %s is %q)", digest, labelLocation, loc)

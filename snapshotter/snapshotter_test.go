@@ -23,6 +23,16 @@ func TestBundleOf(t *testing.T) {
 	if b, _, _ := bundleOf(labels); b.location != "oci://mirror.example/lazy/app@"+digest {
 		t.Fatalf("with image ref: %s", b.location)
 	}
+	// and the image's own manifest, when containerd names it, over its bundle
+	image := "sha256:" + strings.Repeat("ab", 32)
+	labels[labelManifest] = image
+	if b, _, _ := bundleOf(labels); b.location != "oci://mirror.example/lazy/app@"+image || b.imageID != "sha256:ab" {
+		t.Fatalf("with manifest digest: %+v", b)
+	}
+	labels[labelManifest] = "sha256:short"
+	if b, _, _ := bundleOf(labels); b.location != "oci://mirror.example/lazy/app@"+digest {
+		t.Fatalf("with a bad manifest digest: %s", b.location)
+	}
 	if _, ours, _ := bundleOf(map[string]string{"other": "x"}); ours {
 		t.Fatal("a layer without the bundle label is ours")
 	}

@@ -365,16 +365,24 @@ def test_containerd_pull_under_a_reject_by_default_policy(
 ) -> None:
     """The snapshotter passes its --policy and --registries-d to every `ublkd mount`: an
     unsigned image's pull fails with ublkd's message and leaves nothing mounted, its
-    meta.img never fetched; the same image signed with `skopeo copy --sign-by` runs."""
+    meta.img never fetched; the same image signed with `skopeo copy --sign-by` runs.
+    containerd 1.6 (through the snapshotter's pull client, as the CRI) names the image
+    manifest it unpacks, so that manifest's signature is checked; containerd 2.x's
+    transfer service names only the bundle, so the bundle's is."""
     small = busybox_bundle(tmp_path / "small")
     with docker_registry(tmp_path / "registry") as reg:
         unsigned = f"{reg.address}/signed/plain:v1"  # in the signed scope, never signed
         signed = f"{reg.address}/signed/small:v1"
+        bundle_only = f"{reg.address}/signed/bundle-only:v1"  # its runnable image unsigned
         for ref in (unsigned, signed):
             ok(push("push", "--image", small, ref))
+        # another image (its own run-id): one whose layer containerd has not unpacked yet
+        ok(push("push", "--image", busybox_bundle(tmp_path / "other"), bundle_only))
         trust = make_trust(tmp_path / "trust", reg, keys)
-        for ref in (signed, f"{signed}-bundle"):
+        for ref in (signed, f"{signed}-bundle", f"{bundle_only}-bundle"):
             sign_in_place(ref, trust, keys, keys.trusted)
+        checked = raw_manifest(unsigned if flavour == "1.6" else f"{unsigned}-bundle")
+        checked_digest = "sha256:" + hashlib.sha256(checked).hexdigest()
         layers = json.loads(raw_manifest(f"{unsigned}-bundle"))["layers"]
         meta_blob = layers[0]["digest"]
         with containerd_stack(flavour, snapshotter_args=trust.ublkd_args()) as st:
@@ -383,11 +391,16 @@ def test_containerd_pull_under_a_reject_by_default_policy(
             out = r.stdout + r.stderr
             assert r.returncode != 0, out
             assert "refused by the signature policy" in out and str(trust.policy) in out, out
-            assert f"oci://{reg.address}/signed/plain@sha256:" in out, out
-            assert "has no signature" in out, out
+            assert f"oci://{reg.address}/signed/plain@{checked_digest}: refused" in out, out
+            assert f"manifest {checked_digest} has no signature" in out, out
             assert not any(meta_blob in x.path for x in settled_requests(reg, before))
             assert mounts_under(st.snapshotter_root) == []
             st.pull(signed)
             run = st.ctr("run", "--rm", "--snapshotter", SNAPSHOTTER, signed, "signed-c1",
                          "/bin/cat", "/etc/motd")  # fmt: skip
             assert run.stdout == "small\n"
+            r = st.pull(bundle_only, check=False)
+            if flavour == "1.6":
+                assert r.returncode != 0 and "has no signature" in r.stdout + r.stderr, r
+            else:
+                assert r.returncode == 0, r.stdout + r.stderr
