@@ -3,7 +3,7 @@
 Images (prepared untimed, deleted at the end):
 
 * ``debian``: the Debian minbase rootfs tarball that specs/golden/debian/prepare.sh makes
-  and caches (debootstrap; the same cache as tests/test_golden.py), as a one-``tar:``-layer
+  and caches (pinned minbase; the same cache as tests/test_golden.py), as a one-``tar:``-layer
   spec;
 * ``synthetic``: the build benchmark's input tarball (bench/inputs.py).
 
@@ -101,7 +101,7 @@ class Image:
 
 
 def debian_inputs(log: Path) -> tuple[Path | None, str]:
-    """The cached debootstrap minbase tarball (made by prepare.sh on first use), or why not."""
+    """The cached pinned minbase tarball (made by prepare.sh on first use), or why not."""
     tar = DEBIAN_CACHE / "rootfs.tar"
     if not tar.exists():
         try:

@@ -315,7 +315,7 @@ DEBIAN_CACHE = (
 
 
 def prepare_debian_inputs() -> Path:
-    """Run specs/golden/debian/prepare.sh (debootstrap minbase -> rootfs tarball and OCI
+    """Run specs/golden/debian/prepare.sh (pinned minbase via mmdebstrap -> rootfs tarball and OCI
     layout, cached) and return the cache directory holding the specs."""
     prep = subprocess.run(
         ["bash", str(GOLDEN_DEBIAN / "prepare.sh"), str(DEBIAN_CACHE)],
