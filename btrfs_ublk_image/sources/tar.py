@@ -56,7 +56,8 @@ from btrfs_ublk_image.sources.tarheader import (
 from btrfs_ublk_image.spec import TarLayer
 from btrfs_ublk_image.tree import Content, FileType, Inode, split_path
 
-ZSTD_READ_SIZE = 1 << 14  # compressed bytes per decompress call: bounds a call's output
+ZSTD_READ_SIZE = 1 << 14
+NO_OWNER = 0xFFFFFFFF  # (uid_t)-1 / (gid_t)-1  # compressed bytes per decompress call: bounds a call's output
 
 # magic bytes -> compression name
 _MAGICS: list[tuple[bytes, str]] = [
@@ -259,20 +260,49 @@ def parse_pax_time(value: str) -> int:
     return -ns if neg else ns
 
 
-def _xattrs(pax: Mapping[str, str]) -> dict[bytes, bytes]:
+# xattr namespaces the kernel stores on btrfs (and the two POSIX ACL names of "system.")
+XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")
+XATTR_SYSTEM_NAMES = (b"system.posix_acl_access", b"system.posix_acl_default")
+XATTR_NAME_MAX = 255
+
+
+def xattr_name_problem(name: bytes) -> str | None:
+    """Why setxattr(2) on btrfs would refuse ``name`` (GNU tar then warns and goes on),
+    or None."""
+    if b"\0" in name:
+        return "a NUL byte in the name"
+    if len(name) > XATTR_NAME_MAX:
+        return f"a name longer than {XATTR_NAME_MAX} bytes"
+    if name in XATTR_SYSTEM_NAMES:
+        return None
+    for prefix in XATTR_PREFIXES:
+        if name.startswith(prefix):
+            return None if len(name) > len(prefix) else "an empty name after the namespace"
+    return "no namespace the kernel stores (user., trusted., security., system.posix_acl_*)"
+
+
+def _xattrs(pax: Mapping[str, str], warn: Callable[[str], None], where: str) -> dict[bytes, bytes]:
     out: dict[bytes, bytes] = {}
     for key, value in pax.items():
         if key.startswith("SCHILY.xattr."):
-            out[key[13:].encode("utf-8", "surrogateescape")] = value.encode(
-                "utf-8", "surrogateescape"
-            )
+            name = key[13:].encode("utf-8", "surrogateescape")
+            data = value.encode("utf-8", "surrogateescape")
         elif key.startswith("LIBARCHIVE.xattr."):
             name = urllib.parse.unquote_to_bytes(key[17:])
             raw = value.encode("ascii", "surrogateescape").strip()
             try:
-                out.setdefault(name, base64.b64decode(raw + b"=" * (-len(raw) % 4), validate=True))
+                data = base64.b64decode(raw + b"=" * (-len(raw) % 4), validate=True)
             except (binascii.Error, ValueError):
                 raise ValueError(f"invalid base64 in PAX header {key}") from None
+            if name in out:  # SCHILY.xattr.NAME of the same name wins
+                continue
+        else:
+            continue
+        problem = xattr_name_problem(name)
+        if problem is not None:
+            warn(f"{where}: xattr {name!r} skipped: {problem}")
+            continue
+        out[name] = data
     return out
 
 
@@ -418,7 +448,7 @@ def read_tar(
             corrupt += more
             if opts.diff_id and kind != "none":
                 stream = diff = _DigestStream(stream)
-        reader = TarReader(stream)
+        reader = TarReader(stream, lambda msg: ctx.warn(f"{tar_path}: {msg}"))
         _read_members(reader, tar_path, ctx, opts)
         # validate the compressed stream's end and hash every remaining byte
         while stream.read(READ_SIZE):
@@ -468,13 +498,17 @@ def _read_members(
         except HeaderProblem as e:  # where a member's first header should be
             if e.kind == "end":
                 return
+            if e.kind == "empty":  # the stream ends at a member boundary
+                if not opts.lenient_end:  # OCI layers: umoci writes them so, nothing to say
+                    after = f" after member {last!r}" if last is not None else ""
+                    ctx.warn(
+                        f"{tar_path}: no end-of-archive marker: the archive ends{after} at a"
+                        " member boundary (read as complete, as GNU tar and bsdtar do)"
+                    )
+                return
             if last is None:
-                raise TarFormatError("empty file" if e.kind == "empty" else str(e)) from None
-            if opts.lenient_end and e.kind == "empty":
-                return  # the stream ends right after the last member's (padded) data
-            if e.kind == "empty":
-                msg = "truncated archive: it ends without an end-of-archive marker"
-            elif e.kind == "truncated":
+                raise TarFormatError(str(e)) from None
+            if e.kind == "truncated":
                 msg = "truncated archive: it ends inside a header"
             else:
                 msg = f"corrupt archive: invalid header ({e})"
@@ -486,6 +520,13 @@ def _read_members(
                 raise
             if opts.lenient_end and str(e) == "unexpected end of data":
                 return  # the stream ends right after the last member's (complete) data
+            if str(e) == "unexpected end of data":
+                raise _fail(
+                    tar_path,
+                    None,
+                    f"corrupt or truncated archive after member {last!r}: {e} (the archive"
+                    " ends inside that member's data or padding)",
+                ) from None
             raise _fail(
                 tar_path, None, f"corrupt or truncated archive after member {last!r}: {e}"
             ) from None
@@ -550,10 +591,12 @@ def _read_members(
             ftype = FileType.FIFO
         else:  # pragma: no cover - the reader resolves every other type
             raise _fail(tar_path, name, f"unsupported member type {t!r}")
-        uid = m.uid if own_uid is None else own_uid
-        gid = m.gid if own_gid is None else own_gid
+        # (uid_t)-1 is "leave unchanged" to chown(2): GNU tar, run as root, leaves root's 0
+        uid = (0 if m.uid == NO_OWNER else m.uid) if own_uid is None else own_uid
+        gid = (0 if m.gid == NO_OWNER else m.gid) if own_gid is None else own_gid
         if not (0 <= uid <= 0xFFFFFFFF and 0 <= gid <= 0xFFFFFFFF):
             raise _fail(tar_path, name, f"owner {uid}:{gid} out of range")
+        where = f"{tar_path}: member {name!r}"
         pax = m.pax
         atime: int | None = None
         ctime: int | None = None
@@ -568,16 +611,15 @@ def _read_members(
                 ct = pax.get("ctime")
                 if ct is not None:
                     ctime = parse_pax_time(ct)
-                xattrs = _xattrs(pax)
+                xattrs = _xattrs(pax, ctx.warn, where)
             except ValueError as e:
                 raise _fail(tar_path, name, str(e)) from None
         else:
             mtime = m.mtime * 1_000_000_000
-        where = f"{tar_path}: member {name!r}"
         content: Content = b""
         if regular:
             if m.sparse is not None:
-                content = packs.put_stream(cast(BinaryIO, SparseData(reader, m)), m.size, where)
+                content = packs.put_sparse(SparseData(reader, m), m.size, m.sparse, where)
             elif in_place is not None:  # the data lies in the pack at its tarball offset
                 content = packs.put_in_place(
                     in_place, cast(BinaryIO, reader), m.data_start, m.size, where
