@@ -88,7 +88,7 @@ END = bytes(1024)
 
 def gnu_tar_extract(tarball: Path, dest: Path) -> subprocess.CompletedProcess[str]:
     """GNU tar's extraction as root, every attribute kept (xattrs of every namespace,
-    numeric owners, exact modes). Its exit status is returned, not checked: GNU tar exits
+    ACLs, numeric owners, exact modes). Its exit status is returned, not checked: GNU tar exits
     2 after warnings it goes on from (an xattr the kernel refuses, ...)."""
     dest.mkdir(parents=True, exist_ok=True)
     return subprocess.run(
@@ -96,6 +96,7 @@ def gnu_tar_extract(tarball: Path, dest: Path) -> subprocess.CompletedProcess[st
             "tar",
             "--xattrs",
             "--xattrs-include=*",
+            "--acls",
             "--numeric-owner",
             "--same-owner",
             "-p",

@@ -113,6 +113,33 @@ def _sparse(fmt: str, version: str | None = None, raw: bool = False) -> Callable
     return make
 
 
+def _acl_tree(src: Path) -> None:
+    """Access and default ACLs, for ids no user database names (so GNU tar writes them
+    as numbers): a named user and group with a mask, a minimal ACL, a default ACL."""
+    (src / "f").write_bytes(b"acl\n")
+    run("setfacl", "-m", "u:4242:r,g:4343:rw", src / "f")
+    (src / "minimal").write_bytes(b"m")
+    run("setfacl", "-m", "u::rw,g::r,o::-", src / "minimal")
+    (src / "d").mkdir()
+    run("setfacl", "-m", "u:4244:rx", src / "d")
+    run("setfacl", "-d", "-m", "u:4242:rwx,g:4343:rx", src / "d")
+
+
+def _acls(tool: str) -> Callable[[Path], Path]:
+    def make(tmp: Path) -> Path:
+        if shutil.which("setfacl") is None or shutil.which(tool) is None:
+            pytest.skip(f"setfacl (acl) or {tool} missing")
+        if tool == "tar":
+            return _gnu_tar(tmp, "--format=posix", "--acls", tree=_acl_tree)
+        src = tmp / "src"
+        src.mkdir()
+        _acl_tree(src)
+        run("bsdtar", "--format=pax", "--acls", "-C", src, "-cf", tmp / "t.tar", ".")
+        return tmp / "t.tar"
+
+    return make
+
+
 def _volume_label(tmp: Path) -> Path:
     return _gnu_tar(tmp, "--format=gnu", "-V", "BACKUP 2026-11-26")
 
@@ -379,6 +406,8 @@ TOOL_MADE: dict[str, Callable[[Path], Path]] = {
     "gnu-listed-incremental": _incremental,
     "gnu-G": _old_incremental,
     "gnu-volume-label": _volume_label,
+    "gnu-acls": _acls("tar"),
+    "bsdtar-acls": _acls("bsdtar"),
     "sparse-gnu": _sparse("gnu"),
     "sparse-gnu-raw": _sparse("gnu", raw=True),
     "sparse-oldgnu": _sparse("oldgnu"),
@@ -728,3 +757,46 @@ def test_reader_agrees_with_gnu_tar(
     result = gnu_tar_extract(tmp / "t.tar", tmp / "gnu")
     assert result.returncode == 0 or not archive.endswith(END), result.stderr
     assert got == list_dir(tmp / "gnu")
+
+
+@unit
+def test_text_acls(tmp_path: Path) -> None:
+    """PAX ACL records become the system.posix_acl_* xattrs the kernel would store."""
+    access = "user::rw-\nuser:4242:r--\ngroup::r--\ngroup:4343:rw-\nmask::rw-\nother::r--\n"
+    star = "user::rwx,group::r-x,other::---,user:bob:r-x:1000,mask::r-x"
+    data = (
+        pax(rec(b"SCHILY.acl.access", access.encode()))
+        + regular(b"gnu", b"x", mode=0o600)
+        + pax(rec(b"SCHILY.acl.access", star.encode()))
+        + regular(b"star", b"x")
+        + pax(rec(b"SCHILY.acl.access", b"user::r--,group::---,other::---"))
+        + regular(b"minimal", b"x", mode=0o777)
+        + pax(rec(b"SCHILY.acl.access", b"user::rw-,user:bob:r--,group::r--,mask::r--,other::---"))
+        + regular(b"named", b"x")
+        + pax(rec(b"SCHILY.acl.default", b"user::rwx,group::r-x,other::r-x"))
+        + header(b"d", b"5", mode=0o755)
+        + END
+    )
+    got, warnings, _ = _build(tmp_path, data)
+
+    def acl(*entries: tuple[int, int, int]) -> str:
+        import struct
+
+        return (struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)).hex()
+
+    no = 0xFFFFFFFF
+    assert got["/gnu"]["xattrs"] == {
+        "system.posix_acl_access": acl(
+            (1, 6, no), (2, 4, 4242), (4, 4, no), (8, 6, 4343), (0x10, 6, no), (0x20, 4, no)
+        )
+    }
+    assert got["/gnu"]["mode"] == oct(0o664)  # group bits: the mask
+    assert got["/star"]["xattrs"]["system.posix_acl_access"] == acl(
+        (1, 7, no), (2, 5, 1000), (4, 5, no), (0x10, 5, no), (0x20, 0, no)
+    )
+    assert got["/minimal"]["xattrs"] == {} and got["/minimal"]["mode"] == oct(0o400)
+    assert got["/named"]["xattrs"] == {}
+    assert len(warnings) == 1 and "'bob' without its numeric id" in warnings[0]
+    assert got["/d"]["xattrs"] == {
+        "system.posix_acl_default": acl((1, 7, no), (4, 5, no), (0x20, 5, no))
+    }

@@ -25,6 +25,7 @@ import binascii
 import dataclasses
 import hashlib
 import os
+import struct
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -304,6 +305,102 @@ def _xattrs(pax: Mapping[str, str], warn: Callable[[str], None], where: str) -> 
             continue
         out[name] = data
     return out
+
+
+# POSIX ACLs as btrfs keeps them: the system.posix_acl_* xattr (linux/posix_acl_xattr.h)
+ACL_XATTR_VERSION = 2
+_ACL_TAGS = {"user": 0x02, "group": 0x08, "mask": 0x10, "other": 0x20}  # named USER/GROUP
+_ACL_OBJ = {"user": 0x01, "group": 0x04}  # USER_OBJ, GROUP_OBJ (empty qualifier)
+_ACL_NO_ID = 0xFFFFFFFF
+_ACL_RECORDS = (
+    ("SCHILY.acl.access", b"system.posix_acl_access"),
+    ("SCHILY.acl.default", b"system.posix_acl_default"),
+)
+
+
+def parse_text_acl(text: str) -> list[tuple[int, int, int]]:
+    """A text ACL as GNU tar (one entry a line) and star/bsdtar (comma separated, the
+    numeric id appended as a 4th field) write it -> (tag, perm, id) entries in the order
+    the kernel requires; ValueError says why it is not one. Named qualifiers need the
+    numeric id: resolving a name on the build host would make the image depend on it."""
+    entries: list[tuple[int, int, int]] = []
+    for raw in text.replace("\n", ",").split(","):
+        entry = raw.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        fields = entry.split(":")
+        if len(fields) not in (3, 4):
+            raise ValueError(f"invalid ACL entry {entry!r}")
+        tag_name, qualifier, perms = fields[0], fields[1], fields[2]
+        tag_name = {"u": "user", "g": "group", "m": "mask", "o": "other"}.get(tag_name, tag_name)
+        if tag_name not in _ACL_TAGS or len(perms) != 3:
+            raise ValueError(f"invalid ACL entry {entry!r}")
+        perm = 0
+        for char, want, bit in zip(perms, "rwx", (4, 2, 1), strict=True):
+            if char == want:
+                perm |= bit
+            elif char != "-":
+                raise ValueError(f"invalid ACL permissions in {entry!r}")
+        ident = fields[3] if len(fields) == 4 else qualifier
+        if tag_name in _ACL_OBJ and not qualifier:
+            entries.append((_ACL_OBJ[tag_name], perm, _ACL_NO_ID))
+        elif tag_name in ("mask", "other"):
+            if qualifier:
+                raise ValueError(f"invalid ACL entry {entry!r}")
+            entries.append((_ACL_TAGS[tag_name], perm, _ACL_NO_ID))
+        elif ident.isdigit() and int(ident) < _ACL_NO_ID:
+            entries.append((_ACL_TAGS[tag_name], perm, int(ident)))
+        else:
+            raise ValueError(f"ACL entry {entry!r} names {qualifier!r} without its numeric id")
+    entries.sort(key=lambda e: (e[0], e[2]))
+    tags = [tag for tag, _, _ in entries]
+    keys = [(tag, ident) for tag, _, ident in entries]
+    if len(set(keys)) != len(keys):
+        raise ValueError("an ACL entry repeats")
+    if tags.count(0x01) != 1 or tags.count(0x04) != 1 or tags.count(0x20) != 1:
+        raise ValueError("an ACL needs one user::, group:: and other:: entry")
+    if (0x02 in tags or 0x08 in tags) and 0x10 not in tags:
+        raise ValueError("an ACL with named entries needs a mask:: entry")
+    return entries
+
+
+def _acls(
+    pax: Mapping[str, str],
+    mode: int,
+    xattrs: dict[bytes, bytes],
+    is_dir: bool,
+    warn: Callable[[str], None],
+    where: str,
+) -> int:
+    """The PAX ACL records into ``xattrs``, as setting them through the kernel would:
+    an access ACL sets the mode's permission bits (owner, mask or group, other) and is
+    no xattr when those bits say it all; a default ACL only on a directory. Returns the
+    mode. An ACL that is not one is skipped with a warning (GNU tar warns and goes on)."""
+    for key, name in _ACL_RECORDS:
+        text = pax.get(key)
+        if text is None:
+            continue
+        if name == b"system.posix_acl_default" and not is_dir:
+            warn(f"{where}: {key} skipped: a default ACL on a non-directory")
+            continue
+        try:
+            entries = parse_text_acl(text)
+        except ValueError as e:
+            warn(f"{where}: {key} skipped: {e}")
+            continue
+        if not entries and name == b"system.posix_acl_default":
+            continue
+        if name == b"system.posix_acl_access":
+            perm = {tag: p for tag, p, _ in entries}
+            group = perm.get(0x10, perm[0x04])
+            mode = (mode & ~0o777) | perm[0x01] << 6 | group << 3 | perm[0x20]
+            if len(entries) == 3:  # user::, group::, other:: only: the mode is the ACL
+                xattrs.pop(name, None)
+                continue
+        xattrs[name] = struct.pack("<I", ACL_XATTR_VERSION) + b"".join(
+            struct.pack("<HHI", tag, p, ident) for tag, p, ident in entries
+        )
+    return mode
 
 
 def _fail(tar_path: Path | str, member: str | None, msg: str) -> SourceError:
@@ -597,6 +694,8 @@ def _read_members(
         if not (0 <= uid <= 0xFFFFFFFF and 0 <= gid <= 0xFFFFFFFF):
             raise _fail(tar_path, name, f"owner {uid}:{gid} out of range")
         where = f"{tar_path}: member {name!r}"
+        # a symlink's mode is always 0777 on Linux (symlink(2) ignores the umask and the mode)
+        mode = 0o777 if t == SYMTYPE else m.mode & 0o7777
         pax = m.pax
         atime: int | None = None
         ctime: int | None = None
@@ -612,6 +711,8 @@ def _read_members(
                 if ct is not None:
                     ctime = parse_pax_time(ct)
                 xattrs = _xattrs(pax, ctx.warn, where)
+                if t != SYMTYPE and ("SCHILY.acl.access" in pax or "SCHILY.acl.default" in pax):
+                    mode = _acls(pax, mode, xattrs, ftype == FileType.DIR, ctx.warn, where)
             except ValueError as e:
                 raise _fail(tar_path, name, str(e)) from None
         else:
@@ -628,8 +729,7 @@ def _read_members(
                 content = packs.put_stream(cast(BinaryIO, reader), m.size, where)
         inode = Inode(
             ftype,
-            # a symlink's mode is always 0777 on Linux (symlink(2) ignores the umask and the mode)
-            mode=0o777 if t == SYMTYPE else m.mode & 0o7777,
+            mode=mode,
             uid=uid,
             gid=gid,
             mtime_ns=mtime,
