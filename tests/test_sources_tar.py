@@ -22,6 +22,7 @@ import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tartools import rec
 
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
@@ -68,17 +69,9 @@ def make_tar(members: list[tuple[tarfile.TarInfo, bytes]], fmt: int = tarfile.PA
     return buf.getvalue()
 
 
-def pax_record(key: bytes, value: bytes) -> bytes:
-    body = b" " + key + b"=" + value + b"\n"
-    n = len(body) + 1
-    while len(str(n)) + len(body) != n:
-        n = len(str(n)) + len(body)
-    return str(n).encode() + body
-
-
 def raw_pax_member(ti: tarfile.TarInfo, data: bytes, records: list[tuple[bytes, bytes]]) -> bytes:
     """A PAX member whose extended header holds arbitrary BYTES (binary xattr values)."""
-    payload = b"".join(pax_record(k, v) for k, v in records)
+    payload = b"".join(rec(k, v) for k, v in records)
     xh = tarfile.TarInfo("././@PaxHeader")
     xh.type, xh.size = tarfile.XHDTYPE, len(payload)
     out = xh.tobuf(tarfile.USTAR_FORMAT) + payload + bytes(-len(payload) % 512)
