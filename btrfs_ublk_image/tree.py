@@ -3,7 +3,8 @@
 An ``Inode`` is one file object; a hardlink is the same ``Inode`` object under
 several names. Names are ``bytes`` (Linux file names are bytes, not text).
 Regular file content is either ``bytes`` (small, kept in memory, may become an
-inline extent) or a ``Blob``: deduplicated content already written to a pack.
+inline extent), a ``Blob``: deduplicated content already written to a pack, or
+a ``Sparse``: a file with holes, its data runs Blobs at file offsets.
 
 The tree is the one structure a build keeps for every entry until the image is
 written, so its objects are compact (the build's peak memory is mostly these):

@@ -27,6 +27,7 @@ from tartools import (
     header,
     long_name,
     octal12,
+    padded,
     pax,
     rec,
     regular,
@@ -394,6 +395,17 @@ HAND_MADE: dict[str, bytes] = {
         _old_sparse(b"s", [(512, b"h" * 512), (5120, b"a" * 1024), (70144, b"z" * 512)], 200_000)
         + END
     ),
+    # every member's data is skipped but a hard link's ("links 0 size on tape")
+    "data-after-non-regular": (
+        regular(b"f0", b"0")
+        + header(b"sym", b"2", 5, linkname=b"f0")
+        + padded(b"junk!")
+        + header(b"dir", b"5", 700, mode=0o755)
+        + padded(b"x" * 700)
+        + header(b"hl", b"1", 600, linkname=b"f0")
+        + regular(b"f", b"x")
+        + END
+    ),
     "dumpdir": (
         header(b"d/", b"D", 10, mode=0o750, magic=GNU_MAGIC)
         + b"Yfile\0\0".ljust(512, b"\0")
@@ -520,6 +532,10 @@ def test_hand_made_rules(tmp_path: Path) -> None:
     assert sorted(got) == ["/a", "/b"]
     assert len(warnings) == 1 and "no end-of-archive marker" in warnings[0]
     assert "after member 'b'" in warnings[0]
+    (tmp_path / "10").mkdir()
+    got, _, _ = _build(tmp_path / "10", HAND_MADE["data-after-non-regular"])
+    assert sorted(got) == ["/dir", "/f", "/f0", "/hl", "/sym"]
+    assert got["/hl"]["link"] == "/f0" and got["/sym"]["target"] == "f0"
     (tmp_path / "8").mkdir()
     got, _, _ = _build(tmp_path / "8", HAND_MADE["dumpdir"])
     assert got["/d"]["type"] == "dir" and got["/d"]["mode"] == oct(0o750)

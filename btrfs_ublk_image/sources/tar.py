@@ -13,9 +13,10 @@ beside the source digest, and each regular member's data is referenced at its
 offset in the tarball instead of being written (GNU sparse members are still
 copied: their data is not one contiguous range).
 
-Strictness: a corrupt header or a missing end-of-archive marker is an error (tar
-tools often stop there silently), and so is a truncated zstd stream
-(``zstandard``'s stream reader stops quietly).
+Strictness: a corrupt header, an archive that ends inside a member and a truncated
+zstd stream (``zstandard``'s stream reader stops quietly) are errors; an archive that
+ends at a member boundary without its end-of-archive marker is read with a warning
+(as GNU tar and bsdtar read it). Sparse members keep their holes (``packs.put_sparse``).
 """
 
 from __future__ import annotations

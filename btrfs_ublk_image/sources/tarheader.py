@@ -9,14 +9,16 @@ dominated the build of archives with many small files. What it reads:
   extension blocks);
 * PAX extended ('x', 'X') and global ('g') headers, incl. GNU sparse 0.0, 0.1 and 1.0.
 
-The meaning of every field follows ``tarfile`` (so images built before and after are
-byte-identical): e.g. extension headers apply from the innermost (the member's own
-header, then global PAX records) to the outermost; a directory name loses its
-trailing slashes; unknown member types are regular files. Stricter than ``tarfile``
-where it would silently misread hostile input: a PAX record whose length does not
-end at its newline, an extension header over ``MAX_EXTENSION`` bytes, a negative
-size, an invalid number in a PAX size/uid/gid record, a sparse map that is unsorted,
-overlapping or larger than the stored data are errors.
+The meaning of every field follows GNU tar's extraction (docs/sources.md lists the
+rules; tests/test_tar_fidelity.py checks them against GNU tar): the last of each kind
+of extension header wins ('L', 'K', 'x' whole), PAX records over 'L'/'K'; the ustar
+prefix only under the POSIX magic; 'g' and 'V' are not members, 'D' is a directory;
+every member's data is skipped but a hard link's; unknown member types are regular
+files (with a warning). Stricter where it would silently misread hostile input: a PAX
+record whose length does not end at its newline, an extension header over
+``MAX_EXTENSION`` bytes, a negative size, an invalid number in a PAX size/uid/gid
+record, a sparse map that is unsorted, overlapping or larger than the stored data are
+errors.
 
 Errors: ``HeaderProblem`` where a member's first header should be (the caller decides:
 the end of the archive, or an error); ``TarFormatError`` for a broken archive;
