@@ -33,6 +33,7 @@ from tartools import (
     regular,
 )
 
+from btrfs_ublk_image import trace
 from btrfs_ublk_image.cli import main as cli
 from btrfs_ublk_image.packs import PackWriter, sector_runs
 from btrfs_ublk_image.progress import Progress
@@ -610,6 +611,8 @@ def test_sparse_runs_and_dedup(tmp_path: Path) -> None:
     assert (a, b) == (8192, 65536) and blob_a == blob_b and blob_a.size == 5000
     assert isinstance(full.content, Blob) and full.content == blob_a
     assert packs.bytes_deduped == 10000
+    # a trace's prefetch list names the chunks of the data runs (holes have none)
+    assert trace.chunks_of_files(tree, ["/s"], 4096) == [(0, 0), (0, 1)]
     packs.abort()
 
 
