@@ -18,6 +18,7 @@ APT_PACKAGES=(
   umoci skopeo      # OCI images: oracle and baseline in tests and bench
   mmdebstrap        # the Debian golden image's rootfs, reproducible (specs/golden/debian)
   zstd xz-utils bzip2 gzip cpio       # tarball flavours, initramfs
+  tar libarchive-tools git            # GNU tar and bsdtar: the tar reader's oracles and test writers
   fio squashfs-tools squashfuse erofs-utils  # benchmarks against the peers
   bubblewrap        # bwrap: runs a container on a mounted bundle (tests/test_many_mounts.py, README)
   qemu-system-x86 busybox-static      # VM harness (ublk under QEMU TCG)
