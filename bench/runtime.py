@@ -46,7 +46,7 @@ from bench.remote import measure_remote
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_DEBIAN = ROOT / "specs" / "golden" / "debian"
 DEBIAN_CACHE = (
-    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian"
+    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian-pinned"
 )
 DEBIAN_REF = "bookworm"  # the ref of the OCI layout prepare.sh makes beside rootfs.tar
 COUNTERS = ("reads", "bytes_served", "chunks_verified", "pack_bytes_read", "cache_hits")

@@ -315,7 +315,7 @@ def list_tree(tree: Tree, packs_dir: Path | None = None) -> dict[str, Entry]:
 # --- the golden Debian minbase inputs (specs/golden/debian) ------------------------------------
 GOLDEN_DEBIAN = Path(__file__).resolve().parent.parent / "specs" / "golden" / "debian"
 DEBIAN_CACHE = (
-    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian"
+    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian-pinned"
 )
 
 
