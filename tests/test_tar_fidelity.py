@@ -10,7 +10,10 @@ import hashlib
 import io
 import os
 import shutil
+import signal
+import struct
 import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Callable
@@ -671,8 +674,9 @@ def test_60_gb_sparse_file(tmp_path: Path, fmt: str) -> None:
     spec = _spec(tmp_path, tarball)
     started = time.monotonic()
     assert cli(["build", str(spec), "-o", str(bundle)]) == 0
-    # the whole command, Python start included, on a shared 2-core machine
-    assert time.monotonic() - started < 1.0
+    # the size bound below is the check; this one only catches writing the holes out
+    # (gigabytes: minutes), not a speed goal (0.2 s here; docs/sources.md)
+    assert time.monotonic() - started < 30
     assert sum(p.stat().st_size for p in (bundle / "packs").iterdir()) < MIB
     r = BundleReader(str(bundle))
     inode = r.lookup("/huge")
@@ -819,3 +823,75 @@ def test_text_acls(tmp_path: Path) -> None:
     assert got["/d"]["xattrs"] == {
         "system.posix_acl_default": acl((1, 7, no), (4, 5, no), (0x20, 5, no))
     }
+
+
+# ---- interrupted builds; zstd's skippable frames ---------------------------------------------
+
+
+def _build_blocked_on_a_fifo(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, int]:
+    """A build reading its tarball from a FIFO that the test holds open after one member:
+    the build is mid-way (its temporary directory exists) until the test lets go."""
+    fifo = tmp_path / "in.tar"
+    os.mkfifo(fifo)
+    (tmp_path / "spec.yaml").write_text(
+        f"version: 1\nname: t\nlayers:\n  - tar: {{path: {fifo}}}\n"
+    )
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "btrfs_ublk_image", "build", str(tmp_path / "spec.yaml"), "-o", str(out)],
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    writer = os.open(fifo, os.O_WRONLY)  # blocks until the build opens it
+    os.write(writer, regular(b"a", b"x" * 100))
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".out.*.tmp")):
+        assert time.monotonic() < deadline and proc.poll() is None, "no temporary directory"
+        time.sleep(0.05)
+    return proc, out, writer
+
+
+@unit
+def test_sigterm_removes_the_temporary_bundle(tmp_path: Path) -> None:
+    proc, out, writer = _build_blocked_on_a_fifo(tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        os.close(writer)
+    assert proc.returncode == 143, err
+    assert b"terminated" in err
+    assert not out.exists() and list(tmp_path.glob(".out.*")) == []
+
+
+@unit
+def test_the_next_build_removes_what_a_killed_build_left(tmp_path: Path) -> None:
+    proc, out, writer = _build_blocked_on_a_fifo(tmp_path)
+    try:
+        proc.kill()
+        proc.communicate(timeout=60)
+    finally:
+        os.close(writer)
+    (left,) = tmp_path.glob(".out.*.tmp")
+    # a build still running beside it (this process's pid) is left alone
+    alive = tmp_path / ".other.abc.tmp"
+    alive.mkdir()
+    (alive / ".building").write_text(f"{os.getpid()} {Path('/proc/sys/kernel/random/boot_id').read_text().strip()}\n")  # fmt: skip
+    (tmp_path / "ok.tar").write_bytes(regular(b"b", b"y") + END)
+    (tmp_path / "spec2.yaml").write_text(f"version: 1\nname: t\nlayers:\n  - tar: {{path: {tmp_path / 'ok.tar'}}}\n")  # fmt: skip
+    assert cli(["build", str(tmp_path / "spec2.yaml"), "-o", str(tmp_path / "out2")]) == 0
+    assert not left.exists() and alive.exists()
+
+
+@unit
+def test_zstd_stream_starting_with_a_skippable_frame(tmp_path: Path) -> None:
+    import zstandard
+
+    skippable = struct.pack("<II", 0x184D2A5E, 4) + b"meta"
+    data = regular(b"f", b"content\n") + END
+    (tmp_path / "in.tar.zst").write_bytes(skippable + zstandard.ZstdCompressor().compress(data))
+    (tmp_path / "spec.yaml").write_text(
+        f"version: 1\nname: t\nlayers:\n  - tar: {{path: {tmp_path / 'in.tar.zst'}}}\n"
+    )
+    assert cli(["build", str(tmp_path / "spec.yaml"), "-o", str(tmp_path / "out")]) == 0
+    r = BundleReader(str(tmp_path / "out"))
+    assert r.read(r.lookup("/f")) == b"content\n"

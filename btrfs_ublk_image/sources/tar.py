@@ -58,8 +58,8 @@ from btrfs_ublk_image.sources.tarheader import (
 from btrfs_ublk_image.spec import TarLayer
 from btrfs_ublk_image.tree import Content, FileType, Inode, split_path
 
-ZSTD_READ_SIZE = 1 << 14
-NO_OWNER = 0xFFFFFFFF  # (uid_t)-1 / (gid_t)-1  # compressed bytes per decompress call: bounds a call's output
+ZSTD_READ_SIZE = 1 << 14  # compressed bytes per decompress call: bounds a call's output
+NO_OWNER = 0xFFFFFFFF  # (uid_t)-1 / (gid_t)-1
 
 # magic bytes -> compression name
 _MAGICS: list[tuple[bytes, str]] = [
@@ -87,6 +87,8 @@ def detect_compression(head: bytes) -> str | None:
     for magic, name in _MAGICS:
         if head.startswith(magic):
             return name
+    if len(head) >= 4 and 0x50 <= head[0] <= 0x5F and head[1:4] == b"\x2a\x4d\x18":
+        return "zstd"  # a skippable frame (magic 0x184D2A5?) first, e.g. pzstd's or seekable's
     if len(head) >= BLOCK:
         block = head[:BLOCK]
         if block == bytes(BLOCK) or checksum_ok(block):
