@@ -11,6 +11,14 @@ POSIX_MAGIC = b"ustar\x0000"
 GNU_MAGIC = b"ustar  \x00"
 
 
+def _number12(n: int) -> bytes:
+    """A 12-byte octal field as GNU tar writes it: 11 digits and a NUL, or all 12 digits
+    when the value needs them."""
+    field = b"%011o\0" % n if n < 8**11 else b"%012o" % n
+    assert len(field) == 12, f"{n} does not fit an octal field"
+    return field
+
+
 def header(
     name: bytes,
     typ: bytes = b"0",
@@ -28,14 +36,14 @@ def header(
 ) -> bytes:
     """One header block; ``size`` as a number or a raw 12-byte field; ``extra``: bytes
     placed at offsets (a GNU sparse map, atime/ctime in the prefix area...)."""
-    field = size if isinstance(size, bytes) else b"%011o\0" % size
+    field = size if isinstance(size, bytes) else _number12(size)
     block = bytearray(512)
     block[0 : len(name)] = name
     block[100:108] = b"%07o\0" % mode
     block[108:116] = _number8(uid)
     block[116:124] = _number8(gid)
     block[124:136] = field
-    block[136:148] = b"%011o\0" % mtime
+    block[136:148] = _number12(mtime)
     block[156:157] = typ
     block[157 : 157 + len(linkname)] = linkname
     block[257:265] = magic
