@@ -22,8 +22,9 @@ A spec is a YAML mapping::
 
 The models are frozen pydantic v2 models in strict mode (no bool for an int, no int for
 a string, no set for a list; unknown keys refused); ``json_schema`` is pydantic's
-``model_json_schema`` of ``Spec``. Only commands that read a spec import this module
-(pydantic's import and model building cost ~0.2 s of CPU: docs/sources.md, "Spec").
+``model_json_schema`` of ``Spec``. Only commands that read a spec import this module:
+pydantic's import and model building cost ~80-100 ms of CPU per command more than the
+hand-written validator this replaced (docs/sources.md, "The spec: validation and its cost").
 
 Every layer is a mapping with exactly ONE key naming its kind. ``Layer`` is a
 discriminated union over that key: a new source kind is one new model plus one
@@ -168,7 +169,7 @@ def _uuid_string(value: object) -> object:
     return value
 
 
-# the strings uuid.UUID reads minus its leniencies ('+' or '_' in the hex digits)
+# a string in a form pydantic's UUID parser reads (hyphens, braces, urn:uuid:, 32 hex)
 FsUuid = Annotated[uuid.UUID, Field(strict=False), BeforeValidator(_uuid_string)]
 
 
