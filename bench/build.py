@@ -551,8 +551,9 @@ def _build_inputs(
 
 
 DEBIAN_ABOUT = (
-    "Debian bookworm minbase (debootstrap; `specs/golden/debian/prepare.sh`, cached):"
-    " rootfs.tar, the tree as one tarball, and the OCI layout prepare.sh makes with umoci. "
+    "Debian bookworm minbase (pinned packages, mmdebstrap; `specs/golden/debian/prepare.sh`,"
+    " cached): rootfs.tar, the tree as one tarball, and the two-layer OCI layout prepare.sh"
+    " writes. "
 )
 
 

@@ -3,7 +3,7 @@
 Images (prepared untimed, deleted at the end):
 
 * ``debian``: the Debian minbase rootfs tarball that specs/golden/debian/prepare.sh makes
-  and caches (debootstrap; the same cache as tests/test_golden.py), as a one-``tar:``-layer
+  and caches (pinned minbase; the same cache as tests/test_golden.py), as a one-``tar:``-layer
   spec;
 * ``synthetic``: the build benchmark's input tarball (bench/inputs.py).
 
@@ -46,7 +46,7 @@ from bench.remote import measure_remote
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_DEBIAN = ROOT / "specs" / "golden" / "debian"
 DEBIAN_CACHE = (
-    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian"
+    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian-pinned"
 )
 DEBIAN_REF = "bookworm"  # the ref of the OCI layout prepare.sh makes beside rootfs.tar
 COUNTERS = ("reads", "bytes_served", "chunks_verified", "pack_bytes_read", "cache_hits")
@@ -101,7 +101,7 @@ class Image:
 
 
 def debian_inputs(log: Path) -> tuple[Path | None, str]:
-    """The cached debootstrap minbase tarball (made by prepare.sh on first use), or why not."""
+    """The cached pinned minbase tarball (made by prepare.sh on first use), or why not."""
     tar = DEBIAN_CACHE / "rootfs.tar"
     if not tar.exists():
         try:

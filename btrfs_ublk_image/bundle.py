@@ -35,6 +35,8 @@ MANIFEST = "manifest.json"
 META_IMG = "meta.img"
 BLOCKMAP = "blockmap"
 PACKS = "packs"
+# in a build's temporary directory while it is written: "PID BOOT_ID" of the build
+BUILDING = ".building"
 
 # Fills a tree from the sources, streaming file content into the pack writer; returns the
 # tree, the source records for the manifest and the image config (OCI) or None.
@@ -65,6 +67,48 @@ def image_id(manifest_bytes: bytes) -> str:
     return "sha256:" + hashlib.sha256(manifest_bytes).hexdigest()
 
 
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+def _build_gone(marker: str) -> bool:
+    """Whether the build that wrote ``marker`` (its pid and boot id) no longer runs."""
+    try:
+        with open(marker) as f:
+            pid_text, boot = f.read().split()
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return False  # not ours, or being written: leave it
+    if boot != _boot_id():
+        return True  # written before a reboot
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
+
+
+def remove_stale_builds(parent: str) -> None:
+    """Remove the temporary directories that killed builds (SIGKILL, a crash, a power cut)
+    left in ``parent``: hidden ``.NAME.*.tmp`` directories whose BUILDING marker names a
+    process that is gone."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(parent, name)
+        hidden_tmp = name.startswith(".") and name.endswith(".tmp") and os.path.isdir(path)
+        if hidden_tmp and _build_gone(os.path.join(path, BUILDING)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def write_bundle(
     out_dir: str,
     *,
@@ -85,11 +129,15 @@ def write_bundle(
     parent = os.path.dirname(out_dir)
     if not os.path.isdir(parent):
         raise ImageError(f"{parent}: no such directory")
+    remove_stale_builds(parent)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
     try:
+        with open(os.path.join(tmp, BUILDING), "w") as f:
+            f.write(f"{os.getpid()} {_boot_id()}\n")
         result = _write_into(
             tmp, name, opts, fill, spec_sha256, progress, chunk_size, prefetch, pack_compression
         )
+        os.unlink(os.path.join(tmp, BUILDING))
         os.chmod(tmp, 0o755)
         os.rename(tmp, out_dir)
     except BaseException:

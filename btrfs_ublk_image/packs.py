@@ -44,12 +44,13 @@ import queue
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Protocol, cast
 
 from btrfs_ublk_image.blockmap import StoredChunk
+from btrfs_ublk_image.btrfs.ondisk import SECTORSIZE
 from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import SourceError
-from btrfs_ublk_image.tree import Blob, Content
+from btrfs_ublk_image.tree import Blob, Content, Sparse
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 COPY_BUFFER = 1 << 20
@@ -73,6 +74,31 @@ _UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno
 
 class Progress(Protocol):
     def add_bytes(self, n: int) -> None: ...
+
+
+class SparseSource(Protocol):
+    """A sparse file read front to back: ``read`` gives its bytes (zeros in holes),
+    ``skip_hole`` moves over ``n`` bytes that lie in one hole without making them."""
+
+    def read(self, n: int = -1, /) -> bytes: ...
+
+    def skip_hole(self, n: int) -> None: ...
+
+
+def sector_runs(data: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Data segments (offset, length; sorted, not overlapping) -> the file ranges that
+    must be stored: (start, end) with ``start`` a sector boundary (a file extent starts
+    at one) and ``end`` the end of the last data byte in it (the rest of that sector is
+    zeros on the device). Segments that share or touch a sector are one range, the zeros
+    between them stored."""
+    runs: list[list[int]] = []
+    for off, num in data:
+        start = off - off % SECTORSIZE
+        if runs and start <= -(-runs[-1][1] // SECTORSIZE) * SECTORSIZE:
+            runs[-1][1] = max(runs[-1][1], off + num)
+        else:
+            runs.append([start, off + num])
+    return [(a, b) for a, b in runs]
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,13 +161,13 @@ class PackWriter:
         self.bytes_in_place = 0  # unique content referenced in in-place packs (not written)
         self._in_place: list[InPlacePack] = []
 
-    def put_bytes(self, data: bytes) -> Content:
+    def put_bytes(self, data: bytes) -> bytes | Blob:
         if len(data) <= self.keep_inline:
             self.bytes_in += len(data)
             return data
         return self._append_checked([data], len(data), "inline content")
 
-    def put_stream(self, src: BinaryIO, size: int, where: str) -> Content:
+    def put_stream(self, src: BinaryIO, size: int, where: str) -> bytes | Blob:
         """Read exactly ``size`` bytes from ``src``; ``where`` names the entry in errors."""
         if size <= self.keep_inline:
             data = src.read(size)
@@ -150,6 +176,29 @@ class PackWriter:
             self.bytes_in += size
             return data
         return self._append_checked(_Reader(src, size, where), size, where)
+
+    def put_sparse(
+        self, src: SparseSource, size: int, data: list[tuple[int, int]], where: str
+    ) -> Content:
+        """A file of ``size`` bytes whose ``data`` segments (offset, length: sorted, not
+        overlapping) are all that is not a hole, read front to back from ``src``. Only
+        the sector runs holding data are packed (``Sparse``); a small file stays in
+        memory whole, and one whose data fills it is a plain ``Blob``."""
+        if size <= self.keep_inline:
+            return self.put_stream(cast(BinaryIO, src), size, where)
+        runs = sector_runs(data)
+        if runs == [(0, size)]:
+            return self._append_checked(_Reader(cast(BinaryIO, src), size, where), size, where)
+        segments: list[tuple[int, Blob]] = []
+        pos = 0
+        for start, end in runs:
+            src.skip_hole(start - pos)
+            blob = self._append_checked(
+                _Reader(cast(BinaryIO, src), end - start, where), end - start, where
+            )
+            segments.append((start, blob))
+            pos = end
+        return Sparse(size, tuple(segments))
 
     def open_in_place(self, src_path: str) -> InPlacePack:
         """A source file that becomes a pack as it is; read it through the returned object."""
@@ -160,7 +209,7 @@ class PackWriter:
 
     def put_in_place(
         self, pack: InPlacePack, src: BinaryIO, offset: int, size: int, where: str
-    ) -> Content:
+    ) -> bytes | Blob:
         """Read ``size`` bytes from ``src``: they are pack ``pack``'s bytes at ``offset``.
         Referenced there (or kept inline when small, or an earlier copy): nothing is written."""
         if size <= self.keep_inline:
@@ -216,13 +265,11 @@ class PackWriter:
 
     def put_pack_tail(self, data: bytes) -> Blob:
         """Append bytes that must live in the pack whatever their size (device 2's superblock)."""
-        blob = self._append_checked([data], len(data), "device superblock", dedupe=False)
-        assert isinstance(blob, Blob)
-        return blob
+        return self._append_checked([data], len(data), "device superblock", dedupe=False)
 
     def _append_checked(
         self, pieces: list[bytes] | _Reader, size: int, where: str, dedupe: bool = True
-    ) -> Content:
+    ) -> Blob:
         start = self._size
         crc = self._take(pieces, size, where, self._write)
         key = size << 32 | crc

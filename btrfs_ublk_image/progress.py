@@ -26,6 +26,7 @@ class Progress:
         self.bytes = 0
         self.started = time.monotonic()
         self._last_draw = 0.0
+        self.warnings: list[str] = []
 
     def add_file(self, n: int = 1) -> None:
         self.files += n
@@ -34,6 +35,15 @@ class Progress:
     def add_bytes(self, n: int) -> None:
         self.bytes += n
         self._maybe_draw()
+
+    def warn(self, message: str) -> None:
+        """A warning: always printed (on its own line, the status line redrawn after it)
+        and kept in ``warnings``."""
+        self.warnings.append(message)
+        clear = "\r\x1b[K" if self.enabled else ""
+        self.stream.write(f"{clear}warning: {message}\n")
+        self.stream.flush()
+        self._maybe_draw(force=True)
 
     def phase(self, label: str) -> None:
         self.label = label

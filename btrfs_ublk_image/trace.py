@@ -16,7 +16,7 @@ from typing import Any, Literal, cast
 
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.files import write_atomic
-from btrfs_ublk_image.tree import Blob, FileType, Tree
+from btrfs_ublk_image.tree import Blob, FileType, Sparse, Tree
 
 FORMAT = "btrfs-ublk-image.trace"
 FORMAT_VERSION = 1
@@ -155,18 +155,23 @@ def chunks_of_files(tree: Tree, patterns: Sequence[str], chunk_size: int) -> lis
         if not any(sel.match_or_parent(p) for p, _ in entries):
             raise ImageError(f"prefetch: pattern {pattern!r} matches nothing in the image")
         for path, node in entries:
-            if node.type != FileType.REG or not isinstance(node.content, Blob):
+            if node.type != FileType.REG or not sel.match_or_parent(path):
                 continue
-            if not sel.match_or_parent(path):
+            content = node.content
+            if isinstance(content, Blob):
+                blobs: tuple[Blob, ...] = (content,)
+            elif isinstance(content, Sparse):  # its data segments (holes need no chunk)
+                blobs = tuple(blob for _, blob in content.segments)
+            else:
                 continue
-            blob = node.content
-            if blob.size == 0:
-                continue
-            first = blob.offset // chunk_size
-            last = (blob.offset + blob.size - 1) // chunk_size
-            for c in range(first, last + 1):
-                ref = (blob.pack, c)
-                if ref not in seen:
-                    seen.add(ref)
-                    out.append(ref)
+            for blob in blobs:
+                if blob.size == 0:
+                    continue
+                first = blob.offset // chunk_size
+                last = (blob.offset + blob.size - 1) // chunk_size
+                for c in range(first, last + 1):
+                    ref = (blob.pack, c)
+                    if ref not in seen:
+                        seen.add(ref)
+                        out.append(ref)
     return out

@@ -3,7 +3,8 @@
 An ``Inode`` is one file object; a hardlink is the same ``Inode`` object under
 several names. Names are ``bytes`` (Linux file names are bytes, not text).
 Regular file content is either ``bytes`` (small, kept in memory, may become an
-inline extent) or a ``Blob``: deduplicated content already written to a pack.
+inline extent), a ``Blob``: deduplicated content already written to a pack, or
+a ``Sparse``: a file with holes, its data runs Blobs at file offsets.
 
 The tree is the one structure a build keeps for every entry until the image is
 written, so its objects are compact (the build's peak memory is mostly these):
@@ -99,7 +100,33 @@ class Blob(int):
     __str__ = __repr__
 
 
-Content = bytes | Blob
+class Sparse:
+    """A file with holes: ``size`` bytes, zeros but for its data ``segments``, each
+    (file offset, Blob) with the offset a multiple of the btrfs sector size and no two
+    overlapping (a segment's last sector is zero-padded). Holes cost no pack byte and no
+    extent: the image has file extents only for the segments (``NO_HOLES``)."""
+
+    __slots__ = ("segments", "size")
+
+    def __init__(self, size: int, segments: tuple[tuple[int, Blob], ...]) -> None:
+        self.size = size
+        self.segments = segments
+
+    def __repr__(self) -> str:
+        return f"Sparse(size={self.size}, segments={self.segments!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Sparse)
+            and self.size == other.size
+            and self.segments == other.segments
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.size, self.segments))
+
+
+Content = bytes | Blob | Sparse
 
 _NO_XATTRS: Mapping[bytes, bytes] = MappingProxyType({})
 
@@ -382,7 +409,7 @@ class Inode:
     def size(self) -> int:
         t, p = self._meta[0], self._payload
         if t is FileType.REG:
-            return p.size if isinstance(p, Blob | _SetAside) else len(p)  # type: ignore[arg-type]
+            return p.size if isinstance(p, Blob | _SetAside | Sparse) else len(p)  # type: ignore[arg-type]
         if t is FileType.SYMLINK:
             return len(p)  # type: ignore[arg-type]
         return 0

@@ -15,8 +15,10 @@ APT_PACKAGES=(
   e2fsprogs attr acl kmod util-linux  # chattr/lsattr, getfattr/setfattr, getfacl, modprobe, losetup
   fuse3 libfuse3-dev pkg-config       # ublkd's fuse frontend
   libclang-dev clang                  # bindgen for the libublk crate
-  umoci skopeo debootstrap            # OCI images and the Debian golden image
+  umoci skopeo      # OCI images: oracle and baseline in tests and bench
+  mmdebstrap        # the Debian golden image's rootfs, reproducible (specs/golden/debian)
   zstd xz-utils bzip2 gzip cpio       # tarball flavours, initramfs
+  tar libarchive-tools git            # GNU tar and bsdtar: the tar reader's oracles and test writers
   fio squashfs-tools squashfuse erofs-utils  # benchmarks against the peers
   bubblewrap        # bwrap: runs a container on a mounted bundle (tests/test_many_mounts.py, README)
   qemu-system-x86 busybox-static      # VM harness (ublk under QEMU TCG)
@@ -46,6 +48,18 @@ if [ -z "${SKIP_APT:-}" ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
       -o Dir::Cache::archives=/var/cache/btrfs-ublk-image/apt "${missing[@]}"
   fi
+fi
+
+# The pinned Debian package set of the golden image (specs/golden/debian/prepare.sh), kept
+# where a later checkout finds it when ../shared/debian-minbase is not beside it.
+if [ -f "$ROOT/../shared/debian-minbase/SHA256SUMS" ]; then
+  log "debian-minbase: copying the pinned package set to /var/cache/btrfs-ublk-image"
+  mkdir -p /var/cache/btrfs-ublk-image
+  src="$ROOT/../shared/debian-minbase"
+  rm -rf /var/cache/btrfs-ublk-image/debian-minbase.tmp
+  cp -a "$src" /var/cache/btrfs-ublk-image/debian-minbase.tmp
+  rm -rf /var/cache/btrfs-ublk-image/debian-minbase
+  mv /var/cache/btrfs-ublk-image/debian-minbase.tmp /var/cache/btrfs-ublk-image/debian-minbase
 fi
 
 # Python: a venv inside the checkout, so the system Python stays untouched (PEP 668).

@@ -179,8 +179,11 @@ def _entry(full: str, rel: str, first_path: dict[int, str]) -> Entry:
         xattrs[name] = os.getxattr(full, name, follow_symlinks=False).hex()
     e["xattrs"] = xattrs
     if stat.S_ISREG(st.st_mode):
+        h = hashlib.sha256()
         with open(full, "rb") as f:
-            e["sha256"] = hashlib.sha256(f.read()).hexdigest()
+            while piece := f.read(1 << 20):
+                h.update(piece)
+        e["sha256"] = h.hexdigest()
         e["size"] = st.st_size
         if st.st_nlink > 1:
             e["link"] = first_path.setdefault(st.st_ino, rel)
@@ -265,7 +268,7 @@ def dmesg_len() -> int:
 
 def list_tree(tree: Tree, packs_dir: Path | None = None) -> dict[str, Entry]:
     """The same listing from an in-memory ``Tree`` (content read back from the pack)."""
-    from btrfs_ublk_image.tree import Blob, FileType
+    from btrfs_ublk_image.tree import Blob, FileType, Sparse
 
     counts: dict[int, int] = {}
     for _, node in tree.walk():
@@ -287,14 +290,16 @@ def list_tree(tree: Tree, packs_dir: Path | None = None) -> dict[str, Entry]:
         e["xattrs"] = {os.fsdecode(k): v.hex() for k, v in sorted(node.xattrs.items())}
         if node.type == FileType.REG:
             content = node.content
-            if isinstance(content, Blob):
+            segments = ((0, content),) if isinstance(content, Blob) else ()
+            if isinstance(content, Sparse):
+                segments = content.segments
+            data = bytearray(content if isinstance(content, bytes) else bytes(content.size))
+            for offset, blob in segments:  # holes stay zeros
                 assert packs_dir is not None
                 (pack,) = list(packs_dir.iterdir())
                 with open(pack, "rb") as f:
-                    f.seek(content.offset)
-                    data = f.read(content.size)
-            else:
-                data = content
+                    f.seek(blob.offset)
+                    data[offset : offset + blob.size] = f.read(blob.size)
             e["sha256"] = hashlib.sha256(data).hexdigest()
             e["size"] = len(data)
             if counts[id(node)] > 1:
@@ -310,12 +315,12 @@ def list_tree(tree: Tree, packs_dir: Path | None = None) -> dict[str, Entry]:
 # --- the golden Debian minbase inputs (specs/golden/debian) ------------------------------------
 GOLDEN_DEBIAN = Path(__file__).resolve().parent.parent / "specs" / "golden" / "debian"
 DEBIAN_CACHE = (
-    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian"
+    Path(os.environ.get("BUI_GOLDEN_CACHE", "/var/tmp/btrfs-ublk-image-golden")) / "debian-pinned"
 )
 
 
 def prepare_debian_inputs() -> Path:
-    """Run specs/golden/debian/prepare.sh (debootstrap minbase -> rootfs tarball and OCI
+    """Run specs/golden/debian/prepare.sh (pinned minbase via mmdebstrap -> rootfs tarball and OCI
     layout, cached) and return the cache directory holding the specs."""
     prep = subprocess.run(
         ["bash", str(GOLDEN_DEBIAN / "prepare.sh"), str(DEBIAN_CACHE)],

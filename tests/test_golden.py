@@ -63,15 +63,22 @@ def build_golden(name: str, out: Path) -> tuple[str, str]:
     return listing.format_listing(listing.from_bundle(str(out))), image_id
 
 
+def listing_changes(name: str, text: str) -> list[str]:
+    """The differences (expected -> built) between specs/golden/NAME/expected.listing and
+    ``text``."""
+    path = GOLDEN / name / "expected.listing"
+    assert path.exists(), f"{path} missing (BUI_UPDATE_GOLDEN=1)"
+    want = listing.parse_listing(path.read_text(), str(path))
+    return listing.diff(want, listing.parse_listing(text, "built"))
+
+
 def check_against_expected(name: str, text: str, image_id: str) -> None:
     d = GOLDEN / name
     if UPDATE:
         (d / "expected.listing").write_text(text)
         (d / "expected-id").write_text(image_id + "\n")
         return
-    assert (d / "expected.listing").exists(), f"{d}/expected.listing missing (BUI_UPDATE_GOLDEN=1)"
-    want = listing.parse_listing((d / "expected.listing").read_text(), str(d / "expected.listing"))
-    changes = listing.diff(want, listing.parse_listing(text, "built"))
+    changes = listing_changes(name, text)
     hint = "\n(if intended: BUI_UPDATE_GOLDEN=1 pytest tests/test_golden.py, review, commit)"
     assert not changes, (
         f"{name}: the listing changed (expected -> built):\n" + "\n".join(changes) + hint
@@ -143,12 +150,12 @@ def _sh(*cmd: str | Path, timeout: float = 600) -> subprocess.CompletedProcess[s
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["spec.yaml", "spec-oci.yaml"])
 def test_debian_acceptance(spec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """debootstrap minbase -> bundle -> `ublkd mount --rw` -> chroot: `dpkg --verify` reports
+    """mmdebstrap minbase (pinned) -> bundle -> `ublkd mount --rw` -> chroot: `dpkg --verify` reports
     nothing, `apt-cache policy` and a shell script work; the bundle's listing (read without
     mounting) equals the walk of the mounted tree."""
     ublkd = _ublkd_binary()
-    if os.geteuid() != 0 or ublkd is None or shutil.which("debootstrap") is None:
-        pytest.skip("needs root, a built ublkd and debootstrap")
+    if os.geteuid() != 0 or ublkd is None or shutil.which("mmdebstrap") is None:
+        pytest.skip("needs root, a built ublkd and mmdebstrap")
     prepare_debian_inputs()
     bundle = tmp_path / "bundle"
     assert cli(["build", str(DEBIAN_CACHE / spec), "-o", str(bundle)]) == 0
@@ -159,7 +166,7 @@ def test_debian_acceptance(spec: str, tmp_path: Path, monkeypatch: pytest.Monkey
         gzip_layer = "application/vnd.oci.image.layer.v1.tar+gzip"
         assert _oci_layers(DEBIAN_CACHE / "oci", "bookworm") == [gzip_layer, gzip_layer]
         assert b"/etc/golden-release" in paths
-        assert b"/var/log/bootstrap.log" not in paths
+        assert b"/var/lib/dpkg/status-old" not in paths
     assert cli(["ls", str(bundle), "/usr/bin/dpkg"]) == 0
 
     monkeypatch.setenv("UBLKD_RUN_DIR", str(tmp_path / "ublkd-run"))
@@ -200,3 +207,63 @@ def test_debian_acceptance(spec: str, tmp_path: Path, monkeypatch: pytest.Monkey
             _sh("umount", mnt / "proc")
         u = subprocess.run([ublkd, "umount", str(mnt)], capture_output=True, text=True, timeout=120)
         assert u.returncode == 0, u.stdout + u.stderr
+
+
+# --- the Debian golden image: committed listing and id (specs/golden/debian) -------------------
+def _build_debian(inputs: Path, out: Path) -> tuple[str, str]:
+    assert cli(["build", str(inputs / "spec-oci.yaml"), "-o", str(out)]) == 0
+    _, image_id = read_manifest(str(out))
+    return listing.format_listing(listing.from_bundle(str(out))), image_id
+
+
+def _needs_mmdebstrap() -> None:
+    if os.geteuid() != 0 or shutil.which("mmdebstrap") is None:
+        pytest.skip("needs root and mmdebstrap (scripts/setup.sh installs it)")
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_debian_golden_from_scratch_twice(tmp_path: Path) -> None:
+    """Two builds from the committed inputs, each from nothing (a fresh prepare.sh run, no
+    cache), give the committed listing and image id."""
+    _needs_mmdebstrap()
+    ids = []
+    for n in (1, 2):
+        inputs = tmp_path / f"inputs-{n}"
+        prep = subprocess.run(
+            ["bash", str(GOLDEN / "debian" / "prepare.sh"), str(inputs)],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        assert prep.returncode == 0, f"prepare.sh failed:\n{prep.stdout}{prep.stderr}"
+        text, image_id = _build_debian(inputs, tmp_path / f"bundle-{n}")
+        check_against_expected("debian", text, image_id)
+        ids.append(image_id)
+        shutil.rmtree(inputs)
+    assert ids[0] == ids[1]
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_debian_golden_one_byte_change_fails(tmp_path: Path) -> None:
+    """The same image with the first byte of one package's file changed (in the second OCI
+    layer) fails the listing check, which names exactly that file."""
+    _needs_mmdebstrap()
+    cache = prepare_debian_inputs()
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    shutil.copy(cache / "spec-oci.yaml", inputs)
+    shutil.copytree(cache / "overlay", inputs / "overlay", symlinks=True)
+    run(
+        "python3",
+        GOLDEN / "debian" / "make-oci.py",
+        cache / "rootfs.tar",
+        inputs / "oci",
+        "--change-byte",
+        "/usr/bin/dpkg",
+    )
+    text, image_id = _build_debian(inputs, tmp_path / "bundle")
+    changes = listing_changes("debian", text)
+    assert len(changes) == 1 and "/usr/bin/dpkg" in changes[0], changes
+    assert image_id != (GOLDEN / "debian" / "expected-id").read_text().strip()

@@ -265,8 +265,8 @@ def test_bwrap_runs_a_shell_on_a_mounted_debian_bundle(tmp_path: Path) -> None:
     """bwrap (bubblewrap) runs `/bin/sh -c 'echo ok'` with a read-only mount and an
     --ephemeral mount of a Debian minbase bundle as its root; what the ephemeral
     container writes stays in its mount."""
-    if shutil.which("bwrap") is None or shutil.which("debootstrap") is None:
-        pytest.skip("needs bwrap (bubblewrap) and debootstrap: run scripts/setup.sh")
+    if shutil.which("bwrap") is None or shutil.which("mmdebstrap") is None:
+        pytest.skip("needs bwrap (bubblewrap) and mmdebstrap: run scripts/setup.sh")
     prepare_debian_inputs()
     # the golden minbase tree plus one file of ours: a different image (and fsid) than
     # the golden one, so that other users' mounts of that image cannot interfere

@@ -1,9 +1,8 @@
 """Equality with the reference, `umoci unpack`, on a real Debian image built on this machine.
 
-The base image is a Debian bookworm minbase rootfs (debootstrap) packed with umoci. It is
-cached in /var/cache/btrfs-ublk-image/oci/ under the date it was made and reused for
-CACHE_DAYS days, so CI downloads it about once a month; the first run on a machine
-builds it (about two minutes, needs the Debian mirror).
+The base image is the Debian golden image's pinned bookworm minbase rootfs
+(specs/golden/debian/prepare.sh, no network) packed with umoci as one layer. It is cached
+in /var/cache/btrfs-ublk-image/oci/ under the recipe's name.
 
 On top of it: layer 2 is a real `umoci repack` diff (deleted files, a directory replaced
 by a file and a file by a directory, new hard links, new xattrs, changed modes and
@@ -16,7 +15,6 @@ a symlinked parent, a hard link to a lower-layer file).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import fcntl
 import io
 import json
@@ -32,35 +30,20 @@ import pytest
 
 from btrfs_ublk_image.cli import main as cli
 
-from bundletools import Entry, dmesg_btrfs_problems, dmesg_len, list_dir, mounted_bundle, run
+from bundletools import (
+    Entry,
+    dmesg_btrfs_problems,
+    dmesg_len,
+    list_dir,
+    mounted_bundle,
+    prepare_debian_inputs,
+    run,
+)
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 CACHE = Path(os.environ.get("BUI_CACHE", "/var/cache/btrfs-ublk-image")) / "oci"
-CACHE_DAYS = 30
-MIRROR_FILE = Path("/etc/apt/sources.list.d/debian.sources")
-DEFAULT_MIRROR = "http://deb.debian.org/debian"
-
-
-def _mirror() -> str:
-    try:
-        for line in MIRROR_FILE.read_text().splitlines():
-            if line.startswith("URIs:"):
-                for uri in line.split()[1:]:
-                    if uri.rstrip("/").endswith("/debian"):
-                        return uri
-    except OSError:
-        pass
-    return DEFAULT_MIRROR
-
-
-def _fresh(p: Path) -> bool:
-    try:
-        made = datetime.datetime.strptime(p.name.rsplit("-", 1)[1], "%Y%m%d")
-    except (IndexError, ValueError):
-        return False
-    age = datetime.datetime.now() - made
-    return (p / "index.json").exists() and age.days <= CACHE_DAYS
+BASE = CACHE / "debian-pinned-minbase-1"  # rename when the recipe changes
 
 
 @contextlib.contextmanager
@@ -79,42 +62,29 @@ def _sh(*cmd: str | Path, cwd: Path | None = None) -> str:
 
 
 def debian_base_layout() -> Path:
-    """The cached OCI layout (tag 'base') of a debootstrapped bookworm minbase rootfs."""
+    """The cached OCI layout (tag 'base') of the golden image's pinned minbase rootfs."""
     with _locked(CACHE / ".lock"):
-        cached = sorted(p for p in CACHE.glob("debian-bookworm-minbase-*") if _fresh(p))
-        if cached:
-            return cached[-1]
-        final = CACHE / f"debian-bookworm-minbase-{datetime.date.today():%Y%m%d}"
+        if (BASE / "index.json").exists():
+            return BASE
+        rootfs_tar = prepare_debian_inputs() / "rootfs.tar"
         work = CACHE / f".build-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         try:
             rootfs = work / "bundle" / "rootfs"
-            mirror = _mirror()
-            res = subprocess.run(
-                ["debootstrap", "--variant=minbase", "bookworm", str(work / "rootfs"), mirror],
-                capture_output=True,
-                text=True,
-            )
-            if res.returncode != 0:
-                raise AssertionError(
-                    f"debootstrap from {mirror} failed (exit {res.returncode}):\n"
-                    + "\n".join(res.stdout.splitlines()[-15:] + res.stderr.splitlines()[-15:])
-                )
             _sh("umoci", "init", "--layout", work / "oci")
             _sh("umoci", "new", "--image", f"{work / 'oci'}:base")
             _sh("umoci", "unpack", "--image", f"{work / 'oci'}:base", work / "bundle")
-            rootfs.rmdir()
-            os.rename(work / "rootfs", rootfs)
+            _sh("tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "-xpf", rootfs_tar,
+                "-C", rootfs)  # fmt: skip
             _sh("umoci", "repack", "--image", f"{work / 'oci'}:base", work / "bundle")
             _sh("umoci", "gc", "--layout", work / "oci")
-            os.rename(work / "oci", final)
+            os.rename(work / "oci", BASE)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        for old in CACHE.glob("debian-bookworm-minbase-*"):
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
-        return final
+        for old in CACHE.glob("debian-bookworm-minbase-*"):  # the dated caches of an older recipe
+            shutil.rmtree(old, ignore_errors=True)
+        return BASE
 
 
 def _member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", **kw: object) -> tuple[tarfile.TarInfo, bytes]:  # fmt: skip
@@ -145,8 +115,8 @@ def _layer_two(rootfs: Path) -> None:
     os.setxattr(rootfs / "srv" / "data", "user.origin", b"layer two")
     os.setxattr(rootfs / "usr" / "bin" / "dpkg", "security.capability",
                 bytes.fromhex("0100000200200000000000000000000000000000"))  # fmt: skip
-    os.chmod(rootfs / "etc" / "hostname", 0o600)
-    os.chown(rootfs / "etc" / "hostname", 1234, 5678)
+    os.chmod(rootfs / "etc" / "issue", 0o600)  # changed mode and owner
+    os.chown(rootfs / "etc" / "issue", 1234, 5678)
     os.mknod(rootfs / "dev" / "loop-test", 0o660 | 0o060000, os.makedev(7, 99))
     os.symlink("../usr/share/zoneinfo/Etc/UTC", rootfs / "etc" / "localtime-test")
     os.utime(rootfs / "srv" / "data", ns=(1, 1_600_000_000_123_456_789))
@@ -180,7 +150,7 @@ def _layer_four() -> bytes:
 @pytest.fixture(scope="module")
 def debian_image(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An OCI layout with tag 'four': base + the three layers above."""
-    for tool in ("debootstrap", "umoci", "skopeo"):
+    for tool in ("mmdebstrap", "umoci", "skopeo"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is not installed (scripts/setup.sh installs it)")
     base = debian_base_layout()

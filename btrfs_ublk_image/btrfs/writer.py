@@ -48,7 +48,7 @@ from btrfs_ublk_image.btrfs.treeblocks import (
     unspill,
 )
 from btrfs_ublk_image.errors import ImageError
-from btrfs_ublk_image.tree import Blob, FileType, Inode, Tree
+from btrfs_ublk_image.tree import Blob, FileType, Inode, Sparse, Tree
 
 GENERATION = 1
 MAX_INLINE = d.SECTORSIZE - 1  # btrfs check: inline ram_bytes <= sectorsize - 1
@@ -343,6 +343,7 @@ class _FsTree:
     # file extent refs, one row each, in inode order: the extent's row and the inode
     ref_extent: array[int]
     ref_ino: array[int]
+    ref_offset: array[int]  # the file offset the ref maps the extent at
     stats: dict[str, int]
 
 
@@ -355,6 +356,7 @@ def _fs_tree_items(
     add = packer.add
     ref_extent = array("Q")
     ref_ino = array("Q")
+    ref_offset = array("Q")
     files = directories = symlinks = devices = hardlinks = inline_files = content_bytes = 0
     ext_logical, ext_disk, ext_offset = placer.logical, placer.disk_bytes, placer.file_offset
     more_refs = num.more_refs
@@ -373,18 +375,23 @@ def _fs_tree_items(
             files += 1
             flags = reg_flags
             content = node.content
-            if isinstance(content, Blob):
+            if isinstance(content, Blob | Sparse):
+                # a sparse file: extents for its data segments only, holes have no item
+                segments = ((0, content),) if isinstance(content, Blob) else content.segments
                 size = content.size
-                for row in placer.place(content):
-                    file_extents.append(
-                        (
-                            (ino, extent_data_key, ext_offset[row]),
-                            d.pack_file_extent_reg(gen, ext_logical[row], ext_disk[row]),
+                for seg_offset, blob in segments:
+                    for row in placer.place(blob):
+                        offset = seg_offset + ext_offset[row]
+                        file_extents.append(
+                            (
+                                (ino, extent_data_key, offset),
+                                d.pack_file_extent_reg(gen, ext_logical[row], ext_disk[row]),
+                            )
                         )
-                    )
-                    ref_extent.append(row)
-                    ref_ino.append(ino)
-                    nbytes += ext_disk[row]
+                        ref_extent.append(row)
+                        ref_ino.append(ino)
+                        ref_offset.append(offset)
+                        nbytes += ext_disk[row]
             elif content:
                 if len(content) > imax:
                     raise AssertionError("in-memory content larger than the inline limit")
@@ -494,7 +501,9 @@ def _fs_tree_items(
         "inline_files": inline_files,
         "content_bytes": content_bytes,
     }
-    return _FsTree(packer.finish(), items_hash.digest(), placer, ref_extent, ref_ino, stats)
+    return _FsTree(
+        packer.finish(), items_hash.digest(), placer, ref_extent, ref_ino, ref_offset, stats
+    )
 
 
 # the size of an EXTENT_ITEM with one flags word, of an inline data ref, of a keyed one
@@ -526,10 +535,12 @@ class _DataExtentItems:
             start[e + 1] += start[e]
         fill = array("Q", start[:n])
         ino = array("Q", bytes(8 * len(fs.ref_ino)))
-        for e, i in zip(fs.ref_extent, fs.ref_ino, strict=True):
+        offset = array("Q", bytes(8 * len(fs.ref_ino)))
+        for e, i, o in zip(fs.ref_extent, fs.ref_ino, fs.ref_offset, strict=True):
             ino[fill[e]] = i
+            offset[fill[e]] = o
             fill[e] += 1
-        self.start, self.ino = start, ino
+        self.start, self.ino, self.offset = start, ino, offset
 
     def sizes(self) -> Iterator[tuple[d.Key, int]]:
         """(key, item size) of every item, keyed refs with a stand-in offset: enough to
@@ -550,17 +561,19 @@ class _DataExtentItems:
     def items(self) -> Iterator[tuple[d.Key, bytes]]:
         gen = GENERATION
         root = d.FS_TREE_OBJECTID
-        start, inos, offsets = self.start, self.ino, self.file_offset
+        start, inos, offsets = self.start, self.ino, self.offset
         for e, logical in enumerate(self.logical):
-            off = offsets[e]
             refs = inos[start[e] : start[e + 1]]
             head = d.pack_extent_item(len(refs), gen, d.EXTENT_FLAG_DATA)
             key = (logical, d.EXTENT_ITEM_KEY, self.disk_bytes[e])
             if len(refs) == 1:  # nearly every extent: one inline ref, no order to sort out
-                yield key, head + d.pack_inline_data_ref(root, refs[0], off, 1)
+                yield key, head + d.pack_inline_data_ref(root, refs[0], offsets[start[e]], 1)
                 continue
             hashed = sorted(
-                ((d.extent_data_ref_hash(root, ino, off), ino, off) for ino in refs),
+                (
+                    (d.extent_data_ref_hash(root, ino, off), ino, off)
+                    for ino, off in zip(refs, offsets[start[e] : start[e + 1]], strict=True)
+                ),
                 reverse=True,  # inline data refs: descending hash (tree-checker)
             )
             if len(refs) <= _INLINE_ROOM:
@@ -884,7 +897,7 @@ def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: IO[byte
         subvol_uuid=_derive_uuid(fb, b"fs-tree").bytes,
     )
     meta = _Metadata(ids, opts, _DataExtentItems(fs))
-    fs.ref_extent, fs.ref_ino = array("Q"), array("Q")  # grouped by extent now
+    fs.ref_extent, fs.ref_ino, fs.ref_offset = array("Q"), array("Q"), array("Q")  # grouped now
     data_end = max(c.physical + c.length for c in data_chunks)
 
     # Plan: block counts per tree -> chunks -> addresses -> real items -> block counts,

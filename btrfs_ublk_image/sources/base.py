@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,14 @@ class LayerContext:
         # entries reuse it. Valid while no entry is replaced or removed (only those can change
         # where an already resolved path leads): it is dropped then.
         self._last_dir: tuple[list[bytes], Inode, list[bytes]] | None = None
+
+    def warn(self, message: str) -> None:
+        """A warning about the sources (something read differently from what it says, or
+        skipped): through the build's progress, or on stderr without one."""
+        if self.progress is not None:
+            self.progress.warn(message)
+        else:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
     def resolve(self, path: str) -> Path:
         """A source path from the spec, relative to the spec file's directory."""

@@ -13,9 +13,10 @@ beside the source digest, and each regular member's data is referenced at its
 offset in the tarball instead of being written (GNU sparse members are still
 copied: their data is not one contiguous range).
 
-Strictness: a corrupt header or a missing end-of-archive marker is an error (tar
-tools often stop there silently), and so is a truncated zstd stream
-(``zstandard``'s stream reader stops quietly).
+Strictness: a corrupt header, an archive that ends inside a member and a truncated
+zstd stream (``zstandard``'s stream reader stops quietly) are errors; an archive that
+ends at a member boundary without its end-of-archive marker is read with a warning
+(as GNU tar and bsdtar read it). Sparse members keep their holes (``packs.put_sparse``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import binascii
 import dataclasses
 import hashlib
 import os
+import struct
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -57,6 +59,7 @@ from btrfs_ublk_image.spec import TarLayer
 from btrfs_ublk_image.tree import Content, FileType, Inode, split_path
 
 ZSTD_READ_SIZE = 1 << 14  # compressed bytes per decompress call: bounds a call's output
+NO_OWNER = 0xFFFFFFFF  # (uid_t)-1 / (gid_t)-1
 
 # magic bytes -> compression name
 _MAGICS: list[tuple[bytes, str]] = [
@@ -84,6 +87,8 @@ def detect_compression(head: bytes) -> str | None:
     for magic, name in _MAGICS:
         if head.startswith(magic):
             return name
+    if len(head) >= 4 and 0x50 <= head[0] <= 0x5F and head[1:4] == b"\x2a\x4d\x18":
+        return "zstd"  # a skippable frame (magic 0x184D2A5?) first, e.g. pzstd's or seekable's
     if len(head) >= BLOCK:
         block = head[:BLOCK]
         if block == bytes(BLOCK) or checksum_ok(block):
@@ -259,21 +264,146 @@ def parse_pax_time(value: str) -> int:
     return -ns if neg else ns
 
 
-def _xattrs(pax: Mapping[str, str]) -> dict[bytes, bytes]:
+# xattr namespaces the kernel stores on btrfs (and the two POSIX ACL names of "system.")
+XATTR_PREFIXES = (b"user.", b"trusted.", b"security.")
+XATTR_SYSTEM_NAMES = (b"system.posix_acl_access", b"system.posix_acl_default")
+XATTR_NAME_MAX = 255
+
+
+def xattr_name_problem(name: bytes) -> str | None:
+    """Why setxattr(2) on btrfs would refuse ``name`` (GNU tar then warns and goes on),
+    or None."""
+    if b"\0" in name:
+        return "a NUL byte in the name"
+    if len(name) > XATTR_NAME_MAX:
+        return f"a name longer than {XATTR_NAME_MAX} bytes"
+    if name in XATTR_SYSTEM_NAMES:
+        return None
+    for prefix in XATTR_PREFIXES:
+        if name.startswith(prefix):
+            return None if len(name) > len(prefix) else "an empty name after the namespace"
+    return "no namespace the kernel stores (user., trusted., security., system.posix_acl_*)"
+
+
+def _xattrs(pax: Mapping[str, str], warn: Callable[[str], None], where: str) -> dict[bytes, bytes]:
     out: dict[bytes, bytes] = {}
     for key, value in pax.items():
         if key.startswith("SCHILY.xattr."):
-            out[key[13:].encode("utf-8", "surrogateescape")] = value.encode(
-                "utf-8", "surrogateescape"
-            )
+            name = key[13:].encode("utf-8", "surrogateescape")
+            data = value.encode("utf-8", "surrogateescape")
         elif key.startswith("LIBARCHIVE.xattr."):
             name = urllib.parse.unquote_to_bytes(key[17:])
             raw = value.encode("ascii", "surrogateescape").strip()
             try:
-                out.setdefault(name, base64.b64decode(raw + b"=" * (-len(raw) % 4), validate=True))
+                data = base64.b64decode(raw + b"=" * (-len(raw) % 4), validate=True)
             except (binascii.Error, ValueError):
                 raise ValueError(f"invalid base64 in PAX header {key}") from None
+            if name in out:  # SCHILY.xattr.NAME of the same name wins
+                continue
+        else:
+            continue
+        problem = xattr_name_problem(name)
+        if problem is not None:
+            warn(f"{where}: xattr {name!r} skipped: {problem}")
+            continue
+        out[name] = data
     return out
+
+
+# POSIX ACLs as btrfs keeps them: the system.posix_acl_* xattr (linux/posix_acl_xattr.h)
+ACL_XATTR_VERSION = 2
+_ACL_TAGS = {"user": 0x02, "group": 0x08, "mask": 0x10, "other": 0x20}  # named USER/GROUP
+_ACL_OBJ = {"user": 0x01, "group": 0x04}  # USER_OBJ, GROUP_OBJ (empty qualifier)
+_ACL_NO_ID = 0xFFFFFFFF
+_ACL_RECORDS = (
+    ("SCHILY.acl.access", b"system.posix_acl_access"),
+    ("SCHILY.acl.default", b"system.posix_acl_default"),
+)
+
+
+def parse_text_acl(text: str) -> list[tuple[int, int, int]]:
+    """A text ACL as GNU tar (one entry a line) and star/bsdtar (comma separated, the
+    numeric id appended as a 4th field) write it -> (tag, perm, id) entries in the order
+    the kernel requires; ValueError says why it is not one. Named qualifiers need the
+    numeric id: resolving a name on the build host would make the image depend on it."""
+    entries: list[tuple[int, int, int]] = []
+    for raw in text.replace("\n", ",").split(","):
+        entry = raw.split("#", 1)[0].strip()
+        if not entry:
+            continue
+        fields = entry.split(":")
+        if len(fields) not in (3, 4):
+            raise ValueError(f"invalid ACL entry {entry!r}")
+        tag_name, qualifier, perms = fields[0], fields[1], fields[2]
+        tag_name = {"u": "user", "g": "group", "m": "mask", "o": "other"}.get(tag_name, tag_name)
+        if tag_name not in _ACL_TAGS or len(perms) != 3:
+            raise ValueError(f"invalid ACL entry {entry!r}")
+        perm = 0
+        for char, want, bit in zip(perms, "rwx", (4, 2, 1), strict=True):
+            if char == want:
+                perm |= bit
+            elif char != "-":
+                raise ValueError(f"invalid ACL permissions in {entry!r}")
+        ident = fields[3] if len(fields) == 4 else qualifier
+        if tag_name in _ACL_OBJ and not qualifier:
+            entries.append((_ACL_OBJ[tag_name], perm, _ACL_NO_ID))
+        elif tag_name in ("mask", "other"):
+            if qualifier:
+                raise ValueError(f"invalid ACL entry {entry!r}")
+            entries.append((_ACL_TAGS[tag_name], perm, _ACL_NO_ID))
+        elif ident.isdigit() and int(ident) < _ACL_NO_ID:
+            entries.append((_ACL_TAGS[tag_name], perm, int(ident)))
+        else:
+            raise ValueError(f"ACL entry {entry!r} names {qualifier!r} without its numeric id")
+    entries.sort(key=lambda e: (e[0], e[2]))
+    tags = [tag for tag, _, _ in entries]
+    keys = [(tag, ident) for tag, _, ident in entries]
+    if len(set(keys)) != len(keys):
+        raise ValueError("an ACL entry repeats")
+    if tags.count(0x01) != 1 or tags.count(0x04) != 1 or tags.count(0x20) != 1:
+        raise ValueError("an ACL needs one user::, group:: and other:: entry")
+    if (0x02 in tags or 0x08 in tags) and 0x10 not in tags:
+        raise ValueError("an ACL with named entries needs a mask:: entry")
+    return entries
+
+
+def _acls(
+    pax: Mapping[str, str],
+    mode: int,
+    xattrs: dict[bytes, bytes],
+    is_dir: bool,
+    warn: Callable[[str], None],
+    where: str,
+) -> int:
+    """The PAX ACL records into ``xattrs``, as setting them through the kernel would:
+    an access ACL sets the mode's permission bits (owner, mask or group, other) and is
+    no xattr when those bits say it all; a default ACL only on a directory. Returns the
+    mode. An ACL that is not one is skipped with a warning (GNU tar warns and goes on)."""
+    for key, name in _ACL_RECORDS:
+        text = pax.get(key)
+        if text is None:
+            continue
+        if name == b"system.posix_acl_default" and not is_dir:
+            warn(f"{where}: {key} skipped: a default ACL on a non-directory")
+            continue
+        try:
+            entries = parse_text_acl(text)
+        except ValueError as e:
+            warn(f"{where}: {key} skipped: {e}")
+            continue
+        if not entries and name == b"system.posix_acl_default":
+            continue
+        if name == b"system.posix_acl_access":
+            perm = {tag: p for tag, p, _ in entries}
+            group = perm.get(0x10, perm[0x04])
+            mode = (mode & ~0o777) | perm[0x01] << 6 | group << 3 | perm[0x20]
+            if len(entries) == 3:  # user::, group::, other:: only: the mode is the ACL
+                xattrs.pop(name, None)
+                continue
+        xattrs[name] = struct.pack("<I", ACL_XATTR_VERSION) + b"".join(
+            struct.pack("<HHI", tag, p, ident) for tag, p, ident in entries
+        )
+    return mode
 
 
 def _fail(tar_path: Path | str, member: str | None, msg: str) -> SourceError:
@@ -418,7 +548,7 @@ def read_tar(
             corrupt += more
             if opts.diff_id and kind != "none":
                 stream = diff = _DigestStream(stream)
-        reader = TarReader(stream)
+        reader = TarReader(stream, lambda msg: ctx.warn(f"{tar_path}: {msg}"))
         _read_members(reader, tar_path, ctx, opts)
         # validate the compressed stream's end and hash every remaining byte
         while stream.read(READ_SIZE):
@@ -468,13 +598,17 @@ def _read_members(
         except HeaderProblem as e:  # where a member's first header should be
             if e.kind == "end":
                 return
+            if e.kind == "empty":  # the stream ends at a member boundary
+                if not opts.lenient_end:  # OCI layers: umoci writes them so, nothing to say
+                    after = f" after member {last!r}" if last is not None else ""
+                    ctx.warn(
+                        f"{tar_path}: no end-of-archive marker: the archive ends{after} at a"
+                        " member boundary (read as complete, as GNU tar and bsdtar do)"
+                    )
+                return
             if last is None:
-                raise TarFormatError("empty file" if e.kind == "empty" else str(e)) from None
-            if opts.lenient_end and e.kind == "empty":
-                return  # the stream ends right after the last member's (padded) data
-            if e.kind == "empty":
-                msg = "truncated archive: it ends without an end-of-archive marker"
-            elif e.kind == "truncated":
+                raise TarFormatError(str(e)) from None
+            if e.kind == "truncated":
                 msg = "truncated archive: it ends inside a header"
             else:
                 msg = f"corrupt archive: invalid header ({e})"
@@ -486,6 +620,13 @@ def _read_members(
                 raise
             if opts.lenient_end and str(e) == "unexpected end of data":
                 return  # the stream ends right after the last member's (complete) data
+            if str(e) == "unexpected end of data":
+                raise _fail(
+                    tar_path,
+                    None,
+                    f"corrupt or truncated archive after member {last!r}: {e} (the archive"
+                    " ends inside that member's data or padding)",
+                ) from None
             raise _fail(
                 tar_path, None, f"corrupt or truncated archive after member {last!r}: {e}"
             ) from None
@@ -550,10 +691,14 @@ def _read_members(
             ftype = FileType.FIFO
         else:  # pragma: no cover - the reader resolves every other type
             raise _fail(tar_path, name, f"unsupported member type {t!r}")
-        uid = m.uid if own_uid is None else own_uid
-        gid = m.gid if own_gid is None else own_gid
+        # (uid_t)-1 is "leave unchanged" to chown(2): GNU tar, run as root, leaves root's 0
+        uid = (0 if m.uid == NO_OWNER else m.uid) if own_uid is None else own_uid
+        gid = (0 if m.gid == NO_OWNER else m.gid) if own_gid is None else own_gid
         if not (0 <= uid <= 0xFFFFFFFF and 0 <= gid <= 0xFFFFFFFF):
             raise _fail(tar_path, name, f"owner {uid}:{gid} out of range")
+        where = f"{tar_path}: member {name!r}"
+        # a symlink's mode is always 0777 on Linux (symlink(2) ignores the umask and the mode)
+        mode = 0o777 if t == SYMTYPE else m.mode & 0o7777
         pax = m.pax
         atime: int | None = None
         ctime: int | None = None
@@ -568,16 +713,17 @@ def _read_members(
                 ct = pax.get("ctime")
                 if ct is not None:
                     ctime = parse_pax_time(ct)
-                xattrs = _xattrs(pax)
+                xattrs = _xattrs(pax, ctx.warn, where)
+                if t != SYMTYPE and ("SCHILY.acl.access" in pax or "SCHILY.acl.default" in pax):
+                    mode = _acls(pax, mode, xattrs, ftype == FileType.DIR, ctx.warn, where)
             except ValueError as e:
                 raise _fail(tar_path, name, str(e)) from None
         else:
             mtime = m.mtime * 1_000_000_000
-        where = f"{tar_path}: member {name!r}"
         content: Content = b""
         if regular:
             if m.sparse is not None:
-                content = packs.put_stream(cast(BinaryIO, SparseData(reader, m)), m.size, where)
+                content = packs.put_sparse(SparseData(reader, m), m.size, m.sparse, where)
             elif in_place is not None:  # the data lies in the pack at its tarball offset
                 content = packs.put_in_place(
                     in_place, cast(BinaryIO, reader), m.data_start, m.size, where
@@ -586,8 +732,7 @@ def _read_members(
                 content = packs.put_stream(cast(BinaryIO, reader), m.size, where)
         inode = Inode(
             ftype,
-            # a symlink's mode is always 0777 on Linux (symlink(2) ignores the umask and the mode)
-            mode=0o777 if t == SYMTYPE else m.mode & 0o7777,
+            mode=mode,
             uid=uid,
             gid=gid,
             mtime_ns=mtime,

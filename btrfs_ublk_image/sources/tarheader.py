@@ -9,14 +9,16 @@ dominated the build of archives with many small files. What it reads:
   extension blocks);
 * PAX extended ('x', 'X') and global ('g') headers, incl. GNU sparse 0.0, 0.1 and 1.0.
 
-The meaning of every field follows ``tarfile`` (so images built before and after are
-byte-identical): e.g. extension headers apply from the innermost (the member's own
-header, then global PAX records) to the outermost; a directory name loses its
-trailing slashes; unknown member types are regular files. Stricter than ``tarfile``
-where it would silently misread hostile input: a PAX record whose length does not
-end at its newline, an extension header over ``MAX_EXTENSION`` bytes, a negative
-size, an invalid number in a PAX size/uid/gid record, a sparse map that is unsorted,
-overlapping or larger than the stored data are errors.
+The meaning of every field follows GNU tar's extraction (docs/sources.md lists the
+rules; tests/test_tar_fidelity.py checks them against GNU tar): the last of each kind
+of extension header wins ('L', 'K', 'x' whole), PAX records over 'L'/'K'; the ustar
+prefix only under the POSIX magic; 'g' and 'V' are not members, 'D' is a directory;
+every member's data is skipped but a hard link's; unknown member types are regular
+files (with a warning). Stricter where it would silently misread hostile input: a PAX
+record whose length does not end at its newline, an extension header over
+``MAX_EXTENSION`` bytes, a negative size, an invalid number in a PAX size/uid/gid
+record, a sparse map that is unsorted, overlapping or larger than the stored data are
+errors.
 
 Errors: ``HeaderProblem`` where a member's first header should be (the caller decides:
 the end of the archive, or an error); ``TarFormatError`` for a broken archive;
@@ -28,6 +30,7 @@ from __future__ import annotations
 import re
 import struct
 import zlib
+from collections.abc import Callable
 from typing import Protocol
 
 BLOCK = 512
@@ -51,6 +54,8 @@ GNU_SPARSE = b"S"
 PAX_HEADER = b"x"
 PAX_GLOBAL = b"g"
 SOLARIS_PAX_HEADER = b"X"
+VOLHDR = b"V"  # GNU volume label
+GNU_DUMPDIR = b"D"  # GNU incremental (-G): a directory, its data the names it held
 
 REGULAR_TYPES = frozenset((REGTYPE, AREGTYPE, CONTTYPE, GNU_SPARSE))
 # types with a meaning of their own; any other type is a regular file (as tarfile does)
@@ -61,10 +66,10 @@ SUPPORTED_TYPES = REGULAR_TYPES | {
     FIFOTYPE,
     CHRTYPE,
     BLKTYPE,
-    GNU_LONGNAME,
-    GNU_LONGLINK,
+    GNU_DUMPDIR,
 }
-_GNU_TYPES = (GNU_LONGNAME, GNU_LONGLINK, GNU_SPARSE)
+_EXTENSION_TYPES = (PAX_HEADER, SOLARIS_PAX_HEADER, GNU_LONGNAME, GNU_LONGLINK)
+_POSIX_MAGIC = b"ustar\0"  # GNU's is "ustar  \0" (magic and version)
 _DEV_TYPES = (CHRTYPE, BLKTYPE)
 _HDR = struct.Struct("100s8s8s8s12s12s8sc100s6s2s32s32s8s8s155s")
 _ZERO_BLOCK = bytes(BLOCK)
@@ -240,15 +245,20 @@ def _pax_int(m: Member, key: str, value: str) -> int:
     return n
 
 
-def _apply_pax(m: Member, pax: dict[str, str]) -> None:
-    """The PAX records that replace header fields, in record order (as tarfile does)."""
+def _apply_pax(m: Member, pax: dict[str, str], stored: int) -> int:
+    """The PAX records that replace header fields; returns the member's stored data size
+    (``size``: the data in the archive; a sparse file's own size comes from its map's
+    records). ``GNU.sparse.name`` wins over ``path`` whatever their order (GNU tar)."""
     for key, value in pax.items():
         if key == "path":
-            m.name = value.rstrip("/")
+            if "GNU.sparse.name" not in pax:
+                m.name = value.rstrip("/")
         elif key == "linkpath":
             m.linkname = value
-        elif key == "size" or key == "GNU.sparse.size" or key == "GNU.sparse.realsize":
-            m.size = _pax_int(m, key, value)
+        elif key == "size":
+            stored = _pax_int(m, key, value)
+            if m.sparse is None:
+                m.size = stored
         elif key == "uid":
             m.uid = _pax_int(m, key, value)
         elif key == "gid":
@@ -256,13 +266,26 @@ def _apply_pax(m: Member, pax: dict[str, str]) -> None:
         elif key == "GNU.sparse.name":
             m.name = value
     m.pax = pax
+    return stored
+
+
+def _parse_pax(payload: bytes, into: dict[str, str], start: int) -> None:
+    try:
+        parse_pax_records(payload, into)
+    except TarFormatError as e:
+        raise TarFormatError(f"PAX header at byte {start}: {e}") from None
+
+
+def _ignore(_msg: str) -> None:
+    pass
 
 
 class TarReader:
     """Members of a tar stream, in order; ``read`` gives the current member's data."""
 
-    def __init__(self, raw: _Readable) -> None:
+    def __init__(self, raw: _Readable, warn: Callable[[str], None] = _ignore) -> None:
         self.raw = raw
+        self.warn = warn  # what is read differently from the archive's word, or skipped
         self._buf = b""
         self._off = 0  # read position in _buf
         self.pos = 0  # stream offset of _buf[_off]
@@ -345,51 +368,112 @@ class TarReader:
         skip = self._next_header - self.pos
         if skip > 0 and self._skip(skip) != skip:
             raise TarFormatError("unexpected end of data")
-        return self._member(0)
+        return self._member()
 
-    def _member(self, depth: int) -> Member:
-        start = self.pos
-        block = self._take(BLOCK)
-        if len(block) != BLOCK:
-            if not block:
-                raise HeaderProblem("empty", "empty header")
-            raise HeaderProblem("truncated", "truncated header")
-        if block == _ZERO_BLOCK:
-            raise HeaderProblem("end", "end of file header")
-        (name, _mode, _uid, _gid, _size, _mtime, chksum, typ, linkname, _magic, _version, _uname,
-         _gname, devmajor, devminor, prefix) = _HDR.unpack_from(block)  # fmt: skip
-        # the six numeric fields in one go (NUL and space padding both become spaces);
-        # base-256, empty or odd fields take the careful path
-        nums = block[100:156].translate(_NUL_TO_SPACE)
-        try:
-            mode, uid, gid = int(nums[0:8], 8), int(nums[8:16], 8), int(nums[16:24], 8)
-            size, mtime, chk = int(nums[24:36], 8), int(nums[36:48], 8), int(nums[48:56], 8)
-        except ValueError:
-            mode, uid, gid = nti(block[100:108]), nti(block[108:116]), nti(block[116:124])
-            size, mtime, chk = nti(block[124:136]), nti(block[136:148]), nti(chksum)
-        if chk != 256 + _block_sum(block) - sum(chksum) and not checksum_ok(block):
-            raise HeaderProblem("invalid", "bad checksum")
-        if size < 0:
-            raise HeaderProblem("invalid", f"negative size {size} in the header at byte {start}")
-        if typ in (PAX_HEADER, SOLARIS_PAX_HEADER, PAX_GLOBAL):
-            return self._pax(typ, size, start, depth)
-        if typ in (GNU_LONGNAME, GNU_LONGLINK):
-            text = _nts(self._extension(size, start, "GNU long name"))
-            m = self._subsequent(depth)
-            if typ == GNU_LONGNAME:
-                m.name = text
-            else:
-                m.linkname = text
-            if m.type == DIRTYPE:
-                m.name = m.name.removesuffix("/")
-            return m
-        sname = _nts(name)
+    def _member(self) -> Member:
+        """A member's header with the extension headers before it ('x', 'L', 'K'; 'g'
+        and 'V' stand alone) applied: the last of each kind wins (as GNU tar and Go)."""
+        long_name: str | None = None
+        long_link: str | None = None
+        pax: dict[str, str] | None = None  # the records of this member's last 'x' header
+        pax_payload = b""
+        ext_start = -1  # stream offset of the first extension header of this member
+        chain = 0
+        typ = b""
+        while True:
+            start = self.pos
+            block = self._take(BLOCK)
+            if len(block) != BLOCK or block == _ZERO_BLOCK:
+                if len(block) == BLOCK:
+                    kind, msg = "end", "end of file header"
+                elif block:
+                    kind, msg = "truncated", "truncated header"
+                else:
+                    kind, msg = "empty", "empty header"
+                if ext_start < 0:
+                    raise HeaderProblem(kind, msg)
+                if kind != "end":
+                    raise TarFormatError(
+                        f"truncated archive: it ends after the extension header at byte {ext_start}"
+                    )
+                if long_name or long_link or pax:
+                    self.warn(
+                        f"the extension header at byte {ext_start} applies to no member:"
+                        " the end-of-archive marker follows it"
+                    )
+                raise HeaderProblem(kind, msg)
+            (name, _mode, _uid, _gid, _size, _mtime, chksum, typ, linkname, magic, _version,
+             _uname, _gname, devmajor, devminor, prefix) = _HDR.unpack_from(block)  # fmt: skip
+            # the six numeric fields in one go (NUL and space padding both become spaces);
+            # base-256, empty or odd fields take the careful path
+            nums = block[100:156].translate(_NUL_TO_SPACE)
+            try:
+                mode, uid, gid = int(nums[0:8], 8), int(nums[8:16], 8), int(nums[16:24], 8)
+                size, mtime, chk = int(nums[24:36], 8), int(nums[36:48], 8), int(nums[48:56], 8)
+            except ValueError:
+                try:
+                    mode, uid, gid = nti(block[100:108]), nti(block[108:116]), nti(block[116:124])
+                    size, mtime, chk = nti(block[124:136]), nti(block[136:148]), nti(chksum)
+                except HeaderProblem:
+                    if ext_start < 0:
+                        raise
+                    raise TarFormatError(
+                        f"invalid header at byte {start} after an extension header"
+                    ) from None
+            if chk != 256 + _block_sum(block) - sum(chksum) and not checksum_ok(block):
+                if ext_start < 0:
+                    raise HeaderProblem("invalid", "bad checksum")
+                raise TarFormatError(f"bad checksum at byte {start} after an extension header")
+            if size < 0:
+                msg = f"negative size {size} in the header at byte {start}"
+                if ext_start < 0:
+                    raise HeaderProblem("invalid", msg)
+                raise TarFormatError(msg)
+            if typ == PAX_GLOBAL:  # archive-wide records: no member of its own
+                payload = self._extension(size, start, "PAX global header")
+                _parse_pax(payload, self.globals, start)
+                continue
+            if typ == VOLHDR:  # a volume label: archive metadata (GNU tar lists, never extracts it)
+                if self._skip(_block(size)) != _block(size):
+                    raise TarFormatError(
+                        f"truncated archive: it ends inside the volume label at byte {start}"
+                    )
+                continue
+            if typ in _EXTENSION_TYPES:
+                chain += 1
+                if chain > MAX_CHAIN:
+                    raise TarFormatError(f"more than {MAX_CHAIN} extension headers in a row")
+                if ext_start < 0:
+                    ext_start = start
+                if typ in (GNU_LONGNAME, GNU_LONGLINK):
+                    text = _nts(self._extension(size, start, "GNU long name"))
+                    if typ == GNU_LONGNAME:
+                        long_name = text
+                    else:
+                        long_link = text
+                else:  # 'x' (or Solaris 'X'): replaces an earlier one whole
+                    pax_payload = self._extension(size, start, "PAX header")
+                    pax = {}
+                    _parse_pax(pax_payload, pax, start)
+                continue
+            break
+        # the ustar prefix holds a path only under the POSIX magic: GNU headers keep
+        # atime/ctime there (-G, --listed-incremental), as GNU tar reads them
+        if long_name is not None:
+            sname = long_name
+        else:
+            sname = _nts(name)
+            if prefix[0] and magic == _POSIX_MAGIC:
+                sname = _nts(prefix) + "/" + sname
         if typ == AREGTYPE and sname.endswith("/"):
             typ = DIRTYPE  # an old V7 directory
-        if typ == DIRTYPE:
-            sname = sname.rstrip("/")
-        if prefix[0] and typ not in _GNU_TYPES:
-            sname = _nts(prefix) + "/" + sname
+        elif typ == GNU_DUMPDIR:
+            typ = DIRTYPE  # its data (names for an incremental restore) is skipped
+        elif typ not in SUPPORTED_TYPES:
+            self.warn(
+                f"member {sname!r}: unknown type {typ.decode('latin-1')!r}, read as a regular"
+                " file (as GNU tar extracts it)"
+            )
         data_start = self.pos
         m = Member(
             sname,
@@ -399,30 +483,32 @@ class TarReader:
             gid,
             size,
             mtime,
-            _nts(linkname) if linkname[0] else "",
+            long_link if long_link is not None else (_nts(linkname) if linkname[0] else ""),
             data_start,
         )
         if typ in _DEV_TYPES:
             m.devmajor, m.devminor = nti(devmajor), nti(devminor)
+        stored = size  # the member's data in the archive
         if typ == GNU_SPARSE:
             self._gnu_sparse(m, block)
-            return m
-        self._next_header = data_start + (_block(size) if m.is_regular else 0)
-        if self.globals:
-            _apply_pax(m, dict(self.globals))
+            stored = m.size
+            m.size = nti(block[483:495])  # the file's real size
+            if m.size < 0:
+                raise MemberError(m.name, f"negative size {m.size} in the sparse header")
+        records = self.globals
+        if pax is not None:
+            records = {**self.globals, **pax} if self.globals else pax
+        if records:
+            stored = _apply_pax(m, records, stored)
+        # every member's data is skipped but a hard link's (GNU tar: "links 0 size on tape")
+        self._next_header = m.data_start + (_block(stored) if typ != LNKTYPE else 0)
+        if pax is not None and typ != GNU_SPARSE:
+            self._pax_sparse(m, records, pax_payload, stored)
+        elif m.sparse is not None:
+            _check_sparse(m, stored)
         if typ == DIRTYPE:
             m.name = m.name.rstrip("/")
         return m
-
-    def _subsequent(self, depth: int) -> Member:
-        """The header an extension header applies to."""
-        if depth >= MAX_CHAIN:
-            raise TarFormatError(f"more than {MAX_CHAIN} extension headers in a row")
-        try:
-            return self._member(depth + 1)
-        except HeaderProblem as e:
-            # after an extension header, any header problem breaks the archive
-            raise TarFormatError(str(e)) from None
 
     def _extension(self, size: int, start: int, what: str) -> bytes:
         """An extension header's payload (its padding skipped)."""
@@ -436,27 +522,25 @@ class TarReader:
             raise TarFormatError(f"truncated archive: it ends inside the {what} at byte {start}")
         return payload[:size]
 
-    def _pax(self, typ: bytes, size: int, start: int, depth: int) -> Member:
-        payload = self._extension(size, start, "PAX header")
-        pax = self.globals if typ == PAX_GLOBAL else self.globals.copy()
-        try:
-            parse_pax_records(payload, pax)
-        except TarFormatError as e:
-            raise TarFormatError(f"PAX header at byte {start}: {e}") from None
-        m = self._subsequent(depth)
+    def _pax_sparse(self, m: Member, pax: dict[str, str], payload: bytes, stored: int) -> None:
+        """GNU sparse 0.0, 0.1, 1.0 (PAX): the map, and the file's real size."""
         if "GNU.sparse.map" in pax:  # GNU sparse 0.1
             m.sparse = _pairs(m, pax["GNU.sparse.map"].split(","))
-        elif "GNU.sparse.size" in pax:  # GNU sparse 0.0: the records repeat, so from the bytes
+        elif "GNU.sparse.size" in pax or "GNU.sparse.numblocks" in pax:
+            # GNU sparse 0.0: the records repeat, so from the bytes
             m.sparse = _pairs(m, [v.decode() for _, v in _SPARSE00.findall(payload)], payload)
         elif pax.get("GNU.sparse.major") == "1" and pax.get("GNU.sparse.minor") == "0":
             self._sparse_map_10(m)
-        if typ != PAX_GLOBAL:
-            _apply_pax(m, pax)
-            if "size" in pax:
-                self._next_header = m.data_start + (_block(m.size) if m.is_regular else 0)
-        if m.sparse is not None:
-            _check_sparse(m, self._next_header - m.data_start)
-        return m
+        else:
+            return
+        # GNU.sparse.realsize (1.0) or GNU.sparse.size (0.x): the file's size; the last
+        # of them in the header wins (GNU tar decodes both into one field)
+        keys = [k for k in ("GNU.sparse.realsize", "GNU.sparse.size") if k in pax]
+        if not keys:
+            raise MemberError(m.name, "GNU sparse member without GNU.sparse.realsize or .size")
+        key = max(keys, key=lambda k: payload.rfind(b" " + k.encode() + b"="))
+        m.size = _pax_int(m, key, pax[key])
+        _check_sparse(m, self._next_header - m.data_start)
 
     def _gnu_sparse(self, m: Member, block: bytes) -> None:
         """GNU old sparse ('S'): the map in the header and its extension blocks."""
@@ -466,7 +550,6 @@ class TarReader:
             structs.append((nti(block[pos : pos + 12]), nti(block[pos + 12 : pos + 24])))
             pos += 24
         extended = block[482]
-        real_size = nti(block[483:495])
         while extended:
             ext = self._take(BLOCK)
             if len(ext) != BLOCK:
@@ -480,14 +563,8 @@ class TarReader:
                     structs.append((off, num))
                 pos += 24
             extended = ext[504]
-        stored = m.size
-        if real_size < 0:
-            raise MemberError(m.name, f"negative size {real_size} in the sparse header")
         m.data_start = self.pos
-        self._next_header = m.data_start + _block(stored)
-        m.size = real_size
         m.sparse = structs
-        _check_sparse(m, stored)
 
     def _sparse_map_10(self, m: Member) -> None:
         """GNU sparse 1.0: the map, as decimal lines, in the blocks where the data begins."""
@@ -585,3 +662,10 @@ class SparseData:
             self.position += take
             n -= take
         return b"".join(parts)
+
+    def skip_hole(self, n: int) -> None:
+        """Move over ``n`` bytes of one hole (nothing is read)."""
+        off = self.segments[self.index][0] if self.index < len(self.segments) else self.size
+        if n < 0 or self.position + n > off:
+            raise AssertionError(f"skip_hole({n}) at {self.position}: not inside a hole")
+        self.position += n
