@@ -121,10 +121,11 @@ MAKERS = {"tree": "tar_x", "umoci": "umoci_unpack"}
 PEERS = ("mksquashfs", "mkfs_erofs", "mksquashfs_tar")
 
 
-def _ours(spec: str) -> Callable[[Job, Path], list[str]]:
+def _ours(spec: str, python_path: bool = False) -> Callable[[Job, Path], list[str]]:
     py = sys.executable
+    env = ["env", "BUI_NATIVE=0"] if python_path else []  # the Python reader and pack writer
     return lambda job, out: [
-        py, "-m", "btrfs_ublk_image", "build", str(out.parent / spec), "-o", str(out)
+        *env, py, "-m", "btrfs_ublk_image", "build", str(out.parent / spec), "-o", str(out)
     ]  # fmt: skip
 
 
@@ -136,10 +137,22 @@ def _mkfs_btrfs(root: Callable[[Job], Path]) -> Callable[[Job, Path], list[str]]
 
 def _steps() -> list[Step]:
     return [
+        Step("sha256_floor", "floor: `openssl dgst -sha256` of the input", None,
+             lambda job, out: ["openssl", "dgst", "-sha256", str(job.tar)], needs="openssl",
+             cold=True),
+        Step("sha256_floor_warm", "floor: `openssl dgst -sha256`, warm", None,
+             lambda job, out: ["openssl", "dgst", "-sha256", str(job.tar)], needs="openssl"),
         Step("ours", "**ours: btrfs-ublk-image build**", "ours.bundle", _ours(TAR_SPEC),
              cold=True),
+        Step("ours_warm", "**ours, warm**", "ours.bundle", _ours(TAR_SPEC)),
+        Step("ours_python", "ours, Python path (`BUI_NATIVE=0`)", "ours.bundle",
+             _ours(TAR_SPEC, python_path=True), cold=True),
+        Step("ours_python_warm", "ours, Python path, warm", "ours.bundle",
+             _ours(TAR_SPEC, python_path=True)),
         Step("ours_oci", "**ours from the OCI layout** (`oci:` layer)", "ours-oci.bundle",
              _ours(OCI_SPEC), cold=True, oci=True),
+        Step("ours_oci_python", "ours from the OCI layout, Python path", "ours-oci.bundle",
+             _ours(OCI_SPEC, python_path=True), cold=True, oci=True),
         Step("ours_in_place", "**ours, tar in place**", "ours-in-place.bundle",
              _ours(IN_PLACE_SPEC), cold=True),
         Step("ours_in_place_reflink", "**ours, tar in place, reflink** (on a loop-mounted btrfs)",
@@ -288,10 +301,14 @@ def _reflink_fs(workdir: Path, tar: Path) -> Iterator[Path]:
         mnt.rmdir()
 
 
-def _runnable(bi: BuildInput, peers: bool) -> tuple[list[Step], dict[str, str]]:
+def _runnable(
+    bi: BuildInput, peers: bool, only: set[str] | None = None
+) -> tuple[list[Step], dict[str, str]]:
     skipped: dict[str, str] = {}
     steps = []
     for s in _steps():
+        if only is not None and s.name not in only:
+            continue
         if not peers and s.name in PEERS:
             continue
         if s.oci and bi.layout is None:
@@ -319,7 +336,9 @@ PIPELINES = (  # (steps, name, label): sums per repeat
 )  # fmt: skip
 
 
-def run_build(bi: BuildInput, workdir: Path, peers: bool) -> tuple[list[Result], dict[str, str]]:
+def run_build(
+    bi: BuildInput, workdir: Path, peers: bool, only: set[str] | None = None
+) -> tuple[list[Result], dict[str, str]]:
     """Every runnable step on one input, ``bi.repeats`` times in turn; then the pipelines."""
     scratch = workdir / "scratch"
     remove(scratch)
@@ -328,7 +347,7 @@ def run_build(bi: BuildInput, workdir: Path, peers: bool) -> tuple[list[Result],
     log = workdir / "bench.log"
     job = Job(bi.tar, bi.layout, bi.ref, scratch / "tree", scratch / "umoci-bundle")
     dirs = {"tree": job.tree, "umoci": job.umoci}
-    steps, skipped = _runnable(bi, peers)
+    steps, skipped = _runnable(bi, peers, only)
     results = {s.name: Result(s.name, s.label, []) for s in steps}
     stack = contextlib.ExitStack()
     reflink_scratch = scratch
@@ -428,6 +447,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="build section: comma-separated subset of synthetic,debian (default both)",
     )
     ap.add_argument("--no-peers", action="store_true", help="skip mksquashfs and mkfs.erofs")
+    ap.add_argument(
+        "--steps",
+        metavar="LIST",
+        help="build section: only these steps (comma-separated names, e.g. ours,ours_python)",
+    )
     ap.add_argument(
         "--profile",
         action="store_true",
@@ -580,7 +604,8 @@ def _run_build_section(
     for bi in inputs:
         s = bi.stats
         _log(f"build: {bi.name} ({s.entries:,} entries, {s.content_bytes / 2**20:.0f} MiB)")
-        results, skipped = run_build(bi, workdir, not args.no_peers)
+        only = {x.strip() for x in args.steps.split(",")} if args.steps else None
+        results, skipped = run_build(bi, workdir, not args.no_peers, only)
         speedups: dict[str, dict[str, float]] = {}
         for base_name in (UMOCI_BASELINE, TAR_BASELINE):
             base = next((r for r in results if r.name == base_name and r.ok), None)
