@@ -77,12 +77,19 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKDIR = Path("/var/tmp/btrfs-ublk-image-bench")
 FULL = inp.InputParams(files=100_000, large_bytes=2 << 30, large_count=4)
 QUICK = inp.InputParams(files=10_000, large_bytes=256 << 20, large_count=4)
+# issue 23's inputs: 100,000 small files + one 1 GiB file; 1,000,000 small files (how cost grows)
+ISSUE23 = inp.InputParams(files=100_000, large_bytes=1 << 30, large_count=1)
+MILLION = inp.InputParams(files=1_000_000, large_bytes=0, large_count=0)
+EXTRA_INPUTS = {
+    "issue23": (ISSUE23, "100,000 small files + one 1 GiB file"),
+    "million": (MILLION, "1,000,000 small files"),
+}
 GiB = 1 << 30
 # Specs written into scratch (and the reflink filesystem) for each input:
 TAR_SPEC = "spec.yaml"  # one tar: layer
 OCI_SPEC = "spec-oci.yaml"  # one oci: layer, the input's OCI layout
 IN_PLACE_SPEC = "spec-in-place.yaml"  # one tar: layer, in_place: true
-BUILD_INPUTS = ("synthetic", "debian")
+BUILD_INPUTS = ("synthetic", "debian", "issue23", "million")
 SECTIONS = (
     "build", "mount", "randread", "laziness", "vm", "remote", "containerd", "latency", "latency_vm",
 )  # fmt: skip
@@ -121,9 +128,17 @@ MAKERS = {"tree": "tar_x", "umoci": "umoci_unpack"}
 PEERS = ("mksquashfs", "mkfs_erofs", "mksquashfs_tar")
 
 
-def _ours(spec: str, python_path: bool = False) -> Callable[[Job, Path], list[str]]:
+# a checkout of an earlier builder (--baseline-builder): its row runs that code
+BASELINE_BUILDER: list[str] = []
+
+
+def _ours(
+    spec: str, python_path: bool = False, baseline: bool = False
+) -> Callable[[Job, Path], list[str]]:
     py = sys.executable
     env = ["env", "BUI_NATIVE=0"] if python_path else []  # the Python reader and pack writer
+    if baseline:
+        env = ["env", "PYTHONDONTWRITEBYTECODE=1", f"PYTHONPATH={BASELINE_BUILDER[0]}"]
     return lambda job, out: [
         *env, py, "-m", "btrfs_ublk_image", "build", str(out.parent / spec), "-o", str(out)
     ]  # fmt: skip
@@ -145,6 +160,8 @@ def _steps() -> list[Step]:
         Step("ours", "**ours: btrfs-ublk-image build**", "ours.bundle", _ours(TAR_SPEC),
              cold=True),
         Step("ours_warm", "**ours, warm**", "ours.bundle", _ours(TAR_SPEC)),
+        Step("ours_baseline", "builder at the baseline commit (`--baseline-builder`)",
+             "ours.bundle", _ours(TAR_SPEC, baseline=True), cold=True),
         Step("ours_python", "ours, Python path (`BUI_NATIVE=0`)", "ours.bundle",
              _ours(TAR_SPEC, python_path=True), cold=True),
         Step("ours_python_warm", "ours, Python path, warm", "ours.bundle",
@@ -261,7 +278,10 @@ def _measure(step: Step, res: Result, job: Job, scratch: Path, log: Path) -> Non
         if res.output_bytes is None:
             res.output_bytes, res.output_alloc_bytes = size
         remove(out)
-    _log(f"  {step.name}: {sample.wall_s:.2f} s, peak RSS {sample.maxrss_kib / 1024:.0f} MiB")
+    _log(
+        f"  {step.name}: {sample.wall_s:.2f} s, CPU {sample.cpu_s:.2f} s,"
+        f" peak RSS {sample.maxrss_kib / 1024:.0f} MiB"
+    )
 
 
 def _write_specs(directory: Path, tar: Path, layout: Path | None, ref: str) -> None:
@@ -316,6 +336,9 @@ def _runnable(
             continue
         if s.needs and shutil.which(s.needs) is None:
             skipped[s.name] = f"{s.needs} not installed"
+            continue
+        if s.name == "ours_baseline" and not BASELINE_BUILDER:
+            skipped[s.name] = "no --baseline-builder"
             continue
         if s.name == "mksquashfs_tar" and not _supports_squashfs_tar():
             skipped[s.name] = "mksquashfs has no -tar"
@@ -448,6 +471,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-peers", action="store_true", help="skip mksquashfs and mkfs.erofs")
     ap.add_argument(
+        "--baseline-builder",
+        metavar="DIR",
+        help="build section: also time the builder in DIR (a `git archive` export of an"
+        " earlier commit), with this venv's Python",
+    )
+    ap.add_argument(
         "--steps",
         metavar="LIST",
         help="build section: only these steps (comma-separated names, e.g. ours,ours_python)",
@@ -484,6 +513,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)  # fmt: skip
 
+    if args.baseline_builder:
+        BASELINE_BUILDER[:] = [str(Path(args.baseline_builder).resolve())]
     if args.from_json:
         saved: dict[str, Any] = json.loads(Path(args.from_json).read_text())
         return _emit(saved, args, Path(args.workdir))
@@ -553,6 +584,13 @@ def _build_inputs(
         }  # fmt: skip
         out.append(BuildInput("synthetic", "Synthetic set", data.tar, layout, inp.OCI_REF,
                               data.stats, max(1, args.repeat), about))  # fmt: skip
+    for key, (extra, what) in EXTRA_INPUTS.items():
+        if key in wanted:  # generated like the synthetic set; tarball rows only
+            made = inp.ensure_inputs(Path(args.workdir).resolve(), extra, log=_log)
+            about = {"params": asdict(extra), "tar": str(made.tar), "description": what,
+                     "stats": made.stats.to_json()}  # fmt: skip
+            out.append(BuildInput(key, f"Generated: {what}", made.tar, None, "", made.stats,
+                                  max(1, args.repeat), about))  # fmt: skip
     if "debian" in wanted:
         from bench.runtime import DEBIAN_REF, debian_inputs
 

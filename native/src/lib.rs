@@ -8,6 +8,7 @@ mod pack;
 mod stream;
 mod tar;
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::os::fd::FromRawFd;
 
@@ -143,10 +144,8 @@ impl Pack {
 /// offset). Records are freed as they are taken.
 #[pyclass(unsendable)]
 struct Members {
-    recs: std::vec::IntoIter<tar::Rec>,
-    names: Vec<u8>,
-    data: Vec<u8>,
-    xattrs: Vec<((usize, usize), (usize, usize))>,
+    segments: VecDeque<Records>,
+    next: usize, // in the first segment
 }
 
 #[pymethods]
@@ -156,26 +155,36 @@ impl Members {
     }
 
     fn __len__(&self) -> usize {
-        self.recs.len()
+        self.segments.iter().map(|s| s.recs.len()).sum::<usize>() - self.next
     }
 
     fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        let Some(r) = self.recs.next() else {
+        while self.segments.front().is_some_and(|s| self.next >= s.recs.len()) {
+            self.segments.pop_front(); // taken: freed
+            self.next = 0;
+            // and given back to the system: the tree that grows meanwhile is Python's
+            // (its own arenas), which would not reuse malloc's free pages
+            // SAFETY: a plain libc call
+            unsafe { libc::malloc_trim(0) };
+        }
+        let Some(seg) = self.segments.front() else {
             return Ok(None);
         };
-        let s = |(at, n): (usize, usize)| &self.names[at..at + n];
+        let r = &seg.recs[self.next];
+        self.next += 1;
+        let s = |(at, n): (usize, usize)| &seg.names[at..at + n];
         let xattrs: Bound<'py, PyAny> = if r.xattrs.1 == 0 {
             py.None().into_bound(py)
         } else {
             let d = PyDict::new(py);
-            for (k, v) in &self.xattrs[r.xattrs.0..r.xattrs.0 + r.xattrs.1] {
+            for (k, v) in &seg.xattrs[r.xattrs.0..r.xattrs.0 + r.xattrs.1] {
                 d.set_item(PyBytes::new(py, s(*k)), PyBytes::new(py, s(*v)))?;
             }
             d.into_any()
         };
         let content: Bound<'py, PyAny> = match r.content {
             Content::None => py.None().into_bound(py),
-            Content::Inline(at, n) => PyBytes::new(py, &self.data[at..at + n]).into_any(),
+            Content::Inline(at, n) => PyBytes::new(py, &seg.data[at..at + n]).into_any(),
             Content::Blob(crc, size, pack, offset) => (crc, size, pack, offset).into_pyobject(py)?.into_any(),
         };
         let items: Vec<Bound<'py, PyAny>> = vec![
@@ -236,13 +245,10 @@ fn read_tar<'py>(
     let core = guard.core()?;
     let result = py.detach(|| run(core, fd, start, length, keep_inline, whiteouts, diff_id, lenient_end));
     match result {
-        Ok((raw, unc, kind, nbytes, recs)) => {
-            let content_bytes = recs.content_bytes;
+        Ok((raw, unc, kind, nbytes, content_bytes, segments)) => {
             let members = Members {
-                recs: recs.recs.into_iter(),
-                names: recs.names,
-                data: recs.data,
-                xattrs: recs.xattrs,
+                segments: segments.into(),
+                next: 0,
             };
             let members = Bound::new(py, members)?;
             PyTuple::new(
@@ -267,7 +273,7 @@ enum Failure {
     Os(std::io::Error),
 }
 
-type Done = (String, String, &'static str, u64, Records);
+type Done = (String, String, &'static str, u64, u64, Vec<Records>);
 
 #[allow(clippy::too_many_arguments)]
 fn run(
@@ -312,12 +318,20 @@ fn run(
     let parsed = parser.run(lenient_end);
     if std::env::var_os("BUI_NATIVE_TIMES").is_some() {
         eprintln!(
-            "native read_tar: {:?} total, {:?} waiting for input",
+            "native read_tar: {:?} total, {:?} waiting for input, {:?} writing the pack",
             t0.elapsed(),
-            parser.src.waited
+            parser.src.waited,
+            parser.packing
         );
     }
-    let Parser { src, out, .. } = parser;
+    let Parser {
+        src,
+        out,
+        mut done,
+        content_bytes,
+        ..
+    } = parser;
+    done.push(out);
     drop(src); // stops the threads upstream on an early end
     if let Some(h) = inflater {
         let _ = h.join();
@@ -335,7 +349,7 @@ fn run(
     match outcome {
         Ok((raw_hex, unc_hex, nbytes)) => {
             core.release(mark);
-            Ok((raw_hex, unc_hex, kind, nbytes, out))
+            Ok((raw_hex, unc_hex, kind, nbytes, content_bytes, done))
         }
         Err(msg) => {
             core.rollback(mark).map_err(Failure::Os)?;

@@ -46,8 +46,12 @@ pub struct Records {
     pub names: Vec<u8>,
     pub data: Vec<u8>,
     pub xattrs: Vec<((usize, usize), (usize, usize))>, // name, value in `names`
-    pub content_bytes: u64,
 }
+
+/// Records are kept in segments of about this many members or inline bytes: Python takes
+/// them in order, and each segment is freed once taken (the tree grows as they shrink)
+const SEGMENT_RECS: usize = 4096;
+const SEGMENT_BYTES: usize = 4 << 20;
 
 impl Records {
     fn put_name(&mut self, b: &[u8]) -> (usize, usize) {
@@ -292,8 +296,11 @@ pub struct Parser<'a> {
     pub keep_inline: u64,
     pub whiteouts: bool,
     pub out: Records,
+    pub done: Vec<Records>,
+    pub content_bytes: u64,
     next_header: u64,
     buf: Vec<u8>,
+    pub packing: std::time::Duration, // in pack writes and dedup compares (BUI_NATIVE_TIMES)
 }
 
 impl<'a> Parser<'a> {
@@ -304,8 +311,11 @@ impl<'a> Parser<'a> {
             keep_inline,
             whiteouts,
             out: Records::default(),
+            done: Vec::new(),
+            content_bytes: 0,
             next_header: 0,
             buf: Vec::new(),
+            packing: Default::default(),
         }
     }
 
@@ -553,7 +563,7 @@ impl<'a> Parser<'a> {
             None => m.mtime.checked_mul(1_000_000_000).ok_or("mtime too large")?,
         };
         let content = if regular && !whiteout {
-            self.out.content_bytes += size;
+            self.content_bytes += size;
             self.content(size)?
         } else {
             Content::None
@@ -575,6 +585,9 @@ impl<'a> Parser<'a> {
             devminor: m.devminor,
             content,
         });
+        if self.out.recs.len() >= SEGMENT_RECS || self.out.data.len() + self.out.names.len() >= SEGMENT_BYTES {
+            self.done.push(std::mem::take(&mut self.out));
+        }
         Ok(())
     }
 
@@ -595,7 +608,9 @@ impl<'a> Parser<'a> {
                 return Err(self.upstream("truncated member data"));
             }
             let crc = crc32c::crc32c(&buf);
+            let t = std::time::Instant::now();
             let put = self.pack.put(&buf, crc).map_err(io)?;
+            self.packing += t.elapsed();
             self.buf = buf;
             let (Put::New(loc) | Put::Dup(loc)) = put;
             return Ok(Content::Blob(crc, size, loc.0, loc.1));
@@ -610,7 +625,9 @@ impl<'a> Parser<'a> {
             }
             crc = crc32c::crc32c_append(crc, s);
             left -= s.len() as u64;
+            let t = std::time::Instant::now();
             self.pack.write_piece(s).map_err(io)?;
+            self.packing += t.elapsed();
         }
         let (Put::New(loc) | Put::Dup(loc)) = self.pack.end_stream(start, size, crc, true).map_err(io)?;
         Ok(Content::Blob(crc, size, loc.0, loc.1))
