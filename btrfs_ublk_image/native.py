@@ -6,7 +6,8 @@ Used whenever the extension is installed, unless ``BUI_NATIVE=0`` selects the Py
 (the reference semantics, and what the bench compares against). Archives with forms the
 native reader does not implement (and every archive with an error) are read by the Python
 reader instead, whole, after the native side rolled its pack writes back: results and
-errors are the Python reader's either way.
+errors are the Python reader's either way. ``BUI_NATIVE_TIMES=1`` makes the native reader
+print where its time went (waiting for input, writing the pack) to stderr.
 """
 
 from __future__ import annotations

@@ -241,9 +241,18 @@ fn read_tar<'py>(
     diff_id: bool,
     lenient_end: bool,
 ) -> PyResult<Bound<'py, PyTuple>> {
+    let layer = Layer {
+        fd,
+        start,
+        length,
+        keep_inline,
+        whiteouts,
+        diff_id,
+        lenient_end,
+    };
     let mut guard = pack.borrow_mut();
     let core = guard.core()?;
-    let result = py.detach(|| run(core, fd, start, length, keep_inline, whiteouts, diff_id, lenient_end));
+    let result = py.detach(|| run(core, &layer));
     match result {
         Ok((raw, unc, kind, nbytes, content_bytes, segments)) => {
             let members = Members {
@@ -275,9 +284,8 @@ enum Failure {
 
 type Done = (String, String, &'static str, u64, u64, Vec<Records>);
 
-#[allow(clippy::too_many_arguments)]
-fn run(
-    core: &mut PackCore,
+/// One layer to read: `read_tar`'s arguments.
+struct Layer {
     fd: i32,
     start: u64,
     length: Option<u64>,
@@ -285,7 +293,18 @@ fn run(
     whiteouts: bool,
     diff_id: bool,
     lenient_end: bool,
-) -> Result<Done, Failure> {
+}
+
+fn run(core: &mut PackCore, layer: &Layer) -> Result<Done, Failure> {
+    let Layer {
+        fd,
+        start,
+        length,
+        keep_inline,
+        whiteouts,
+        diff_id,
+        lenient_end,
+    } = *layer;
     let mut head = vec![0u8; 512];
     let want = length.map_or(512, |l| l.min(512) as usize);
     // SAFETY: head is valid for `want` bytes
