@@ -5,11 +5,13 @@ ways must give the same image id (so the same packs, tree, digests) or the same 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import itertools
 import os
 import subprocess
 import tarfile
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -269,3 +271,60 @@ def test_fallback_after_packing_rolls_back(tmp_path: Path, fmt: str) -> None:
     assert not ref.startswith("error:"), ref
     assert got == ref
     assert len(fellback) == 1, fellback
+
+
+@_settings
+@given(
+    entries=members(),
+    fmt=st.sampled_from([tarfile.USTAR_FORMAT, tarfile.PAX_FORMAT]),
+    how=st.sampled_from(["none", "gzip", "zstd"]),
+)
+def test_native_records_as_tarfile_sees_them(
+    tmp_path_factory: pytest.TempPathFactory,
+    entries: list[tuple[tarfile.TarInfo, bytes]],
+    fmt: int,
+    how: str,
+) -> None:
+    """The native reader's member records against Python's tarfile, field by field."""
+    nat = native.module()
+    assert nat is not None
+    tmp = tmp_path_factory.mktemp("rec")
+    raw = _archive(entries, fmt)
+    (tmp / "in.tar").write_bytes(_compress(raw, how))
+    fd = os.open(tmp / "pack", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    pack = nat.Pack(fd, 4096)
+    try:
+        with open(tmp / "in.tar", "rb") as f:
+            digest, _, kind, _, _, records = nat.read_tar(
+                pack, f.fileno(), 0, None, 64, False, False, False
+            )
+            got = list(records)
+        packed = Path(tmp / "pack").read_bytes()
+    finally:
+        pack.abort()
+    assert kind == how
+    want = []
+    with tarfile.open(fileobj=io.BytesIO(raw), mode="r:") as tf:
+        for ti in tf:
+            data = tf.extractfile(ti).read() if ti.isreg() else b""  # type: ignore[union-attr]
+            mtime = ti.pax_headers.get("mtime")
+            ns = int(ti.mtime) * 10**9 if mtime is None else int(Decimal(mtime) * 10**9)
+            xattrs = {
+                k[13:].encode(): v.encode("utf-8", "surrogateescape")
+                for k, v in ti.pax_headers.items()
+                if k.startswith("SCHILY.xattr.")
+            }
+            want.append(
+                (ti.name.encode(), ti.type, ti.mode, ti.uid, ti.gid, ns, ti.linkname.encode(),
+                 (ti.devmajor, ti.devminor) if ti.ischr() else (0, 0), xattrs or None, data)
+            )  # fmt: skip
+    assert len(got) == len(want)
+    for rec, w in zip(got, want, strict=True):
+        name, t, mode, uid, gid, mtime_ns, _, _, xattrs, link, major, minor, content = rec
+        if isinstance(content, tuple):  # (crc32c, size, pack, offset): the bytes in the pack
+            _, size, pack_no, offset = content
+            assert pack_no == 0
+            content = packed[offset : offset + size]
+        dev = (major, minor) if t == tarfile.CHRTYPE else (0, 0)
+        assert (name, t, mode, uid, gid, mtime_ns, link, dev, xattrs, content or b"") == w
+    assert digest == hashlib.sha256((tmp / "in.tar").read_bytes()).hexdigest()
