@@ -77,12 +77,19 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKDIR = Path("/var/tmp/btrfs-ublk-image-bench")
 FULL = inp.InputParams(files=100_000, large_bytes=2 << 30, large_count=4)
 QUICK = inp.InputParams(files=10_000, large_bytes=256 << 20, large_count=4)
+# issue 23's inputs: 100,000 small files + one 1 GiB file; 1,000,000 small files (how cost grows)
+ISSUE23 = inp.InputParams(files=100_000, large_bytes=1 << 30, large_count=1)
+MILLION = inp.InputParams(files=1_000_000, large_bytes=0, large_count=0)
+EXTRA_INPUTS = {
+    "issue23": (ISSUE23, "100,000 small files + one 1 GiB file"),
+    "million": (MILLION, "1,000,000 small files"),
+}
 GiB = 1 << 30
 # Specs written into scratch (and the reflink filesystem) for each input:
 TAR_SPEC = "spec.yaml"  # one tar: layer
 OCI_SPEC = "spec-oci.yaml"  # one oci: layer, the input's OCI layout
 IN_PLACE_SPEC = "spec-in-place.yaml"  # one tar: layer, in_place: true
-BUILD_INPUTS = ("synthetic", "debian")
+BUILD_INPUTS = ("synthetic", "debian", "issue23", "million")
 SECTIONS = (
     "build", "mount", "randread", "laziness", "vm", "remote", "containerd", "latency", "latency_vm",
 )  # fmt: skip
@@ -121,10 +128,19 @@ MAKERS = {"tree": "tar_x", "umoci": "umoci_unpack"}
 PEERS = ("mksquashfs", "mkfs_erofs", "mksquashfs_tar")
 
 
-def _ours(spec: str) -> Callable[[Job, Path], list[str]]:
+# a checkout of an earlier builder (--baseline-builder): its row runs that code
+BASELINE_BUILDER: list[str] = []
+
+
+def _ours(
+    spec: str, python_path: bool = False, baseline: bool = False
+) -> Callable[[Job, Path], list[str]]:
     py = sys.executable
+    env = ["env", "BUI_NATIVE=0"] if python_path else []  # the Python reader and pack writer
+    if baseline:
+        env = ["env", "PYTHONDONTWRITEBYTECODE=1", f"PYTHONPATH={BASELINE_BUILDER[0]}"]
     return lambda job, out: [
-        py, "-m", "btrfs_ublk_image", "build", str(out.parent / spec), "-o", str(out)
+        *env, py, "-m", "btrfs_ublk_image", "build", str(out.parent / spec), "-o", str(out)
     ]  # fmt: skip
 
 
@@ -136,10 +152,24 @@ def _mkfs_btrfs(root: Callable[[Job], Path]) -> Callable[[Job, Path], list[str]]
 
 def _steps() -> list[Step]:
     return [
+        Step("sha256_floor", "floor: `openssl dgst -sha256` of the input", None,
+             lambda job, out: ["openssl", "dgst", "-sha256", str(job.tar)], needs="openssl",
+             cold=True),
+        Step("sha256_floor_warm", "floor: `openssl dgst -sha256`, warm", None,
+             lambda job, out: ["openssl", "dgst", "-sha256", str(job.tar)], needs="openssl"),
         Step("ours", "**ours: btrfs-ublk-image build**", "ours.bundle", _ours(TAR_SPEC),
              cold=True),
+        Step("ours_warm", "**ours, warm**", "ours.bundle", _ours(TAR_SPEC)),
+        Step("ours_baseline", "builder at the baseline commit (`--baseline-builder`)",
+             "ours.bundle", _ours(TAR_SPEC, baseline=True), cold=True),
+        Step("ours_python", "ours, Python path (`BUI_NATIVE=0`)", "ours.bundle",
+             _ours(TAR_SPEC, python_path=True), cold=True),
+        Step("ours_python_warm", "ours, Python path, warm", "ours.bundle",
+             _ours(TAR_SPEC, python_path=True)),
         Step("ours_oci", "**ours from the OCI layout** (`oci:` layer)", "ours-oci.bundle",
              _ours(OCI_SPEC), cold=True, oci=True),
+        Step("ours_oci_python", "ours from the OCI layout, Python path", "ours-oci.bundle",
+             _ours(OCI_SPEC, python_path=True), cold=True, oci=True),
         Step("ours_in_place", "**ours, tar in place**", "ours-in-place.bundle",
              _ours(IN_PLACE_SPEC), cold=True),
         Step("ours_in_place_reflink", "**ours, tar in place, reflink** (on a loop-mounted btrfs)",
@@ -248,7 +278,10 @@ def _measure(step: Step, res: Result, job: Job, scratch: Path, log: Path) -> Non
         if res.output_bytes is None:
             res.output_bytes, res.output_alloc_bytes = size
         remove(out)
-    _log(f"  {step.name}: {sample.wall_s:.2f} s, peak RSS {sample.maxrss_kib / 1024:.0f} MiB")
+    _log(
+        f"  {step.name}: {sample.wall_s:.2f} s, CPU {sample.cpu_s:.2f} s,"
+        f" peak RSS {sample.maxrss_kib / 1024:.0f} MiB"
+    )
 
 
 def _write_specs(directory: Path, tar: Path, layout: Path | None, ref: str) -> None:
@@ -288,10 +321,14 @@ def _reflink_fs(workdir: Path, tar: Path) -> Iterator[Path]:
         mnt.rmdir()
 
 
-def _runnable(bi: BuildInput, peers: bool) -> tuple[list[Step], dict[str, str]]:
+def _runnable(
+    bi: BuildInput, peers: bool, only: set[str] | None = None
+) -> tuple[list[Step], dict[str, str]]:
     skipped: dict[str, str] = {}
     steps = []
     for s in _steps():
+        if only is not None and s.name not in only:
+            continue
         if not peers and s.name in PEERS:
             continue
         if s.oci and bi.layout is None:
@@ -299,6 +336,9 @@ def _runnable(bi: BuildInput, peers: bool) -> tuple[list[Step], dict[str, str]]:
             continue
         if s.needs and shutil.which(s.needs) is None:
             skipped[s.name] = f"{s.needs} not installed"
+            continue
+        if s.name == "ours_baseline" and not BASELINE_BUILDER:
+            skipped[s.name] = "no --baseline-builder"
             continue
         if s.name == "mksquashfs_tar" and not _supports_squashfs_tar():
             skipped[s.name] = "mksquashfs has no -tar"
@@ -319,7 +359,9 @@ PIPELINES = (  # (steps, name, label): sums per repeat
 )  # fmt: skip
 
 
-def run_build(bi: BuildInput, workdir: Path, peers: bool) -> tuple[list[Result], dict[str, str]]:
+def run_build(
+    bi: BuildInput, workdir: Path, peers: bool, only: set[str] | None = None
+) -> tuple[list[Result], dict[str, str]]:
     """Every runnable step on one input, ``bi.repeats`` times in turn; then the pipelines."""
     scratch = workdir / "scratch"
     remove(scratch)
@@ -328,7 +370,7 @@ def run_build(bi: BuildInput, workdir: Path, peers: bool) -> tuple[list[Result],
     log = workdir / "bench.log"
     job = Job(bi.tar, bi.layout, bi.ref, scratch / "tree", scratch / "umoci-bundle")
     dirs = {"tree": job.tree, "umoci": job.umoci}
-    steps, skipped = _runnable(bi, peers)
+    steps, skipped = _runnable(bi, peers, only)
     results = {s.name: Result(s.name, s.label, []) for s in steps}
     stack = contextlib.ExitStack()
     reflink_scratch = scratch
@@ -429,6 +471,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--no-peers", action="store_true", help="skip mksquashfs and mkfs.erofs")
     ap.add_argument(
+        "--baseline-builder",
+        metavar="DIR",
+        help="build section: also time the builder in DIR (a `git archive` export of an"
+        " earlier commit), with this venv's Python",
+    )
+    ap.add_argument(
+        "--steps",
+        metavar="LIST",
+        help="build section: only these steps (comma-separated names, e.g. ours,ours_python)",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="also run one build under cProfile and print where the time goes",
@@ -460,6 +513,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)  # fmt: skip
 
+    if args.baseline_builder:
+        BASELINE_BUILDER[:] = [str(Path(args.baseline_builder).resolve())]
     if args.from_json:
         saved: dict[str, Any] = json.loads(Path(args.from_json).read_text())
         return _emit(saved, args, Path(args.workdir))
@@ -529,6 +584,13 @@ def _build_inputs(
         }  # fmt: skip
         out.append(BuildInput("synthetic", "Synthetic set", data.tar, layout, inp.OCI_REF,
                               data.stats, max(1, args.repeat), about))  # fmt: skip
+    for key, (extra, what) in EXTRA_INPUTS.items():
+        if key in wanted:  # generated like the synthetic set; tarball rows only
+            made = inp.ensure_inputs(Path(args.workdir).resolve(), extra, log=_log)
+            about = {"params": asdict(extra), "tar": str(made.tar), "description": what,
+                     "stats": made.stats.to_json()}  # fmt: skip
+            out.append(BuildInput(key, f"Generated: {what}", made.tar, None, "", made.stats,
+                                  max(1, args.repeat), about))  # fmt: skip
     if "debian" in wanted:
         from bench.runtime import DEBIAN_REF, debian_inputs
 
@@ -581,7 +643,8 @@ def _run_build_section(
     for bi in inputs:
         s = bi.stats
         _log(f"build: {bi.name} ({s.entries:,} entries, {s.content_bytes / 2**20:.0f} MiB)")
-        results, skipped = run_build(bi, workdir, not args.no_peers)
+        only = {x.strip() for x in args.steps.split(",")} if args.steps else None
+        results, skipped = run_build(bi, workdir, not args.no_peers, only)
         speedups: dict[str, dict[str, float]] = {}
         for base_name in (UMOCI_BASELINE, TAR_BASELINE):
             base = next((r for r in results if r.name == base_name and r.ok), None)

@@ -28,6 +28,7 @@ class Sample:
     maxrss_kib: int
     returncode: int
     sync_s: float = 0.0
+    cpu_s: float = 0.0  # user + system CPU of the command and its descendants (rusage)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,7 +70,8 @@ def run_measured(cmd: Sequence[str], log: Path, stdin: Path | None = None) -> Sa
             rss_file.unlink(missing_ok=True)
     t1 = time.perf_counter()
     os.sync()
-    return Sample(wall, maxrss, proc.returncode, time.perf_counter() - t1)
+    cpu = usage.ru_utime + usage.ru_stime
+    return Sample(wall, maxrss, proc.returncode, time.perf_counter() - t1, cpu)
 
 
 def drop_caches() -> bool:

@@ -44,8 +44,9 @@ import queue
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import BinaryIO, Protocol, cast
+from typing import Any, BinaryIO, Protocol, cast
 
+from btrfs_ublk_image import native
 from btrfs_ublk_image.blockmap import StoredChunk
 from btrfs_ublk_image.btrfs.ondisk import SECTORSIZE
 from btrfs_ublk_image.crc import crc32c
@@ -140,9 +141,20 @@ class PackWriter:
         self.chunk_size = chunk_size
         self.progress = progress
         self._path = os.path.join(directory, "pack.tmp")
+        nat = native.module()
+        # the native pack (native/src/pack.rs): the same appends, dedup index and chunk
+        # digests in Rust, shared by the native tar reader and every other source
+        self.core: Any = None
+        self._interned: dict[Blob, Blob] = {}
+        if nat is not None:
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+            self.core = nat.Pack(fd, chunk_size)
         # read back only with pread on its fd (hashing, dedup): a BufferedWriter on an O_RDWR
         # fd, as a BufferedRandom would lseek(2) (and release the GIL) after every flush
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        if self.core is None:
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        else:  # the Python writer's side stays idle (its threads start on first use only)
+            fd = os.dup(self.core.fileno())
         self._file = open(fd, "wb", buffering=PACK_BUFFER)  # noqa: SIM115 (finish or abort)
         # chunks go to the hasher (and the file to the kernel) this many at a time
         self._submit_step = max(1, PACK_BUFFER // chunk_size)
@@ -156,14 +168,23 @@ class PackWriter:
         self._submitted = 0  # chunks handed to the hasher (all of them final)
         self._flusher = _Flusher(self._file.fileno())
         self._flushed = 0  # pack size at the last flush request
-        self.bytes_in = 0  # content bytes offered, before dedup
-        self.bytes_deduped = 0
+        self._bytes_in = 0  # content bytes offered, before dedup (besides the native pack's)
+        self._bytes_deduped = 0
         self.bytes_in_place = 0  # unique content referenced in in-place packs (not written)
         self._in_place: list[InPlacePack] = []
 
+    @property
+    def bytes_in(self) -> int:
+        """Content bytes offered, before dedup."""
+        return self._bytes_in + (0 if self.core is None else self.core.bytes_in)
+
+    @property
+    def bytes_deduped(self) -> int:
+        return self._bytes_deduped + (0 if self.core is None else self.core.bytes_deduped)
+
     def put_bytes(self, data: bytes) -> bytes | Blob:
         if len(data) <= self.keep_inline:
-            self.bytes_in += len(data)
+            self._bytes_in += len(data)
             return data
         return self._append_checked([data], len(data), "inline content")
 
@@ -173,7 +194,7 @@ class PackWriter:
             data = src.read(size)
             if len(data) != size:
                 raise SourceError(f"{where}: truncated: expected {size} bytes, got {len(data)}")
-            self.bytes_in += size
+            self._bytes_in += size
             return data
         return self._append_checked(_Reader(src, size, where), size, where)
 
@@ -205,6 +226,8 @@ class PackWriter:
         index = 1 + len(self._in_place)
         pack = InPlacePack(index, src_path, os.path.join(self.directory, f"in-place-{index}.tmp"))
         self._in_place.append(pack)
+        if self.core is not None:
+            self.core.set_pack_fd(index, pack.fd)
         return pack
 
     def put_in_place(
@@ -218,7 +241,7 @@ class PackWriter:
         key = size << 32 | crc
         for old in self._candidates(key):
             if self._same_bytes(old.pack, old.offset, pack.index, offset, size):
-                self.bytes_deduped += size
+                self._bytes_deduped += size
                 return old
         blob = Blob(crc32c=crc, size=size, pack=pack.index, offset=offset)
         self._remember(key, blob)
@@ -245,16 +268,22 @@ class PackWriter:
                 self.progress.add_bytes(len(piece))
         if got != size:
             raise SourceError(f"{where}: truncated: expected {size} bytes, got {got}")
-        self.bytes_in += size
+        self._bytes_in += size
         return crc
 
     def _candidates(self, key: int) -> list[Blob]:
+        if self.core is not None:
+            crc, size = key & 0xFFFFFFFF, key >> 32
+            return [Blob(crc, size, p, o) for p, o in self.core.candidates(key)]
         found = self._by_key.get(key)
         if found is None:
             return []
         return found if isinstance(found, list) else [found]
 
     def _remember(self, key: int, blob: Blob) -> None:
+        if self.core is not None:
+            self.core.remember(key, blob.pack, blob.offset)
+            return
         found = self._by_key.get(key)
         if found is None:
             self._by_key[key] = blob
@@ -270,6 +299,16 @@ class PackWriter:
     def _append_checked(
         self, pieces: list[bytes] | _Reader, size: int, where: str, dedupe: bool = True
     ) -> Blob:
+        if self.core is not None:
+            counted = pieces if self.progress is None else _Counted(pieces, self.progress)
+            try:
+                crc, pack, offset = self.core.append(counted, size, dedupe)
+            except ValueError as e:
+                raise SourceError(f"{where}: truncated: expected {size} bytes, got {e}") from None
+            blob = Blob(crc32c=crc, size=size, pack=pack, offset=offset)
+            # a duplicate is the first one's object, as in the Python writer (what its
+            # index held before: sources that are not native tar readers only)
+            return self._interned.setdefault(blob, blob)
         start = self._size
         crc = self._take(pieces, size, where, self._write)
         key = size << 32 | crc
@@ -280,7 +319,7 @@ class PackWriter:
                     self._file.truncate(start)
                     self._file.seek(start)
                     self._size = start
-                    self.bytes_deduped += size
+                    self._bytes_deduped += size
                     return old
         blob = Blob(crc32c=crc, size=size, pack=0, offset=start)
         if dedupe:
@@ -300,6 +339,8 @@ class PackWriter:
             self._flushed = self._size
 
     def _fd(self, pack: int) -> int:
+        if pack == 0 and self.core is not None:
+            return int(self.core.fileno())
         if pack == 0:
             self._file.flush()
             return self._file.fileno()
@@ -323,11 +364,16 @@ class PackWriter:
     def finish(self) -> list[PackInfo]:
         """Close the packs and name them by their ids, in pack-index order. Returns [] when
         nothing was packed."""
-        self._submit(-(-self._size // self.chunk_size))  # the last chunk may be short
-        digests = self._hasher.finish()
-        self._flusher.finish()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        if self.core is not None:
+            core = self.core
+            self._size = core.size
+            self._bytes_in += core.bytes_in
+            self._bytes_deduped += core.bytes_deduped
+            self.core = None  # its counters are ours now
+            digests = core.finish()
+            self._file.close()
+        else:
+            digests = self._finish_python()
         if self._size == 0 and not self._in_place:
             os.unlink(self._path)
             return []
@@ -341,7 +387,17 @@ class PackWriter:
             infos.append(pack.finish(self.directory))
         return infos
 
+    def _finish_python(self) -> list[bytes]:
+        self._submit(-(-self._size // self.chunk_size))  # the last chunk may be short
+        digests = self._hasher.finish()
+        self._flusher.finish()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return digests
+
     def abort(self) -> None:
+        if self.core is not None:
+            self.core.abort()
         self._hasher.stop()
         self._flusher.stop()
         if not self._file.closed:
@@ -562,6 +618,21 @@ class _Flusher:
         self.stop(drop_pending=False)  # a flush asked for just before still runs
         if self._error is not None:
             raise self._error
+
+
+class _Counted:
+    """Pieces passed through, each counted in the progress."""
+
+    def __init__(self, pieces: Iterable[bytes], progress: Progress) -> None:
+        self.pieces, self.progress = iter(pieces), progress
+
+    def __iter__(self) -> _Counted:
+        return self
+
+    def __next__(self) -> bytes:
+        piece = next(self.pieces)
+        self.progress.add_bytes(len(piece))
+        return piece
 
 
 class _Reader:

@@ -14,6 +14,7 @@ PY=.venv/bin/python
 # package has neither, and setup falls back to it only without rustup)
 if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1; then
   (cd ublkd && cargo fmt --check && cargo clippy --release --locked -q -- -D warnings)
+  (cd native && cargo fmt --check && cargo clippy --release --locked -q -- -D warnings)
 else
   echo "test.sh: cargo fmt/clippy not installed: ublkd's format and lints NOT checked" >&2
 fi

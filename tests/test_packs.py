@@ -51,6 +51,7 @@ def test_equal_checksums_but_different_bytes_are_kept_apart(
 
 @pytest.mark.unit
 def test_pack_written_back_while_it_grows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BUI_NATIVE", "0")  # the Python writer's flusher thread (native: pack.rs)
     monkeypatch.setattr(packs_mod, "FLUSH_STEP", 8192)
     monkeypatch.setattr(packs_mod, "PACK_BUFFER", 8192)  # chunks submitted (and flushed) early
     flushed: list[tuple[str, int]] = []
@@ -73,6 +74,7 @@ def test_pack_written_back_while_it_grows(tmp_path: Path, monkeypatch: pytest.Mo
 @pytest.mark.unit
 def test_failed_write_back_fails_finish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the kernel reports a write-back error once: the final fsync would not see it again
+    monkeypatch.setenv("BUI_NATIVE", "0")  # the Python writer's flusher thread (native: pack.rs)
     monkeypatch.setattr(packs_mod, "FLUSH_STEP", 4096)
 
     def fdatasync(fd: int) -> None:

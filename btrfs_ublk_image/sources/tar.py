@@ -25,17 +25,20 @@ import base64
 import binascii
 import dataclasses
 import hashlib
+import io
 import os
 import struct
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO, Protocol, cast
 
+from btrfs_ublk_image import native
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.hashing import BackgroundSha256
-from btrfs_ublk_image.packs import InPlacePack
+from btrfs_ublk_image.packs import InPlacePack, PackWriter
 from btrfs_ublk_image.sources.base import WHITEOUT, LayerContext, SourceRecord
 from btrfs_ublk_image.sources.globs import normalize, selector
 from btrfs_ublk_image.sources.gunzip import InflateError, ThreadedGunzip
@@ -47,8 +50,11 @@ from btrfs_ublk_image.sources.tarheader import (
     FIFOTYPE,
     LNKTYPE,
     READ_SIZE,
+    REGULAR_TYPES,
+    SUPPORTED_TYPES,
     SYMTYPE,
     HeaderProblem,
+    Member,
     MemberError,
     SparseData,
     TarFormatError,
@@ -56,7 +62,7 @@ from btrfs_ublk_image.sources.tarheader import (
     checksum_ok,
 )
 from btrfs_ublk_image.spec import TarLayer
-from btrfs_ublk_image.tree import Content, FileType, Inode, split_path
+from btrfs_ublk_image.tree import Blob, Content, FileType, Inode, split_path
 
 ZSTD_READ_SIZE = 1 << 14  # compressed bytes per decompress call: bounds a call's output
 NO_OWNER = 0xFFFFFFFF  # (uid_t)-1 / (gid_t)-1
@@ -285,7 +291,8 @@ def xattr_name_problem(name: bytes) -> str | None:
     return "no namespace the kernel stores (user., trusted., security., system.posix_acl_*)"
 
 
-def _xattrs(pax: Mapping[str, str], warn: Callable[[str], None], where: str) -> dict[bytes, bytes]:
+def _xattrs(pax: Mapping[str, str]) -> dict[bytes, bytes]:
+    """The xattrs PAX records name (SCHILY.xattr.*, LIBARCHIVE.xattr.*), names unchecked."""
     out: dict[bytes, bytes] = {}
     for key, value in pax.items():
         if key.startswith("SCHILY.xattr."):
@@ -302,6 +309,16 @@ def _xattrs(pax: Mapping[str, str], warn: Callable[[str], None], where: str) -> 
                 continue
         else:
             continue
+        out[name] = data
+    return out
+
+
+def _valid_xattrs(
+    xattrs: dict[bytes, bytes], warn: Callable[[str], None], where: str
+) -> dict[bytes, bytes]:
+    """``xattrs`` without the names setxattr(2) would refuse, each skipped with a warning."""
+    out: dict[bytes, bytes] = {}
+    for name, data in xattrs.items():
         problem = xattr_name_problem(name)
         if problem is not None:
             warn(f"{where}: xattr {name!r} skipped: {problem}")
@@ -514,6 +531,9 @@ def read_tar(
     ``tar_path`` names the archive in errors.
     """
     opts = opts or TarOptions()
+    done = _read_native(f, tar_path, ctx, opts)
+    if done is not None:
+        return done
     in_place = opts.in_place
     raw = _HashingReader(f, tar_path, None if in_place is None else ctx.packs.chunk_size)
     head = raw.peek_head(BLOCK)
@@ -582,14 +602,55 @@ def read_tar(
     return TarDigests(raw_digest, uncompressed, kind)
 
 
+def _read_native(
+    f: _Readable, tar_path: Path | str, ctx: LayerContext, opts: TarOptions
+) -> TarDigests | None:
+    """The layer read by the native reader (``btrfs_ublk_image.native``); None where it
+    does not apply (no native pack, a tarball in place, renames or filters, not a plain
+    file) or hands the archive back (the Python reader then reads it all)."""
+    core = ctx.packs.core
+    nat = native.module()
+    if core is None or nat is None or opts.in_place is not None:
+        return None
+    if opts.rename is not None or opts.keep is not None or type(f) is not io.BufferedReader:
+        return None
+    try:
+        if f.tell() != 0:
+            return None
+        fd = f.fileno()
+    except (OSError, ValueError):
+        return None
+    try:
+        raw, unc, kind, _, content_bytes, members = nat.read_tar(
+            core, fd, 0, None, ctx.packs.keep_inline, opts.whiteouts, opts.diff_id, opts.lenient_end
+        )
+    except nat.Unsupported as e:
+        native.fallbacks.append(f"{tar_path}: {e}")
+        return None
+    if ctx.progress is not None:
+        ctx.progress.add_bytes(content_bytes)
+    for name, t, mode, uid, gid, mtime, atime, ctime, xattrs, link, major, minor, data in members:
+        _place_member(
+            ctx,
+            opts,
+            tar_path,
+            name.decode("utf-8", "surrogateescape"),
+            t,
+            link.decode("utf-8", "surrogateescape"),
+            mode,
+            uid,
+            gid,
+            major,
+            minor,
+            (mtime, atime, ctime, xattrs, None),  # ACL records: the Python reader's
+            Blob(*data) if type(data) is tuple else (data or b""),
+        )
+    return TarDigests("sha256:" + raw, "sha256:" + unc, kind)
+
+
 def _read_members(
     reader: TarReader, tar_path: Path | str, ctx: LayerContext, opts: TarOptions
 ) -> None:
-    rename, keep, whiteouts = opts.rename, opts.keep, opts.whiteouts
-    own_uid, own_gid = opts.uid, opts.gid
-    place = ctx.place
-    packs = ctx.packs
-    progress = ctx.progress
     in_place = opts.in_place
     last: str | None = None
     while True:
@@ -632,117 +693,163 @@ def _read_members(
             ) from None
         name = m.name
         last = reader.last_name = name
-        bname = name.encode("utf-8", "surrogateescape")
-        if rename is not None:
-            renamed = rename(bname)
-            if renamed is None:
-                if progress is not None:
-                    progress.add_file()
-                continue
-            bname = renamed
-        if keep is not None and not keep(normalize(bname)):
-            if progress is not None:
-                progress.add_file()
-            continue
-        if whiteouts and bname[bname.rfind(b"/") + 1 :].startswith(WHITEOUT):
-            ctx.whiteout(bname, f"{tar_path}: member {name!r}")
-            if progress is not None:
-                progress.add_file()
-            continue
-        t = m.type
-        if t == LNKTYPE:
-            target: bytes | None = m.linkname.encode("utf-8", "surrogateescape")
-            if rename is not None and target is not None:
-                target = rename(target)
-            if target is not None and keep is not None and not keep(normalize(target)):
-                raise _fail(
-                    tar_path,
-                    name,
-                    f"hard link to {m.linkname!r}, which include/exclude leave out",
-                )
-            linked = ctx.lookup(target) if target is not None else None
-            if linked is None:
-                raise _fail(
-                    tar_path, name, f"hard link to {m.linkname!r}, which is not in the image"
-                )
-            if linked.type == FileType.DIR:
-                raise _fail(tar_path, name, f"hard link to directory {m.linkname!r}")
-            place(bname, linked, f"{tar_path}: member {name!r}")
-            if progress is not None:
-                progress.add_file()
-            continue
-        regular = m.is_regular
-        symlink = b""
-        rdev = 0
-        if regular:
-            ftype = FileType.REG
-        elif t == DIRTYPE:
-            ftype = FileType.DIR
-        elif t == SYMTYPE:
-            ftype = FileType.SYMLINK
-            symlink = m.linkname.encode("utf-8", "surrogateescape")
-        elif t == CHRTYPE:
-            ftype = FileType.CHR
-            rdev = os.makedev(m.devmajor, m.devminor)
-        elif t == BLKTYPE:
-            ftype = FileType.BLK
-            rdev = os.makedev(m.devmajor, m.devminor)
-        elif t == FIFOTYPE:
-            ftype = FileType.FIFO
-        else:  # pragma: no cover - the reader resolves every other type
-            raise _fail(tar_path, name, f"unsupported member type {t!r}")
-        # (uid_t)-1 is "leave unchanged" to chown(2): GNU tar, run as root, leaves root's 0
-        uid = (0 if m.uid == NO_OWNER else m.uid) if own_uid is None else own_uid
-        gid = (0 if m.gid == NO_OWNER else m.gid) if own_gid is None else own_gid
-        if not (0 <= uid <= 0xFFFFFFFF and 0 <= gid <= 0xFFFFFFFF):
-            raise _fail(tar_path, name, f"owner {uid}:{gid} out of range")
-        where = f"{tar_path}: member {name!r}"
-        # a symlink's mode is always 0777 on Linux (symlink(2) ignores the umask and the mode)
-        mode = 0o777 if t == SYMTYPE else m.mode & 0o7777
-        pax = m.pax
-        atime: int | None = None
-        ctime: int | None = None
-        xattrs: dict[bytes, bytes] | None = None
-        if pax:
-            try:
-                mt = pax.get("mtime")
-                mtime = parse_pax_time(mt) if mt is not None else m.mtime * 10**9
-                at = pax.get("atime")
-                if at is not None:
-                    atime = parse_pax_time(at)
-                ct = pax.get("ctime")
-                if ct is not None:
-                    ctime = parse_pax_time(ct)
-                xattrs = _xattrs(pax, ctx.warn, where)
-                if t != SYMTYPE and ("SCHILY.acl.access" in pax or "SCHILY.acl.default" in pax):
-                    mode = _acls(pax, mode, xattrs, ftype == FileType.DIR, ctx.warn, where)
-            except ValueError as e:
-                raise _fail(tar_path, name, str(e)) from None
-        else:
-            mtime = m.mtime * 1_000_000_000
-        content: Content = b""
-        if regular:
-            if m.sparse is not None:
-                content = packs.put_sparse(SparseData(reader, m), m.size, m.sparse, where)
-            elif in_place is not None:  # the data lies in the pack at its tarball offset
-                content = packs.put_in_place(
-                    in_place, cast(BinaryIO, reader), m.data_start, m.size, where
-                )
-            else:
-                content = packs.put_stream(cast(BinaryIO, reader), m.size, where)
-        inode = Inode(
-            ftype,
-            mode=mode,
-            uid=uid,
-            gid=gid,
-            mtime_ns=mtime,
-            atime_ns=atime,
-            ctime_ns=ctime,
-            xattrs=xattrs,
-            rdev=rdev,
-            target=symlink,
-            content=content,
+        _place_member(
+            ctx,
+            opts,
+            tar_path,
+            name,
+            m.type,
+            m.linkname,
+            m.mode,
+            m.uid,
+            m.gid,
+            m.devmajor,
+            m.devminor,
+            partial(_pax_meta, m),
+            partial(_read_content, reader, m, ctx.packs, in_place),
         )
-        place(bname, inode, where)
+
+
+# (mtime_ns, atime_ns, ctime_ns, xattrs as the archive names them, the PAX records when
+# they hold an ACL)
+Meta = tuple[
+    int, "int | None", "int | None", "dict[bytes, bytes] | None", "Mapping[str, str] | None"
+]
+
+
+def _pax_meta(m: Member) -> Meta:
+    """A member's times, xattrs and ACL records: its PAX records, else its header."""
+    pax = m.pax
+    if not pax:
+        return m.mtime * 1_000_000_000, None, None, None, None
+    mt = pax.get("mtime")
+    mtime = parse_pax_time(mt) if mt is not None else m.mtime * 10**9
+    at = pax.get("atime")
+    atime = parse_pax_time(at) if at is not None else None
+    ct = pax.get("ctime")
+    ctime = parse_pax_time(ct) if ct is not None else None
+    acls = pax if any(key in pax for key, _ in _ACL_RECORDS) else None
+    return mtime, atime, ctime, _xattrs(pax), acls
+
+
+def _read_content(
+    reader: TarReader, m: Member, packs: PackWriter, in_place: InPlacePack | None, where: str
+) -> Content:
+    """A regular member's data, packed (or kept inline)."""
+    if m.sparse is not None:
+        return packs.put_sparse(SparseData(reader, m), m.size, m.sparse, where)
+    if in_place is not None:  # the data lies in the pack at its tarball offset
+        return packs.put_in_place(in_place, cast(BinaryIO, reader), m.data_start, m.size, where)
+    return packs.put_stream(cast(BinaryIO, reader), m.size, where)
+
+
+def _place_member(
+    ctx: LayerContext,
+    opts: TarOptions,
+    tar_path: Path | str,
+    name: str,
+    t: bytes,
+    linkname: str,
+    mode: int,
+    uid: int,
+    gid: int,
+    devmajor: int,
+    devminor: int,
+    meta: Meta | Callable[[], Meta],
+    content_of: Content | Callable[[str], Content],
+) -> None:
+    """One member into the tree (both readers: the Python one and the native one)."""
+    progress = ctx.progress
+    bname = name.encode("utf-8", "surrogateescape")
+    rename, keep = opts.rename, opts.keep
+    if rename is not None:
+        renamed = rename(bname)
+        if renamed is None:
+            if progress is not None:
+                progress.add_file()
+            return
+        bname = renamed
+    if keep is not None and not keep(normalize(bname)):
         if progress is not None:
             progress.add_file()
+        return
+    if opts.whiteouts and bname[bname.rfind(b"/") + 1 :].startswith(WHITEOUT):
+        ctx.whiteout(bname, f"{tar_path}: member {name!r}")
+        if progress is not None:
+            progress.add_file()
+        return
+    if t == LNKTYPE:
+        target: bytes | None = linkname.encode("utf-8", "surrogateescape")
+        if rename is not None and target is not None:
+            target = rename(target)
+        if target is not None and keep is not None and not keep(normalize(target)):
+            raise _fail(
+                tar_path,
+                name,
+                f"hard link to {linkname!r}, which include/exclude leave out",
+            )
+        linked = ctx.lookup(target) if target is not None else None
+        if linked is None:
+            raise _fail(tar_path, name, f"hard link to {linkname!r}, which is not in the image")
+        if linked.type == FileType.DIR:
+            raise _fail(tar_path, name, f"hard link to directory {linkname!r}")
+        ctx.place(bname, linked, f"{tar_path}: member {name!r}")
+        if progress is not None:
+            progress.add_file()
+        return
+    regular = t in REGULAR_TYPES or t not in SUPPORTED_TYPES
+    symlink = b""
+    rdev = 0
+    if regular:
+        ftype = FileType.REG
+    elif t == DIRTYPE:
+        ftype = FileType.DIR
+    elif t == SYMTYPE:
+        ftype = FileType.SYMLINK
+        symlink = linkname.encode("utf-8", "surrogateescape")
+    elif t == CHRTYPE:
+        ftype = FileType.CHR
+        rdev = os.makedev(devmajor, devminor)
+    elif t == BLKTYPE:
+        ftype = FileType.BLK
+        rdev = os.makedev(devmajor, devminor)
+    elif t == FIFOTYPE:
+        ftype = FileType.FIFO
+    else:  # pragma: no cover - the reader resolves every other type
+        raise _fail(tar_path, name, f"unsupported member type {t!r}")
+    own_uid, own_gid = opts.uid, opts.gid
+    # (uid_t)-1 is "leave unchanged" to chown(2): GNU tar, run as root, leaves root's 0
+    uid = (0 if uid == NO_OWNER else uid) if own_uid is None else own_uid
+    gid = (0 if gid == NO_OWNER else gid) if own_gid is None else own_gid
+    if not (0 <= uid <= 0xFFFFFFFF and 0 <= gid <= 0xFFFFFFFF):
+        raise _fail(tar_path, name, f"owner {uid}:{gid} out of range")
+    where = f"{tar_path}: member {name!r}"
+    # a symlink's mode is always 0777 on Linux (symlink(2) ignores the umask and the mode)
+    mode = 0o777 if t == SYMTYPE else mode & 0o7777
+    try:
+        mtime, atime, ctime, named, acls = meta if isinstance(meta, tuple) else meta()
+        xattrs = None if named is None else _valid_xattrs(named, ctx.warn, where)
+        if acls is not None and t != SYMTYPE:
+            xattrs = {} if xattrs is None else xattrs
+            mode = _acls(acls, mode, xattrs, ftype == FileType.DIR, ctx.warn, where)
+    except ValueError as e:
+        raise _fail(tar_path, name, str(e)) from None
+    content: Content = b""
+    if regular:
+        content = content_of(where) if callable(content_of) else content_of
+    inode = Inode(
+        ftype,
+        mode=mode,
+        uid=uid,
+        gid=gid,
+        mtime_ns=mtime,
+        atime_ns=atime,
+        ctime_ns=ctime,
+        xattrs=xattrs,
+        rdev=rdev,
+        target=symlink,
+        content=content,
+    )
+    ctx.place(bname, inode, where)
+    if progress is not None:
+        progress.add_file()

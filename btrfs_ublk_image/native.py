@@ -1,0 +1,38 @@
+"""The native data path (``native/``, a Rust extension built with maturin): tar layers read
+in one pass (source digest, inflate, diff_id, headers, CRC-32C, deduplication, pack writes
+and the pack's chunk digests on threads of their own), handing back compact member records.
+
+Used whenever the extension is installed, unless ``BUI_NATIVE=0`` selects the Python path
+(the reference semantics, and what the bench compares against). Archives with forms the
+native reader does not implement (and every archive with an error) are read by the Python
+reader instead, whole, after the native side rolled its pack writes back: results and
+errors are the Python reader's either way. ``BUI_NATIVE_TIMES=1`` makes the native reader
+print where its time went (waiting for input, writing the pack) to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+ENV = "BUI_NATIVE"
+_module: ModuleType | None = None
+_loaded = False
+# archives handed back to the Python reader (tests check which path ran)
+fallbacks: list[str] = []
+
+
+def module() -> ModuleType | None:
+    """The extension module, or None (not built, or ``BUI_NATIVE=0``)."""
+    global _module, _loaded
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    if not _loaded:
+        _loaded = True
+        try:
+            import btrfs_ublk_native
+
+            _module = btrfs_ublk_native
+        except ImportError:
+            _module = None
+    return _module

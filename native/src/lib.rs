@@ -1,0 +1,387 @@
+//! btrfs_ublk_native: the build's data path for tar layers in Rust (docs/design.md,
+//! "Native data path"). Python keeps the spec, the tree, the btrfs writer and the reference
+//! tar reader; this module reads a layer once (source digest, inflate, diff_id, tar headers,
+//! CRC-32C, deduplication, pack writes, pack chunk digests on their own threads) and hands
+//! back compact member records.
+
+mod pack;
+mod stream;
+mod tar;
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::os::fd::FromRawFd;
+
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+
+use pack::PackCore;
+use tar::{Content, Parser, Records};
+
+pyo3::create_exception!(btrfs_ublk_native, Unsupported, pyo3::exceptions::PyException);
+
+fn os_err(e: std::io::Error) -> PyErr {
+    PyOSError::new_err((e.raw_os_error().unwrap_or(0), e.to_string()))
+}
+
+/// Pack 0 of a build (see pack.rs).
+#[pyclass(unsendable)]
+struct Pack {
+    core: Option<PackCore>,
+}
+
+impl Pack {
+    fn core(&mut self) -> PyResult<&mut PackCore> {
+        self.core
+            .as_mut()
+            .ok_or_else(|| PyValueError::new_err("pack is closed"))
+    }
+}
+
+#[pymethods]
+impl Pack {
+    /// Writes to `fd` (taken over: closed with the pack), an empty file.
+    #[new]
+    fn new(fd: i32, chunk_size: u64) -> Self {
+        // SAFETY: the caller hands the fd over (os.dup of its own)
+        let file = unsafe { File::from_raw_fd(fd) };
+        Pack {
+            core: Some(PackCore::new(file, chunk_size)),
+        }
+    }
+
+    fn fileno(&mut self) -> PyResult<i32> {
+        Ok(self.core()?.fd())
+    }
+
+    #[getter]
+    fn size(&mut self) -> PyResult<u64> {
+        Ok(self.core()?.size)
+    }
+
+    #[getter]
+    fn bytes_in(&mut self) -> PyResult<u64> {
+        Ok(self.core()?.bytes_in)
+    }
+
+    #[getter]
+    fn bytes_deduped(&mut self) -> PyResult<u64> {
+        Ok(self.core()?.bytes_deduped)
+    }
+
+    /// An in-place pack's fd, for byte comparisons of candidates in it.
+    fn set_pack_fd(&mut self, pack: u32, fd: i32) -> PyResult<()> {
+        self.core()?.set_pack_fd(pack, fd);
+        Ok(())
+    }
+
+    fn candidates(&mut self, key: u64) -> PyResult<Vec<(u32, u64)>> {
+        Ok(self.core()?.candidates(key))
+    }
+
+    fn remember(&mut self, key: u64, pack: u32, offset: u64) -> PyResult<()> {
+        self.core()?.remember(key, (pack, offset));
+        Ok(())
+    }
+
+    /// Append `pieces` (exactly `size` bytes, else ValueError with the count), deduplicated
+    /// when `dedupe`: (crc32c, pack, offset) of the content (an earlier copy's place when
+    /// it was a duplicate).
+    fn append(
+        &mut self,
+        py: Python<'_>,
+        pieces: &Bound<'_, PyAny>,
+        size: u64,
+        dedupe: bool,
+    ) -> PyResult<(u32, u32, u64)> {
+        let core = self.core()?;
+        let start = core.size;
+        let mut crc = 0u32;
+        let mut got = 0u64;
+        for piece in pieces.try_iter()? {
+            let piece = piece?;
+            let b = piece.cast::<PyBytes>()?.as_bytes();
+            crc = crc32c::crc32c_append(crc, b);
+            got += b.len() as u64;
+            core.write_piece(b).map_err(os_err)?;
+        }
+        if got != size {
+            return Err(PyValueError::new_err(got));
+        }
+        let put = py
+            .detach(|| core.end_stream(start, size, crc, dedupe))
+            .map_err(os_err)?;
+        let (pack::Put::New(loc) | pack::Put::Dup(loc)) = put;
+        Ok((crc, loc.0, loc.1))
+    }
+
+    /// Are `size` bytes at (pack_a, a) and (pack_b, b) equal?
+    fn same_bytes(&mut self, pack_a: u32, a: u64, pack_b: u32, b: u64, size: u64) -> PyResult<bool> {
+        self.core()?.same_ranges((pack_a, a), (pack_b, b), size).map_err(os_err)
+    }
+
+    /// Hash the last chunks, sync the file: the chunk digests.
+    fn finish(&mut self, py: Python<'_>) -> PyResult<Vec<Py<PyBytes>>> {
+        let core = self.core()?;
+        let digests = py.detach(|| core.finish()).map_err(os_err)?;
+        let out = digests.iter().map(|d| PyBytes::new(py, d).unbind()).collect();
+        self.core = None;
+        Ok(out)
+    }
+
+    /// Stop the threads and close the file (error paths).
+    fn abort(&mut self) {
+        if let Some(mut core) = self.core.take() {
+            core.abort();
+        }
+    }
+}
+
+/// The members of a layer read by `read_tar`, one tuple each, in archive order:
+/// (name, type, mode, uid, gid, mtime_ns, atime_ns, ctime_ns, xattrs or None, linkname,
+/// devmajor, devminor, content) with content None, bytes (inline) or (crc32c, size, pack,
+/// offset). Records are freed as they are taken.
+#[pyclass(unsendable)]
+struct Members {
+    segments: VecDeque<Records>,
+    next: usize, // in the first segment
+}
+
+#[pymethods]
+impl Members {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __len__(&self) -> usize {
+        self.segments.iter().map(|s| s.recs.len()).sum::<usize>() - self.next
+    }
+
+    fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        while self.segments.front().is_some_and(|s| self.next >= s.recs.len()) {
+            self.segments.pop_front(); // taken: freed
+            self.next = 0;
+            // and given back to the system: the tree that grows meanwhile is Python's
+            // (its own arenas), which would not reuse malloc's free pages
+            // SAFETY: a plain libc call
+            unsafe { libc::malloc_trim(0) };
+        }
+        let Some(seg) = self.segments.front() else {
+            return Ok(None);
+        };
+        let r = &seg.recs[self.next];
+        self.next += 1;
+        let s = |(at, n): (usize, usize)| &seg.names[at..at + n];
+        let xattrs: Bound<'py, PyAny> = if r.xattrs.1 == 0 {
+            py.None().into_bound(py)
+        } else {
+            let d = PyDict::new(py);
+            for (k, v) in &seg.xattrs[r.xattrs.0..r.xattrs.0 + r.xattrs.1] {
+                d.set_item(PyBytes::new(py, s(*k)), PyBytes::new(py, s(*v)))?;
+            }
+            d.into_any()
+        };
+        let content: Bound<'py, PyAny> = match r.content {
+            Content::None => py.None().into_bound(py),
+            Content::Inline(at, n) => PyBytes::new(py, &seg.data[at..at + n]).into_any(),
+            Content::Blob(crc, size, pack, offset) => (crc, size, pack, offset).into_pyobject(py)?.into_any(),
+        };
+        let items: Vec<Bound<'py, PyAny>> = vec![
+            PyBytes::new(py, s(r.name)).into_any(),
+            PyBytes::new(py, &[r.typ]).into_any(),
+            r.mode.into_pyobject(py)?.into_any(),
+            r.uid.into_pyobject(py)?.into_any(),
+            r.gid.into_pyobject(py)?.into_any(),
+            r.mtime_ns.into_pyobject(py)?.into_any(),
+            r.atime_ns.into_pyobject(py)?.into_any(),
+            r.ctime_ns.into_pyobject(py)?.into_any(),
+            xattrs,
+            PyBytes::new(py, s(r.link)).into_any(),
+            r.devmajor.into_pyobject(py)?.into_any(),
+            r.devminor.into_pyobject(py)?.into_any(),
+            content,
+        ];
+        Ok(Some(PyTuple::new(py, items)?))
+    }
+}
+
+fn detect(head: &[u8]) -> Result<&'static str, String> {
+    if head.starts_with(b"\x1f\x8b") {
+        return Ok("gzip");
+    }
+    if head.starts_with(b"\x28\xb5\x2f\xfd") {
+        return Ok("zstd");
+    }
+    if head.len() >= 512 && head[..512].iter().all(|&b| b == 0) {
+        return Ok("none");
+    }
+    if head.len() >= 512 {
+        // a valid header checksum: an uncompressed tar (the parser checks it again)
+        return Ok("none");
+    }
+    Err("not a tar, gzip or zstd stream (left to the Python reader)".into())
+}
+
+/// Read the tar layer in `fd` (from `start`, to its end or `length` bytes) into `pack`:
+/// (raw sha256 hex, uncompressed sha256 hex, compression, raw bytes, content bytes,
+/// Members). Raises Unsupported (the pack rolled back to where it was) for any archive it
+/// does not read exactly as the Python reader would, errors included.
+#[pyfunction]
+#[pyo3(signature = (pack, fd, start, length, keep_inline, whiteouts, diff_id, lenient_end))]
+#[allow(clippy::too_many_arguments)]
+fn read_tar<'py>(
+    py: Python<'py>,
+    pack: &Bound<'py, Pack>,
+    fd: i32,
+    start: u64,
+    length: Option<u64>,
+    keep_inline: u64,
+    whiteouts: bool,
+    diff_id: bool,
+    lenient_end: bool,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let layer = Layer {
+        fd,
+        start,
+        length,
+        keep_inline,
+        whiteouts,
+        diff_id,
+        lenient_end,
+    };
+    let mut guard = pack.borrow_mut();
+    let core = guard.core()?;
+    let result = py.detach(|| run(core, &layer));
+    match result {
+        Ok((raw, unc, kind, nbytes, content_bytes, segments)) => {
+            let members = Members {
+                segments: segments.into(),
+                next: 0,
+            };
+            let members = Bound::new(py, members)?;
+            PyTuple::new(
+                py,
+                [
+                    raw.into_pyobject(py)?.into_any(),
+                    unc.into_pyobject(py)?.into_any(),
+                    kind.into_pyobject(py)?.into_any(),
+                    nbytes.into_pyobject(py)?.into_any(),
+                    content_bytes.into_pyobject(py)?.into_any(),
+                    members.into_any(),
+                ],
+            )
+        }
+        Err(Failure::Unsupported(msg)) => Err(Unsupported::new_err(msg)),
+        Err(Failure::Os(e)) => Err(os_err(e)),
+    }
+}
+
+enum Failure {
+    Unsupported(String),
+    Os(std::io::Error),
+}
+
+type Done = (String, String, &'static str, u64, u64, Vec<Records>);
+
+/// One layer to read: `read_tar`'s arguments.
+struct Layer {
+    fd: i32,
+    start: u64,
+    length: Option<u64>,
+    keep_inline: u64,
+    whiteouts: bool,
+    diff_id: bool,
+    lenient_end: bool,
+}
+
+fn run(core: &mut PackCore, layer: &Layer) -> Result<Done, Failure> {
+    let Layer {
+        fd,
+        start,
+        length,
+        keep_inline,
+        whiteouts,
+        diff_id,
+        lenient_end,
+    } = *layer;
+    let mut head = vec![0u8; 512];
+    let want = length.map_or(512, |l| l.min(512) as usize);
+    // SAFETY: head is valid for `want` bytes
+    let n = unsafe { libc::pread(fd, head.as_mut_ptr().cast(), want, start as i64) };
+    if n <= 0 {
+        return Err(Failure::Unsupported("empty or unreadable".into()));
+    }
+    head.truncate(n as usize);
+    let kind = detect(&head).map_err(Failure::Unsupported)?;
+    let mark = core.mark();
+    let (raw_rx, reader) = stream::spawn_reader(fd, start, length);
+    let mut hasher = None;
+    let mut inflater = None;
+    let blocks = if kind == "none" {
+        raw_rx
+    } else {
+        let diff = if diff_id {
+            let (tx, h) = stream::spawn_hasher();
+            hasher = Some(h);
+            Some(tx)
+        } else {
+            None
+        };
+        let (rx, h) = stream::spawn_inflater(kind, raw_rx, diff);
+        inflater = Some(h);
+        rx
+    };
+    let mut parser = Parser::new(stream::Blocks::new(blocks), core, keep_inline, whiteouts);
+    let t0 = std::time::Instant::now();
+    let parsed = parser.run(lenient_end);
+    if std::env::var_os("BUI_NATIVE_TIMES").is_some() {
+        eprintln!(
+            "native read_tar: {:?} total, {:?} waiting for input, {:?} writing the pack",
+            t0.elapsed(),
+            parser.src.waited,
+            parser.packing
+        );
+    }
+    let Parser {
+        src,
+        out,
+        mut done,
+        content_bytes,
+        ..
+    } = parser;
+    done.push(out);
+    drop(src); // stops the threads upstream on an early end
+    if let Some(h) = inflater {
+        let _ = h.join();
+    }
+    let raw = reader.join().unwrap_or_else(|_| Err("reader thread panicked".into()));
+    let unc = hasher.map(|h| h.join().unwrap_or_else(|_| Err("hasher thread panicked".into())));
+    let outcome = parsed.and_then(|()| {
+        let (raw_hex, nbytes) = raw?;
+        let unc_hex = match unc {
+            Some(u) => u?.0,
+            None => raw_hex.clone(),
+        };
+        Ok((raw_hex, unc_hex, nbytes))
+    });
+    match outcome {
+        Ok((raw_hex, unc_hex, nbytes)) => {
+            core.release(mark);
+            Ok((raw_hex, unc_hex, kind, nbytes, content_bytes, done))
+        }
+        Err(msg) => {
+            core.rollback(mark).map_err(Failure::Os)?;
+            Err(Failure::Unsupported(msg))
+        }
+    }
+}
+
+#[pymodule]
+fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Pack>()?;
+    m.add_class::<Members>()?;
+    m.add_function(wrap_pyfunction!(read_tar, m)?)?;
+    m.add("Unsupported", m.py().get_type::<Unsupported>())?;
+    Ok(())
+}

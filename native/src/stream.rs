@@ -1,0 +1,337 @@
+//! The input side of a tar layer: the raw file read once on a thread that also hashes it
+//! (the source digest), an inflating thread for gzip/zstd (with the diff_id hashed on a
+//! third thread), and `Blocks`, the parser's view of the uncompressed stream.
+
+use std::io::{self, BufRead, Read};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use sha2::{Digest, Sha256};
+
+pub const IN_SIZE: usize = 1 << 20;
+const OUT_SIZE: usize = 1 << 20;
+const DEPTH: usize = 8;
+
+pub type Block = Result<Arc<Vec<u8>>, String>;
+
+/// sha256 of a stream and its length (hex digest, bytes).
+pub type Digested = Result<(String, u64), String>;
+
+fn hex(d: &[u8]) -> String {
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn pread(fd: i32, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    loop {
+        // SAFETY: buf is valid for its length
+        let n = unsafe { libc::pread(fd, buf.as_mut_ptr().cast(), buf.len(), offset as i64) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Reads `fd` from `start` (to its end, or `length` bytes) on a thread, hashing every byte;
+/// the blocks go to the returned receiver. The fd stays the caller's (read with pread).
+pub fn spawn_reader(fd: i32, start: u64, length: Option<u64>) -> (Receiver<Block>, JoinHandle<Digested>) {
+    let (tx, rx) = sync_channel::<Block>(DEPTH);
+    let handle = std::thread::Builder::new()
+        .name("tar-read".into())
+        .spawn(move || {
+            let mut hash = Sha256::new();
+            let mut at = start;
+            let mut total = 0u64;
+            loop {
+                let want = match length {
+                    Some(l) => (l - total).min(IN_SIZE as u64) as usize,
+                    None => IN_SIZE,
+                };
+                if want == 0 {
+                    break;
+                }
+                let mut buf = vec![0u8; want];
+                let n = match pread(fd, &mut buf, at) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        let msg = format!("read error: {e}");
+                        let _ = tx.send(Err(msg.clone()));
+                        return Err(msg);
+                    }
+                };
+                if n == 0 {
+                    break;
+                }
+                buf.truncate(n);
+                hash.update(&buf);
+                at += n as u64;
+                total += n as u64;
+                if tx.send(Ok(Arc::new(buf))).is_err() {
+                    return Err("stopped".into());
+                }
+            }
+            if let Some(l) = length {
+                if total != l {
+                    let msg = format!("read {total} of {l} bytes");
+                    let _ = tx.send(Err(msg.clone()));
+                    return Err(msg);
+                }
+            }
+            Ok((hex(&hash.finalize()), total))
+        })
+        .expect("spawn tar-read");
+    (rx, handle)
+}
+
+/// sha256 of the blocks sent to the returned sender, on a thread.
+pub fn spawn_hasher() -> (SyncSender<Arc<Vec<u8>>>, JoinHandle<Digested>) {
+    let (tx, rx) = sync_channel::<Arc<Vec<u8>>>(DEPTH);
+    let handle = std::thread::Builder::new()
+        .name("diff-sha256".into())
+        .spawn(move || {
+            let mut hash = Sha256::new();
+            let mut total = 0u64;
+            for block in rx {
+                hash.update(&block[..]);
+                total += block.len() as u64;
+            }
+            Ok((hex(&hash.finalize()), total))
+        })
+        .expect("spawn diff-sha256");
+    (tx, handle)
+}
+
+/// `Read`/`BufRead` over a channel of blocks (a decompressor's input).
+pub struct ChanReader {
+    rx: Receiver<Block>,
+    cur: Arc<Vec<u8>>,
+    pos: usize,
+}
+
+impl ChanReader {
+    pub fn new(rx: Receiver<Block>) -> ChanReader {
+        ChanReader {
+            rx,
+            cur: Arc::new(Vec::new()),
+            pos: 0,
+        }
+    }
+}
+
+impl Read for ChanReader {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        let avail = self.fill_buf()?;
+        let n = avail.len().min(out.len());
+        out[..n].copy_from_slice(&avail[..n]);
+        self.consume(n);
+        Ok(n)
+    }
+}
+
+impl BufRead for ChanReader {
+    fn fill_buf(&mut self) -> io::Result<&[u8]> {
+        while self.pos >= self.cur.len() {
+            match self.rx.recv() {
+                Ok(Ok(b)) => {
+                    self.cur = b;
+                    self.pos = 0;
+                }
+                Ok(Err(e)) => return Err(io::Error::other(e)),
+                Err(_) => return Ok(&[]),
+            }
+        }
+        Ok(&self.cur[self.pos..])
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.pos += n;
+    }
+}
+
+/// Inflates gzip members (zero padding between and after them skipped, as
+/// `gunzip.ThreadedGunzip` does) or zstd frames on a thread.
+pub fn spawn_inflater(
+    kind: &'static str,
+    input: Receiver<Block>,
+    diff: Option<SyncSender<Arc<Vec<u8>>>>,
+) -> (Receiver<Block>, JoinHandle<()>) {
+    let (tx, rx) = sync_channel::<Block>(DEPTH);
+    let handle = std::thread::Builder::new()
+        .name("inflate".into())
+        .spawn(move || {
+            let mut input = ChanReader::new(input);
+            let result = if kind == "gzip" {
+                gunzip(&mut input, &tx, diff.as_ref())
+            } else {
+                unzstd(&mut input, &tx, diff.as_ref())
+            };
+            if let Err(e) = result {
+                let _ = tx.send(Err(format!("{kind}: {e}")));
+            }
+        })
+        .expect("spawn inflate");
+    (rx, handle)
+}
+
+fn pump(mut r: impl Read, tx: &SyncSender<Block>, diff: Option<&SyncSender<Arc<Vec<u8>>>>) -> io::Result<()> {
+    loop {
+        let mut buf = vec![0u8; OUT_SIZE];
+        let mut n = 0;
+        while n < OUT_SIZE {
+            let got = r.read(&mut buf[n..])?;
+            if got == 0 {
+                break;
+            }
+            n += got;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        buf.truncate(n);
+        let block = Arc::new(buf);
+        if let Some(d) = diff {
+            d.send(Arc::clone(&block)).map_err(|_| io::Error::other("stopped"))?;
+        }
+        tx.send(Ok(block)).map_err(|_| io::Error::other("stopped"))?;
+    }
+}
+
+fn gunzip(input: &mut ChanReader, tx: &SyncSender<Block>, diff: Option<&SyncSender<Arc<Vec<u8>>>>) -> io::Result<()> {
+    loop {
+        pump(flate2::bufread::GzDecoder::new(&mut *input), tx, diff)?;
+        // between members: zero padding, then another member or the end
+        loop {
+            let avail = input.fill_buf()?;
+            if avail.is_empty() {
+                return Ok(());
+            }
+            let zeros = avail.iter().take_while(|&&b| b == 0).count();
+            let all = zeros == avail.len();
+            input.consume(zeros);
+            if !all {
+                break;
+            }
+        }
+        let avail = input.fill_buf()?;
+        if avail[0] != 0x1f || (avail.len() > 1 && avail[1] != 0x8b) {
+            return Err(io::Error::other("not a gzipped file after a member"));
+        }
+    }
+}
+
+fn unzstd(input: &mut ChanReader, tx: &SyncSender<Block>, diff: Option<&SyncSender<Arc<Vec<u8>>>>) -> io::Result<()> {
+    pump(zstd::stream::read::Decoder::with_buffer(input)?, tx, diff)
+}
+
+/// The parser's view of the uncompressed stream.
+pub struct Blocks {
+    rx: Receiver<Block>,
+    cur: Arc<Vec<u8>>,
+    pos: usize,
+    pub offset: u64, // stream offset of cur[pos]
+    error: Option<String>,
+    pub waited: std::time::Duration,
+}
+
+impl Blocks {
+    pub fn new(rx: Receiver<Block>) -> Blocks {
+        Blocks {
+            rx,
+            cur: Arc::new(Vec::new()),
+            pos: 0,
+            offset: 0,
+            error: None,
+            waited: Default::default(),
+        }
+    }
+
+    /// Bytes are available (false at the end or on an upstream error, kept in `error`).
+    fn fill(&mut self) -> bool {
+        while self.pos >= self.cur.len() {
+            if self.error.is_some() {
+                return false;
+            }
+            let t = std::time::Instant::now();
+            let got = self.rx.recv();
+            self.waited += t.elapsed();
+            match got {
+                Ok(Ok(b)) => {
+                    self.cur = b;
+                    self.pos = 0;
+                }
+                Ok(Err(e)) => {
+                    self.error = Some(e);
+                    return false;
+                }
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    pub fn take_error(&mut self) -> Option<String> {
+        self.error.take()
+    }
+
+    /// Up to `max` bytes of the current block (empty at the end).
+    pub fn slice(&mut self, max: usize) -> &[u8] {
+        if !self.fill() {
+            return &[];
+        }
+        let n = max.min(self.cur.len() - self.pos);
+        let s = &self.cur[self.pos..self.pos + n];
+        self.pos += n;
+        self.offset += n as u64;
+        s
+    }
+
+    /// Fills `out` as far as the stream goes; returns how much.
+    pub fn read_into(&mut self, out: &mut [u8]) -> usize {
+        let mut done = 0;
+        while done < out.len() {
+            let s = self.slice(out.len() - done);
+            if s.is_empty() {
+                break;
+            }
+            let n = s.len();
+            out[done..done + n].copy_from_slice(s);
+            done += n;
+        }
+        done
+    }
+
+    /// Appends `n` bytes to `out` as far as the stream goes; returns how many.
+    pub fn read_append(&mut self, n: usize, out: &mut Vec<u8>) -> usize {
+        let mut done = 0;
+        while done < n {
+            let s = self.slice(n - done);
+            if s.is_empty() {
+                break;
+            }
+            out.extend_from_slice(s);
+            done += s.len();
+        }
+        done
+    }
+
+    pub fn skip(&mut self, n: u64) -> u64 {
+        let mut done = 0u64;
+        while done < n {
+            let s = self.slice((n - done).min(usize::MAX as u64) as usize);
+            if s.is_empty() {
+                break;
+            }
+            done += s.len() as u64;
+        }
+        done
+    }
+
+    /// Reads to the end (the compressed stream's end is checked, every raw byte hashed).
+    pub fn drain(&mut self) {
+        while !self.slice(usize::MAX).is_empty() {}
+    }
+}
