@@ -46,7 +46,7 @@ def cmd_build(args: argparse.Namespace) -> int:
                 progress=progress,
             )
             progress.phase("reading sources")
-        res = build_spec(spec, spec_path, out, progress)
+        res = build_spec(spec, spec_path, out, progress, base=args.base)
     finally:
         progress.done()
     if pins:
@@ -59,7 +59,13 @@ def cmd_build(args: argparse.Namespace) -> int:
     print(
         f"{res.path}: {res.image_id}: {s['files']} files, {s['directories']} dirs,"
         f" {s['symlinks']} symlinks, {human_bytes(s['content_bytes'])} content,"
-        f" {human_bytes(s['unique_bytes'])} in packs, meta.img {human_bytes(res.layout.meta_size)},"
+        f" {human_bytes(s['unique_bytes'])} in packs"
+        + (
+            f" ({human_bytes(s['base_reused_bytes'])} reused from the base)"
+            if "base_reused_bytes" in s
+            else ""
+        )
+        + f", meta.img {human_bytes(res.layout.meta_size)},"
         f" {progress.elapsed():.1f} s"
     )
     return 0
@@ -256,6 +262,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="resolve the tags of registry images again (oci: {ref: ...}) instead of using"
         " the digests in SPEC.lock, and rewrite it",
+    )
+    b.add_argument(
+        "--base",
+        metavar="BUNDLE",
+        help="an earlier bundle whose packs to reuse: content already there is not written"
+        " again, and push and lazy fetch move only the new packs (overrides the spec's base)",
     )
     _registry_options(b)
     b.set_defaults(func=cmd_build)
