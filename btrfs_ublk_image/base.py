@@ -149,3 +149,44 @@ class BaseImage:
         if pos != size or start is None or size == 0:
             return None
         return start
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """What moving from bundle OLD to bundle NEW costs."""
+
+    fetch_bytes: int  # stored bytes of NEW's chunks whose digest no chunk of OLD has
+    fetch_chunks: int
+    push_bytes: int  # stored bytes of NEW's packs whose id is not among OLD's
+    push_packs: int
+    new_bytes: int  # stored bytes of every chunk NEW maps (what a host holding nothing fetches)
+
+
+def mapped_chunks(bundle: str) -> dict[bytes, int]:
+    """The pack chunks the blockmap of ``bundle`` maps a byte of: digest -> stored length
+    (what a host that read every file of the image holds)."""
+    from btrfs_ublk_image.bundle import BLOCKMAP, read_bundle_file
+
+    path = os.path.join(bundle, BLOCKMAP)
+    bm = bmap.decode(read_bundle_file(path), path)
+    size = bm.chunk_size
+    out: dict[bytes, int] = {}
+    for r in bm.ranges:
+        pack = bm.packs[r.pack]
+        for i in range(r.pack_offset // size, (r.pack_offset + r.length - 1) // size + 1):
+            out[pack.chunk_digests[i]] = pack.stored_chunk(i, size).length
+    return out
+
+
+def transfer(old: str, new: str) -> Transfer:
+    """The bytes a host holding every chunk of ``old`` fetches to read all of ``new``, and
+    the bytes a push of ``new`` uploads to a registry holding ``old``."""
+    from btrfs_ublk_image.bundle import read_manifest
+
+    have = mapped_chunks(old)
+    want = mapped_chunks(new)
+    missing = [n for dg, n in want.items() if dg not in have]
+    old_packs = {p["id"] for p in read_manifest(old)[0]["packs"]}
+    new_packs = {p["id"]: p["size"] for p in read_manifest(new)[0]["packs"]}
+    push = [size for pid, size in new_packs.items() if pid not in old_packs]
+    return Transfer(sum(missing), len(missing), sum(push), len(push), sum(want.values()))
