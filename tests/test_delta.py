@@ -107,7 +107,7 @@ def test_v2_reuses_v1_packs_byte_identical_and_diff_counts(
     # the spec's base, relative to the spec file
     spec2 = write_spec(tmp_path / "v2.yaml", v2, "base: v1.bundle\n")
     m2 = build(spec2, tmp_path / "v2.bundle")
-    m2b = build(spec2, tmp_path / "v2b.bundle")
+    build(spec2, tmp_path / "v2b.bundle")
     for name in ("manifest.json", "meta.img", "blockmap"):
         assert (tmp_path / "v2.bundle" / name).read_bytes() == (
             tmp_path / "v2b.bundle" / name
