@@ -113,7 +113,9 @@ def test_v2_reuses_v1_packs_byte_identical_and_diff_counts(
             tmp_path / "v2b.bundle" / name
         ).read_bytes(), name
     assert m2["base"] == read_manifest(str(b1))[1]
-    (p1,) = m1["packs"]  # type: ignore[misc]
+    packs1 = m1["packs"]
+    assert isinstance(packs1, list) and len(packs1) == 1
+    p1 = packs1[0]
     packs2 = m2["packs"]
     assert isinstance(packs2, list) and len(packs2) == 2
     # pack 0 is the new content; the base's pack follows under its own id, hard-linked
