@@ -10,14 +10,17 @@ and inodes, and the registry's access log and storage for push.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
 import random
 import shutil
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from servers import Registry, docker_registry
 
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.bundle import BLOCKMAP, read_manifest
@@ -247,3 +250,53 @@ def test_manifest_without_base_has_no_base_key(tmp_path: Path) -> None:
     make_v1(src)
     m = build(write_spec(tmp_path / "s.yaml", src), tmp_path / "s.bundle")
     assert "base" not in m and "base_reused_bytes" not in json.dumps(m["stats"])
+
+
+def sha256_file(path: Path) -> str:
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def uploaded_blobs(reg: Registry) -> dict[str, int]:
+    """digest -> size of every blob an upload completed (the PUT naming its digest), the
+    size read from the registry's storage."""
+    out = {}
+    for r in reg.requests():
+        if r.method != "PUT" or "/blobs/uploads/" not in r.path:
+            continue
+        (digest,) = parse_qs(urlsplit(r.path).query)["digest"]
+        hexd = digest.removeprefix("sha256:")
+        data = reg.workdir / "storage/docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
+        out[digest] = data.stat().st_size
+    return out
+
+
+def test_push_v2_after_v1_uploads_only_the_new_pack(
+    tmp_path: Path, trees: tuple[Path, Path, int]
+) -> None:
+    v1, v2, new_bytes = trees
+    b1, b2 = tmp_path / "v1.bundle", tmp_path / "v2.bundle"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    m2 = build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
+    with docker_registry(tmp_path / "registry") as reg:
+        rc, _, err = run("push", b1, f"{reg.address}/img:v1")
+        assert rc == 0, err
+        first = uploaded_blobs(reg)
+        rc, _, err = run("push", b2, f"{reg.address}/img:v2")
+        assert rc == 0, err
+        second = {d: n for d, n in uploaded_blobs(reg).items() if d not in first}
+        packs = m2["packs"]
+        assert isinstance(packs, list)
+        # blobs are named by the sha256 of their file (a pack's id is over its chunk digests)
+        new_pack, base_pack = (sha256_file(b2 / p["path"]) for p in packs)
+        # v1's pack was not uploaded again; v2's own pack was, with its metadata
+        assert base_pack in first and new_pack in second, (first, second)
+        pack_bytes = second.pop(new_pack)
+        assert pack_bytes == packs[0]["size"] <= new_bytes * 1.1
+        # the rest: manifest.json (the config), meta.img (zstd), the blockmap
+        assert len(second) == 3, second
+        meta_bytes = sum(second.values())
+        # content and metadata together: v1 pushed whole is ~10 MiB
+        assert pack_bytes + meta_bytes <= sum(first.values()) / 20, (pack_bytes, second)
+        # the registry serves v2 whole: its manifest lists both packs
+        rc, _, err = run("push", b2, f"{reg.address}/img:v2-again")
+        assert rc == 0 and "0 blobs uploaded" in err, err
