@@ -133,7 +133,13 @@ def write_bundle(
     if not os.path.isdir(parent):
         raise ImageError(f"{parent}: no such directory")
     remove_stale_builds(parent)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
+    base_image = _open_base(base, chunk_size, progress)
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
+    except BaseException:
+        if base_image is not None:
+            base_image.close()
+        raise
     try:
         with open(os.path.join(tmp, BUILDING), "w") as f:
             f.write(f"{os.getpid()} {_boot_id()}\n")
@@ -147,7 +153,7 @@ def write_bundle(
             chunk_size,
             prefetch,
             pack_compression,
-            base,
+            base_image,
         )
         os.unlink(os.path.join(tmp, BUILDING))
         os.chmod(tmp, 0o755)
@@ -155,6 +161,9 @@ def write_bundle(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if base_image is not None:
+            base_image.close()
     return BuildResult(out_dir, result[0], result[1], result[2])
 
 
@@ -202,39 +211,6 @@ def spec_base(spec: Spec, spec_path: Path) -> str | None:
     return os.path.join(os.path.dirname(os.path.abspath(spec_path)), spec.base)
 
 
-def _write_into(
-    tmp: str,
-    name: str,
-    opts: WriterOptions,
-    fill: TreeFiller,
-    spec_sha256: str,
-    progress: Progress | None,
-    chunk_size: int,
-    prefetch: Sequence[str],
-    pack_compression: str,
-    base_path: str | None,
-) -> tuple[str, dict[str, Any], ImageLayout]:
-    packs_dir = os.path.join(tmp, PACKS)
-    os.mkdir(packs_dir)
-    base = _open_base(base_path, chunk_size, progress)
-    try:
-        return _write_packs(
-            tmp,
-            name,
-            opts,
-            fill,
-            spec_sha256,
-            progress,
-            chunk_size,
-            prefetch,
-            pack_compression,
-            base,
-        )
-    finally:
-        if base is not None:
-            base.close()
-
-
 def _open_base(path: str | None, chunk_size: int, progress: Progress | None) -> BaseImage | None:
     if path is None:
         return None
@@ -252,7 +228,7 @@ def _open_base(path: str | None, chunk_size: int, progress: Progress | None) -> 
     return base
 
 
-def _write_packs(
+def _write_into(
     tmp: str,
     name: str,
     opts: WriterOptions,
@@ -265,6 +241,7 @@ def _write_packs(
     base: BaseImage | None,
 ) -> tuple[str, dict[str, Any], ImageLayout]:
     packs_dir = os.path.join(tmp, PACKS)
+    os.mkdir(packs_dir)
     packer = PackWriter(
         packs_dir,
         keep_inline=inline_max(opts),
