@@ -173,10 +173,14 @@ def build_spec(
     out: str,
     progress: Progress | None,
     base: str | None = None,
+    plain_http: bool = False,
+    auth: str | None = None,
 ) -> BuildResult:
     """Build ``spec`` (its paths relative to ``spec_path``'s directory) into the bundle
     directory ``out``: every layer's sources, then the writer (``write_bundle``). ``base``
-    (else the spec's ``base``, relative to its directory): a bundle whose packs to reuse."""
+    (else the spec's ``base``, relative to its directory): a bundle whose packs to reuse,
+    or an ``oci://`` reference to one (pulled into a temporary directory beside ``out``,
+    removed after the build: the new bundle holds the base packs it uses)."""
     from btrfs_ublk_image.sources import build_sources
 
     opts = WriterOptions(
@@ -190,24 +194,40 @@ def build_spec(
         built = build_sources(spec, spec_path, packs, progress)
         return built.tree, [r.to_json() for r in built.records], built.image_config
 
-    return write_bundle(
-        out,
-        name=spec.name,
-        opts=opts,
-        fill=fill,
-        spec_sha256=spec.spec_sha256,
-        progress=progress,
-        chunk_size=spec.pack_chunk_size,
-        prefetch=spec.prefetch,
-        pack_compression=spec.pack_compression,
-        base=base if base is not None else spec_base(spec, spec_path),
-    )
+    base = base if base is not None else spec_base(spec, spec_path)
+    pulled = None
+    if base is not None and base.startswith("oci://"):
+        from btrfs_ublk_image.pull import pull_bundle
+
+        parent = os.path.dirname(os.path.abspath(out))
+        pulled = tempfile.mkdtemp(prefix=".base-", suffix=".tmp", dir=parent)
+        os.rmdir(pulled)  # pull_bundle makes it
+        if progress is not None:
+            progress.phase("pulling the base image")
+        pull_bundle(base, pulled, plain_http=plain_http, auth=auth, progress=progress)
+        base = pulled
+    try:
+        return write_bundle(
+            out,
+            name=spec.name,
+            opts=opts,
+            fill=fill,
+            spec_sha256=spec.spec_sha256,
+            progress=progress,
+            chunk_size=spec.pack_chunk_size,
+            prefetch=spec.prefetch,
+            pack_compression=spec.pack_compression,
+            base=base,
+        )
+    finally:
+        if pulled is not None:
+            shutil.rmtree(pulled, ignore_errors=True)
 
 
 def spec_base(spec: Spec, spec_path: Path) -> str | None:
     """The spec's ``base`` bundle, relative to the spec's directory."""
-    if spec.base is None:
-        return None
+    if spec.base is None or spec.base.startswith("oci://"):
+        return spec.base
     return os.path.join(os.path.dirname(os.path.abspath(spec_path)), spec.base)
 
 

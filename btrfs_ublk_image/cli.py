@@ -47,7 +47,15 @@ def cmd_build(args: argparse.Namespace) -> int:
                 progress=progress,
             )
             progress.phase("reading sources")
-        res = build_spec(spec, spec_path, out, progress, base=args.base)
+        res = build_spec(
+            spec,
+            spec_path,
+            out,
+            progress,
+            base=args.base,
+            plain_http=args.plain_http,
+            auth=args.auth,
+        )
     finally:
         progress.done()
     if pins:
@@ -294,8 +302,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--base",
         metavar="BUNDLE",
-        help="an earlier bundle whose packs to reuse: content already there is not written"
-        " again, and push and lazy fetch move only the new packs (overrides the spec's base)",
+        help="an earlier bundle (a directory, or oci://REGISTRY/REPO:TAG as push made it)"
+        " whose packs to reuse: content already there is not written again, and push and lazy"
+        " fetch move only the new packs (overrides the spec's base)",
     )
     _registry_options(b)
     b.set_defaults(func=cmd_build)

@@ -297,6 +297,15 @@ def test_push_v2_after_v1_uploads_only_the_new_pack(
         meta_bytes = sum(second.values())
         # content and metadata together: v1 pushed whole is ~10 MiB
         assert pack_bytes + meta_bytes <= sum(first.values()) / 20, (pack_bytes, second)
+        # a base given by its registry reference gives the same bundle
+        b3 = tmp_path / "v2-from-registry.bundle"
+        build(write_spec(tmp_path / "v2.yaml", v2), b3, "--base", f"oci://{reg.address}/img:v1")
+        for name in ("manifest.json", "meta.img", "blockmap", *(p["path"] for p in packs)):
+            assert (b3 / name).read_bytes() == (b2 / name).read_bytes(), name
+        assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        rc, _, err = run("build", tmp_path / "v2.yaml", "-o", tmp_path / "x.bundle", "--base",
+                         f"oci://{reg.address}/img:nope")  # fmt: skip
+        assert rc != 0 and "img:nope: no such manifest" in err, err
         # the registry serves v2 whole: its manifest lists both packs
         rc, _, err = run("push", b2, f"{reg.address}/img:v2-again")
         assert rc == 0 and "0 blobs uploaded" in err, err
