@@ -96,6 +96,13 @@ def _build_gone(marker: str) -> bool:
     return False
 
 
+def _mark_building(tmp: str) -> None:
+    """The BUILDING marker of a temporary directory: removed by a later build once this
+    process is gone (``remove_stale_builds``)."""
+    with open(os.path.join(tmp, BUILDING), "w") as f:
+        f.write(f"{os.getpid()} {_boot_id()}\n")
+
+
 def remove_stale_builds(parent: str) -> None:
     """Remove the temporary directories that killed builds (SIGKILL, a crash, a power cut)
     left in ``parent``: hidden ``.NAME.*.tmp`` directories whose BUILDING marker names a
@@ -141,8 +148,7 @@ def write_bundle(
             base_image.close()
         raise
     try:
-        with open(os.path.join(tmp, BUILDING), "w") as f:
-            f.write(f"{os.getpid()} {_boot_id()}\n")
+        _mark_building(tmp)
         result = _write_into(
             tmp,
             name,
@@ -197,15 +203,24 @@ def build_spec(
     base = base if base is not None else spec_base(spec, spec_path)
     pulled = None
     if base is not None and base.startswith("oci://"):
+        base_ref = base
         from btrfs_ublk_image.pull import pull_bundle
 
         parent = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(parent):
+            raise ImageError(f"{parent}: no such directory")
+        remove_stale_builds(parent)
+        # a killed build's pulled base goes like its temporary bundle (the same marker)
         pulled = tempfile.mkdtemp(prefix=".base-", suffix=".tmp", dir=parent)
-        os.rmdir(pulled)  # pull_bundle makes it
-        if progress is not None:
-            progress.phase("pulling the base image")
-        pull_bundle(base, pulled, plain_http=plain_http, auth=auth, progress=progress)
-        base = pulled
+        try:
+            _mark_building(pulled)
+            if progress is not None:
+                progress.phase("pulling the base image")
+            base = os.path.join(pulled, "bundle")
+            pull_bundle(base_ref, base, plain_http=plain_http, auth=auth, progress=progress)
+        except BaseException:
+            shutil.rmtree(pulled, ignore_errors=True)
+            raise
     try:
         return write_bundle(
             out,
