@@ -92,6 +92,7 @@ IN_PLACE_SPEC = "spec-in-place.yaml"  # one tar: layer, in_place: true
 BUILD_INPUTS = ("synthetic", "debian", "issue23", "million")
 SECTIONS = (
     "build", "mount", "randread", "laziness", "vm", "remote", "containerd", "latency", "latency_vm",
+    "delta",
 )  # fmt: skip
 
 
@@ -718,6 +719,13 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
         print(remote_table(doc["remote"]))
         if args.update_docs:
             update_doc(path, "remote", remote_section(doc))
+    if "delta" in doc:
+        from bench.delta import delta_section, delta_table
+
+        print("\nv2 after v1 (Debian image, 1% of its files changed):\n")
+        print(delta_table(doc["delta"]))
+        if args.update_docs:
+            update_doc(path, "delta", delta_section(doc))
     if "containerd" in doc:
         print("\nContainers from a registry, cold (Debian image):\n")
         print(containerd_table(doc["containerd"]))

@@ -39,6 +39,7 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -304,27 +305,33 @@ def _put_blob(layout: Path, data: bytes) -> dict[str, Any]:
     return {"digest": digest, "size": len(data)}
 
 
-def write_oci_layout(layout: Path, tar: Path, ref: str) -> None:
-    """An OCI image layout at ``layout`` (must not exist) whose one uncompressed layer is
-    ``tar`` itself, hardlinked into ``blobs/`` (same filesystem; nothing copied)."""
-    diff_id = file_sha256(str(tar))  # uncompressed layer: blob digest == diff_id
+def write_oci_layout(layout: Path, tar: Path, ref: str, extra_layers: Sequence[Path] = ()) -> None:
+    """An OCI image layout at ``layout`` (must not exist) whose uncompressed layers are
+    ``tar`` (and ``extra_layers`` above it) themselves, hardlinked into ``blobs/`` (same
+    filesystem; nothing copied)."""
     blobs = layout / "blobs" / "sha256"
     blobs.mkdir(parents=True)
     (layout / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}\n')
-    os.link(tar, blobs / diff_id.split(":", 1)[1])
+    layers = []
+    for t in (tar, *extra_layers):
+        diff_id = file_sha256(str(t))  # uncompressed layer: blob digest == diff_id
+        if not (blobs / diff_id.split(":", 1)[1]).exists():
+            os.link(t, blobs / diff_id.split(":", 1)[1])
+        layers.append({"mediaType": LAYER_TAR, "digest": diff_id, "size": t.stat().st_size})
     config = {
         "architecture": _GOARCH.get(platform.machine(), platform.machine()),
         "os": "linux",
         "config": {},
-        "rootfs": {"type": "layers", "diff_ids": [diff_id]},
-        "history": [{"created_by": f"bench/inputs.py: {tar.name} as one layer"}],
-    }
+        "rootfs": {"type": "layers", "diff_ids": [x["digest"] for x in layers]},
+        "history": [{"created_by": f"bench/inputs.py: {t.name} as one layer"}
+                    for t in (tar, *extra_layers)],
+    }  # fmt: skip
     cfg = _put_blob(layout, json.dumps(config, sort_keys=True).encode())
     manifest = {
         "schemaVersion": 2,
         "mediaType": MANIFEST,
         "config": {"mediaType": CONFIG, **cfg},
-        "layers": [{"mediaType": LAYER_TAR, "digest": diff_id, "size": tar.stat().st_size}],
+        "layers": layers,
     }
     man = _put_blob(layout, json.dumps(manifest, sort_keys=True).encode())
     index = {

@@ -723,6 +723,14 @@ def run_runtime(
         if "randread" in sections and "synthetic" in by:
             syn = by["synthetic"]
             doc["randread"] = measure_randread(syn, ublkd, "large/blob-0.bin", jobs, runtime_s, log)
+        if "delta" in sections:
+            from bench.delta import measure_delta
+
+            tar, why = debian_inputs(log)
+            if tar is None:
+                skipped["delta"] = why
+            else:
+                doc["delta"] = measure_delta(tar, base / "delta", ublkd)
         if "containerd" in sections:
             from bench.containerd import measure_containerd
 

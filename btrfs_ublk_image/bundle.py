@@ -22,11 +22,13 @@ from btrfs_ublk_image.blockmap import VERSION, VERSION_COMPRESSED, BlockMap, Pac
 from btrfs_ublk_image.btrfs import ondisk
 from btrfs_ublk_image.btrfs.writer import ImageLayout, WriterOptions, inline_max, write_image
 from btrfs_ublk_image.errors import ImageError
-from btrfs_ublk_image.packs import DEFAULT_CHUNK_SIZE, PackWriter
+from btrfs_ublk_image.files import link_or_copy
+from btrfs_ublk_image.packs import DEFAULT_CHUNK_SIZE, PackInfo, PackWriter
 from btrfs_ublk_image.progress import Progress
 from btrfs_ublk_image.tree import Tree
 
 if TYPE_CHECKING:
+    from btrfs_ublk_image.base import BaseImage
     from btrfs_ublk_image.spec import Spec
 
 FORMAT = "btrfs-ublk-image.bundle"
@@ -94,6 +96,13 @@ def _build_gone(marker: str) -> bool:
     return False
 
 
+def _mark_building(tmp: str) -> None:
+    """The BUILDING marker of a temporary directory: removed by a later build once this
+    process is gone (``remove_stale_builds``)."""
+    with open(os.path.join(tmp, BUILDING), "w") as f:
+        f.write(f"{os.getpid()} {_boot_id()}\n")
+
+
 def remove_stale_builds(parent: str) -> None:
     """Remove the temporary directories that killed builds (SIGKILL, a crash, a power cut)
     left in ``parent``: hidden ``.NAME.*.tmp`` directories whose BUILDING marker names a
@@ -120,6 +129,7 @@ def write_bundle(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     prefetch: Sequence[str] = (),
     pack_compression: str = "none",
+    base: str | None = None,
 ) -> BuildResult:
     out_dir = os.path.abspath(out_dir)
     if os.path.lexists(out_dir):
@@ -130,12 +140,26 @@ def write_bundle(
     if not os.path.isdir(parent):
         raise ImageError(f"{parent}: no such directory")
     remove_stale_builds(parent)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
+    base_image = _open_base(base, chunk_size, progress)
     try:
-        with open(os.path.join(tmp, BUILDING), "w") as f:
-            f.write(f"{os.getpid()} {_boot_id()}\n")
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
+    except BaseException:
+        if base_image is not None:
+            base_image.close()
+        raise
+    try:
+        _mark_building(tmp)
         result = _write_into(
-            tmp, name, opts, fill, spec_sha256, progress, chunk_size, prefetch, pack_compression
+            tmp,
+            name,
+            opts,
+            fill,
+            spec_sha256,
+            progress,
+            chunk_size,
+            prefetch,
+            pack_compression,
+            base_image,
         )
         os.unlink(os.path.join(tmp, BUILDING))
         os.chmod(tmp, 0o755)
@@ -143,12 +167,26 @@ def write_bundle(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if base_image is not None:
+            base_image.close()
     return BuildResult(out_dir, result[0], result[1], result[2])
 
 
-def build_spec(spec: Spec, spec_path: Path, out: str, progress: Progress | None) -> BuildResult:
+def build_spec(
+    spec: Spec,
+    spec_path: Path,
+    out: str,
+    progress: Progress | None,
+    base: str | None = None,
+    plain_http: bool = False,
+    auth: str | None = None,
+) -> BuildResult:
     """Build ``spec`` (its paths relative to ``spec_path``'s directory) into the bundle
-    directory ``out``: every layer's sources, then the writer (``write_bundle``)."""
+    directory ``out``: every layer's sources, then the writer (``write_bundle``). ``base``
+    (else the spec's ``base``, relative to its directory): a bundle whose packs to reuse,
+    or an ``oci://`` reference to one (pulled into a temporary directory beside ``out``,
+    removed after the build: the new bundle holds the base packs it uses)."""
     from btrfs_ublk_image.sources import build_sources
 
     opts = WriterOptions(
@@ -162,17 +200,67 @@ def build_spec(spec: Spec, spec_path: Path, out: str, progress: Progress | None)
         built = build_sources(spec, spec_path, packs, progress)
         return built.tree, [r.to_json() for r in built.records], built.image_config
 
-    return write_bundle(
-        out,
-        name=spec.name,
-        opts=opts,
-        fill=fill,
-        spec_sha256=spec.spec_sha256,
-        progress=progress,
-        chunk_size=spec.pack_chunk_size,
-        prefetch=spec.prefetch,
-        pack_compression=spec.pack_compression,
-    )
+    base = base if base is not None else spec_base(spec, spec_path)
+    pulled = None
+    if base is not None and base.startswith("oci://"):
+        base_ref = base
+        from btrfs_ublk_image.pull import pull_bundle
+
+        parent = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(parent):
+            raise ImageError(f"{parent}: no such directory")
+        remove_stale_builds(parent)
+        # a killed build's pulled base goes like its temporary bundle (the same marker)
+        pulled = tempfile.mkdtemp(prefix=".base-", suffix=".tmp", dir=parent)
+        try:
+            _mark_building(pulled)
+            if progress is not None:
+                progress.phase("pulling the base image")
+            base = os.path.join(pulled, "bundle")
+            pull_bundle(base_ref, base, plain_http=plain_http, auth=auth, progress=progress)
+        except BaseException:
+            shutil.rmtree(pulled, ignore_errors=True)
+            raise
+    try:
+        return write_bundle(
+            out,
+            name=spec.name,
+            opts=opts,
+            fill=fill,
+            spec_sha256=spec.spec_sha256,
+            progress=progress,
+            chunk_size=spec.pack_chunk_size,
+            prefetch=spec.prefetch,
+            pack_compression=spec.pack_compression,
+            base=base,
+        )
+    finally:
+        if pulled is not None:
+            shutil.rmtree(pulled, ignore_errors=True)
+
+
+def spec_base(spec: Spec, spec_path: Path) -> str | None:
+    """The spec's ``base`` bundle, relative to the spec's directory."""
+    if spec.base is None or spec.base.startswith("oci://"):
+        return spec.base
+    return os.path.join(os.path.dirname(os.path.abspath(spec_path)), spec.base)
+
+
+def _open_base(path: str | None, chunk_size: int, progress: Progress | None) -> BaseImage | None:
+    if path is None:
+        return None
+    from btrfs_ublk_image.base import BaseImage
+
+    if progress is not None:
+        progress.phase("indexing the base image")
+    base = BaseImage(path)
+    if base.chunk_size != chunk_size:
+        base.close()
+        raise ImageError(
+            f"{path}: base image has {base.chunk_size}-byte pack chunks, the spec asks for"
+            f" {chunk_size} (pack_chunk_size): its packs cannot be reused"
+        )
+    return base
 
 
 def _write_into(
@@ -185,6 +273,7 @@ def _write_into(
     chunk_size: int,
     prefetch: Sequence[str],
     pack_compression: str,
+    base: BaseImage | None,
 ) -> tuple[str, dict[str, Any], ImageLayout]:
     packs_dir = os.path.join(tmp, PACKS)
     os.mkdir(packs_dir)
@@ -194,8 +283,11 @@ def _write_into(
         chunk_size=chunk_size,
         progress=progress,
         compression=pack_compression,
+        base=base,
     )
     try:
+        if progress is not None and base is not None:
+            progress.phase("reading sources")
         tree, sources, image_config = fill(packer)
         if progress is not None:
             progress.phase("writing metadata")
@@ -208,13 +300,31 @@ def _write_into(
     pack_infos = packer.finish()
     ranges = [Range(ondisk.SUPER_INFO_OFFSET, len(layout.data_super), sb.pack, sb.offset)]
     ranges.extend(Range(r.dev_offset, r.length, r.pack, r.pack_offset) for r in layout.data_ranges)
+    n_base = 0 if base is None else len(base.packs)
+    # the base's packs this image maps a byte of are kept (hard links of the base's files),
+    # the others dropped; the written and in-place packs are all kept
+    used = {r.pack for r in ranges}
+    keep = [i for i in range(len(pack_infos)) if not 1 <= i <= n_base or i in used]
+    renumber = {old: new for new, old in enumerate(keep)}
+    pack_infos = [pack_infos[i] for i in keep]
+    ranges = [Range(r.dev_offset, r.length, renumber[r.pack], r.pack_offset) for r in ranges]
+    for old in keep:
+        if 1 <= old <= n_base:
+            _link_base_pack(pack_infos[renumber[old]], packs_dir)
+    compressed = pack_compression != "none" or any(
+        p.stored is not None and any(c.zstd for c in p.stored) for p in pack_infos
+    )
     bm = BlockMap(
         chunk_shift=chunk_size.bit_length() - 1,
         device_size=layout.data_size,
-        packs=[PackEntry(p.id, p.size, p.chunk_digests, p.stored) for p in pack_infos],
+        # a base's uncompressed pack from a version 2 blockmap: its raw chunks need no table
+        packs=[
+            PackEntry(p.id, p.size, p.chunk_digests, p.stored if compressed else None)
+            for p in pack_infos
+        ],
         ranges=ranges,
         # version 1 unless packs are compressed: uncompressed bundles keep their ids
-        version=VERSION_COMPRESSED if pack_compression != "none" else VERSION,
+        version=VERSION_COMPRESSED if compressed else VERSION,
     )
     bm.check()
     with open(os.path.join(tmp, BLOCKMAP), "wb") as f:
@@ -234,6 +344,8 @@ def _write_into(
     stats["unique_bytes"] = pack_infos[0].size - len(layout.data_super) + packer.bytes_in_place
     stats["content_bytes_in"] = packer.bytes_in
     stats["deduplicated_bytes"] = packer.bytes_deduped
+    if base is not None:
+        stats["base_reused_bytes"] = packer.bytes_reused
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -256,6 +368,8 @@ def _write_into(
         "stats": stats,
         "image_config": image_config,
     }
+    if base is not None:  # only then: the manifests (ids) of other builds are unchanged
+        manifest["base"] = base.image_id
     data = encode_manifest(manifest)
     with open(os.path.join(tmp, MANIFEST), "wb") as f:
         f.write(data)
@@ -266,12 +380,26 @@ def _write_into(
         from btrfs_ublk_image import trace  # only with prefetch globs
 
         # beside the manifest, not listed in it: the image id does not depend on it
-        chunks = trace.chunks_of_files(tree, prefetch, chunk_size)
+        chunks = [
+            (renumber[pack], c) for pack, c in trace.chunks_of_files(tree, prefetch, chunk_size)
+        ]
         trace.write(
             os.path.join(tmp, trace.FILE_NAME),
             trace.Trace(iid, chunk_size, "build", tuple(chunks)),
         )
     return iid, manifest, layout
+
+
+def _link_base_pack(info: PackInfo, packs_dir: str) -> None:
+    """Put a base pack the image uses into its ``packs/``: a hard link of the base's file
+    (else a reflink, else a copy), so the bundle stays whole when the base is removed."""
+    dst = os.path.join(packs_dir, info.name)
+    if os.path.lexists(dst):  # the same id: the same bytes (e.g. the same in-place tarball)
+        return
+    try:
+        link_or_copy(info.path, dst)
+    except OSError as e:
+        raise ImageError(f"{info.path}: cannot link or copy into {packs_dir}: {e}") from None
 
 
 def read_bundle_file(path: str) -> bytes:

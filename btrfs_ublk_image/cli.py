@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -50,7 +51,15 @@ def cmd_build(args: argparse.Namespace) -> int:
                 progress=progress,
             )
             progress.phase("reading sources")
-        res = build_spec(spec, spec_path, out, progress)
+        res = build_spec(
+            spec,
+            spec_path,
+            out,
+            progress,
+            base=args.base,
+            plain_http=args.plain_http,
+            auth=args.auth,
+        )
     finally:
         progress.done()
     if pins:
@@ -63,7 +72,13 @@ def cmd_build(args: argparse.Namespace) -> int:
     print(
         f"{res.path}: {res.image_id}: {s['files']} files, {s['directories']} dirs,"
         f" {s['symlinks']} symlinks, {human_bytes(s['content_bytes'])} content,"
-        f" {human_bytes(s['unique_bytes'])} in packs, meta.img {human_bytes(res.layout.meta_size)},"
+        f" {human_bytes(s['unique_bytes'])} in packs"
+        + (
+            f" ({human_bytes(s['base_reused_bytes'])} reused from the base)"
+            if "base_reused_bytes" in s
+            else ""
+        )
+        + f", meta.img {human_bytes(res.layout.meta_size)},"
         f" {progress.elapsed():.1f} s"
     )
     return 0
@@ -128,14 +143,41 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
     try:
         lines = diff(load(args.a), load(args.b))
+        summary = _delta_summary(args.a, args.b, lines) if args.delta else None
     except ImageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    for line in lines:
-        print(line)
+    if summary is not None:
+        sys.stdout.write(summary)
+    else:
+        for line in lines:
+            print(line)
     if lines:
         print(f"{PROG}: {len(lines)} difference(s)", file=sys.stderr)
     return 1 if lines else 0
+
+
+def _delta_summary(old: str, new: str, lines: list[str]) -> str:
+    """``diff --delta``: files changed, added, removed, and what moving OLD -> NEW moves."""
+    from btrfs_ublk_image.base import transfer
+    from btrfs_ublk_image.bundle import MANIFEST
+
+    for b in (old, new):
+        if not os.path.isfile(os.path.join(b, MANIFEST)):
+            raise ImageError(f"{b}: not a bundle directory (--delta compares two bundles)")
+    changed = {line.split(" ", 2)[1] for line in lines if line.startswith("~ ")}
+    t = transfer(old, new)
+    rows = {
+        "changed": len(changed),
+        "added": sum(line.startswith("+ ") for line in lines),
+        "removed": sum(line.startswith("- ") for line in lines),
+        "fetch_bytes": t.fetch_bytes,
+        "fetch_chunks": t.fetch_chunks,
+        "push_bytes": t.push_bytes,
+        "push_packs": t.push_packs,
+        "image_bytes": t.new_bytes,
+    }
+    return "".join(f"{k}: {v}\n" for k, v in rows.items())
 
 
 def _registry_credentials(args: argparse.Namespace, reference: str) -> tuple[str, str] | None:
@@ -288,6 +330,13 @@ def parser() -> argparse.ArgumentParser:
         help="resolve the tags of registry images again (oci: {ref: ...}) instead of using"
         " the digests in SPEC.lock, and rewrite it",
     )
+    b.add_argument(
+        "--base",
+        metavar="BUNDLE",
+        help="an earlier bundle (a directory, or oci://REGISTRY/REPO:TAG as push made it)"
+        " whose packs to reuse: content already there is not written again, and push and lazy"
+        " fetch move only the new packs (overrides the spec's base)",
+    )
     _registry_options(b)
     b.set_defaults(func=cmd_build)
 
@@ -327,6 +376,14 @@ def parser() -> argparse.ArgumentParser:
     )
     df.add_argument("a", metavar="A")
     df.add_argument("b", metavar="B")
+    df.add_argument(
+        "--delta",
+        action="store_true",
+        help="A and B are bundles: print, instead of the differences, how many paths are"
+        " changed / added / removed, the bytes (and chunks) a host that read all of A fetches"
+        " to read all of B (fetch_bytes), the bytes (and packs) a push of B uploads to a"
+        " registry holding A (push_bytes), and B's mapped bytes (image_bytes)",
+    )
     df.set_defaults(func=cmd_diff)
 
     pu = sub.add_parser(

@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
+import shutil
 import tempfile
+
+FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+# errors of FICLONE / copy_file_range that mean "not here", not "broken"
+UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS}
+# and of link(2): hard links refused (EPERM: protected_hardlinks, some filesystems)
+_NO_LINK = UNSUPPORTED | {errno.EPERM, errno.EMLINK}
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, prefix: str = ".tmp-") -> None:
@@ -22,3 +31,32 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, prefix: str = ".tmp-
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def link_or_copy(src: str, dst: str) -> str:
+    """Make ``dst`` hold ``src``'s bytes without writing them where the filesystem allows:
+    a hard link, else a reflink (``FICLONE``), else a copy. Returns which it was."""
+    try:
+        os.link(src, dst)
+        return "link"
+    except OSError as e:
+        if e.errno not in _NO_LINK:
+            raise
+    try:
+        with open(src, "rb") as fs, open(dst, "wb") as fd:
+            try:
+                fcntl.ioctl(fd.fileno(), FICLONE, fs.fileno())
+                how = "reflink"
+            except OSError as e:
+                if e.errno not in UNSUPPORTED:
+                    raise
+                shutil.copyfileobj(fs, fd, 1 << 20)
+                how = "copy"
+            fd.flush()
+            os.fsync(fd.fileno())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(dst)
+        raise
+    os.chmod(dst, 0o644)
+    return how

@@ -32,11 +32,15 @@ and the chunk digests are taken over these STORED bytes, so a reader rejects a c
 frame before decompressing it. Deduplication works on the uncompressed pack as before
 (it compares bytes already written). In-place packs are never compressed: they are the
 source tarball byte for byte.
+
+A base image (``base``, ``build --base``): its packs are packs ``1..n`` and its content
+is known to the deduplication from the start, so content equal to the base's (compared
+byte by byte with the base's verified chunks) is mapped where it lies in the base's pack,
+not written (``bytes_reused``). In-place packs follow the base's.
 """
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import os
@@ -44,18 +48,21 @@ import queue
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Protocol, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
 
 from btrfs_ublk_image import native
 from btrfs_ublk_image.blockmap import StoredChunk
 from btrfs_ublk_image.btrfs.ondisk import SECTORSIZE
 from btrfs_ublk_image.crc import crc32c
-from btrfs_ublk_image.errors import SourceError
+from btrfs_ublk_image.errors import ImageError, SourceError
+from btrfs_ublk_image.files import FICLONE, UNSUPPORTED
 from btrfs_ublk_image.tree import Blob, Content, Sparse
+
+if TYPE_CHECKING:
+    from btrfs_ublk_image.base import BaseImage
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 COPY_BUFFER = 1 << 20
-FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
 # zstd's default level: ~3-5x faster to compress than level 9+ for a few % less ratio on
 # 1 MiB chunks, and decompression (on ublkd's read path) is equally fast at any level
 ZSTD_LEVEL = 3
@@ -69,8 +76,6 @@ FLUSH_STEP = 16 << 20  # the pack is written back (fdatasync) each time it grew 
 # waits to get it back from the worker threads (inflate, hashing): unbuffered, one write per
 # content piece cost the Debian build ~0.3-0.6 s of waiting for ~0.1 s of copying
 PACK_BUFFER = 4 << 20
-# errors of FICLONE / copy_file_range that mean "not here", not "broken"
-_UNSUPPORTED = {errno.EOPNOTSUPP, errno.ENOTTY, errno.EXDEV, errno.EINVAL, errno.ENOSYS}
 
 
 class Progress(Protocol):
@@ -132,6 +137,7 @@ class PackWriter:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         progress: Progress | None = None,
         compression: str = "none",
+        base: BaseImage | None = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"unknown pack compression {compression!r}")
@@ -146,7 +152,9 @@ class PackWriter:
         # digests in Rust, shared by the native tar reader and every other source
         self.core: Any = None
         self._interned: dict[Blob, Blob] = {}
-        if nat is not None:
+        # not with a base image: a base pack's bytes are compared through its verified
+        # chunks (BaseImage.read), which the native index cannot do
+        if nat is not None and base is None:
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
             self.core = nat.Pack(fd, chunk_size)
         # read back only with pread on its fd (hashing, dedup): a BufferedWriter on an O_RDWR
@@ -172,6 +180,12 @@ class PackWriter:
         self._bytes_deduped = 0
         self.bytes_in_place = 0  # unique content referenced in in-place packs (not written)
         self._in_place: list[InPlacePack] = []
+        self.bytes_reused = 0  # content found in the base image's packs (not written)
+        self._base = base
+        self._n_base = 0 if base is None else len(base.packs)
+        if base is not None:
+            for blob in base.blobs():
+                self._remember(blob.size << 32 | blob.crc32c, blob)
 
     @property
     def bytes_in(self) -> int:
@@ -223,7 +237,7 @@ class PackWriter:
 
     def open_in_place(self, src_path: str) -> InPlacePack:
         """A source file that becomes a pack as it is; read it through the returned object."""
-        index = 1 + len(self._in_place)
+        index = 1 + self._n_base + len(self._in_place)
         pack = InPlacePack(index, src_path, os.path.join(self.directory, f"in-place-{index}.tmp"))
         self._in_place.append(pack)
         if self.core is not None:
@@ -241,7 +255,7 @@ class PackWriter:
         key = size << 32 | crc
         for old in self._candidates(key):
             if self._same_bytes(old.pack, old.offset, pack.index, offset, size):
-                self._bytes_deduped += size
+                self._count_match(old, size)
                 return old
         blob = Blob(crc32c=crc, size=size, pack=pack.index, offset=offset)
         self._remember(key, blob)
@@ -319,7 +333,7 @@ class PackWriter:
                     self._file.truncate(start)
                     self._file.seek(start)
                     self._size = start
-                    self._bytes_deduped += size
+                    self._count_match(old, size)
                     return old
         blob = Blob(crc32c=crc, size=size, pack=0, offset=start)
         if dedupe:
@@ -338,21 +352,35 @@ class PackWriter:
             self._flusher.request()
             self._flushed = self._size
 
-    def _fd(self, pack: int) -> int:
-        if pack == 0 and self.core is not None:
-            return int(self.core.fileno())
+    def _count_match(self, old: Blob, size: int) -> None:
+        if self._is_base(old.pack):
+            self.bytes_reused += size
+        else:
+            self._bytes_deduped += size
+
+    def _is_base(self, pack: int) -> bool:
+        return 1 <= pack <= self._n_base
+
+    def _pread(self, pack: int, n: int, offset: int) -> bytes:
         if pack == 0:
+            if self.core is not None:
+                return os.pread(int(self.core.fileno()), n, offset)
             self._file.flush()
-            return self._file.fileno()
-        return self._in_place[pack - 1].fd
+            return os.pread(self._file.fileno(), n, offset)
+        if self._base is not None and self._is_base(pack):
+            try:
+                return self._base.read(pack, offset, n)
+            except ImageError:
+                return b""  # a corrupt base chunk: not the same bytes, write them anew
+        return os.pread(self._in_place[pack - 1 - self._n_base].fd, n, offset)
 
     def _same_bytes(self, pack_a: int, a: int, pack_b: int, b: int, size: int) -> bool:
-        """Compare two ranges of packs (just written or read: in the page cache)."""
-        fd_a, fd_b = self._fd(pack_a), self._fd(pack_b)
+        """Compare two ranges of packs (just written or read: in the page cache; a base
+        pack's through its verified chunks)."""
         done = 0
         while done < size:
             n = min(COPY_BUFFER, size - done)
-            if os.pread(fd_a, n, a + done) != os.pread(fd_b, n, b + done):
+            if self._pread(pack_a, n, a + done) != self._pread(pack_b, n, b + done):
                 return False
             done += n
         return True
@@ -383,6 +411,11 @@ class PackWriter:
             infos = [_compress_pack(self._path, self.directory, self._size, self.chunk_size)]
         else:
             infos = [_name_pack(self._path, self.directory, self._size, digests)]
+        if self._base is not None:  # left where they are: the bundle links those it uses
+            infos.extend(
+                PackInfo(p.entry.id, p.entry.size, p.entry.chunk_digests, p.path, p.entry.stored)
+                for p in self._base.packs
+            )
         for pack in self._in_place:
             infos.append(pack.finish(self.directory))
         return infos
@@ -470,7 +503,7 @@ class InPlacePack:
             fcntl.ioctl(self.fd, FICLONE, self.src_fd)
             self.size = self._copied = os.fstat(self.fd).st_size
         except OSError as e:
-            if e.errno not in _UNSUPPORTED:
+            if e.errno not in UNSUPPORTED:
                 self.close()
                 raise
             self.method = "copy_file_range"
@@ -492,7 +525,7 @@ class InPlacePack:
             try:
                 done = os.copy_file_range(self.src_fd, self.fd, n, self._copied, self._copied)
             except OSError as e:
-                if e.errno not in _UNSUPPORTED:
+                if e.errno not in UNSUPPORTED:
                     raise
                 self.method = "read/write"
         if self.method == "read/write":

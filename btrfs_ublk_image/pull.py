@@ -32,6 +32,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -318,3 +320,98 @@ def pin_spec(
         layers.append(layer)
     # model_copy keeps spec_sha256: the spec file's, as loaded
     return spec.model_copy(update={"layers": layers}), pins
+
+
+def pull_bundle(
+    text: str,
+    dest: str,
+    *,
+    plain_http: bool = False,
+    auth: str | None = None,
+    progress: Progress | None = None,
+) -> str:
+    """The bundle artifact ``text`` (``oci://REGISTRY/REPO:TAG`` or ``@sha256:...``, as
+    `push` makes it, docs/remote.md) downloaded into the new directory ``dest``: manifest.json
+    (the config blob), meta.img (inflated from its zstd frame), the blockmap and the packs,
+    each blob checked against its digest and meta.img and the blockmap against manifest.json
+    (a pack's chunks are checked whenever they are read). Returns the image id."""
+    from btrfs_ublk_image.bundle import (
+        BLOCKMAP,
+        MANIFEST,
+        META_IMG,
+        file_sha256,
+        parse_manifest,
+        read_bundle_file,
+    )
+    from btrfs_ublk_image.push import ARTIFACT_BUNDLE, MT_META_ZSTD
+    from btrfs_ublk_image.registry import ANNOTATION_TITLE
+
+    ref = parse_pull_reference(text)
+    reg = Registry(
+        ref,
+        plain_http=plain_http,
+        credentials=credentials_for(ref.registry, auth),
+        progress=progress,
+        actions="pull",
+    )
+    os.mkdir(dest)
+    try:
+        data, _ = reg.pull_manifest(ref.reference)
+        doc = _json(data, text)
+        if doc.get("artifactType") != ARTIFACT_BUNDLE:
+            raise ImageError(f"{text}: not a btrfs-ublk-image bundle (artifactType)")
+        config, layers = doc.get("config"), doc.get("layers")
+        if not isinstance(config, dict) or not isinstance(layers, list):
+            raise ImageError(f"{text}: manifest without config or layers")
+        mpath = os.path.join(dest, MANIFEST)
+        reg.get_blob(str(config.get("digest")), mpath, config.get("size"))
+        manifest, image_id = parse_manifest(read_bundle_file(mpath), f"{text}: {MANIFEST}")
+        files: dict[str, Any] = manifest.get("files") or {}
+        os.mkdir(os.path.join(dest, "packs"))
+        for layer in layers:
+            title = (layer.get("annotations") or {}).get(ANNOTATION_TITLE)
+            if not isinstance(title, str) or not re.fullmatch(
+                r"meta\.img|blockmap|packs/[0-9a-f]{64}", title
+            ):
+                raise ImageError(f"{text}: layer {layer.get('digest')}: unexpected title {title!r}")
+            path = os.path.join(dest, title)
+            if os.path.exists(path):
+                continue  # the same pack listed twice
+            if layer.get("mediaType") == MT_META_ZSTD:
+                reg.get_blob(str(layer.get("digest")), path + ".zst", layer.get("size"))
+                _inflate(path + ".zst", path, int(files.get(META_IMG, {}).get("size", 0)))
+            else:
+                reg.get_blob(str(layer.get("digest")), path, layer.get("size"))
+        for name in (META_IMG, BLOCKMAP):
+            want = files.get(name, {}).get("sha256")
+            path = os.path.join(dest, name)
+            if not os.path.exists(path) or file_sha256(path) != want:
+                raise ImageError(f"{text}: {name} is missing or differs from {MANIFEST}")
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    finally:
+        reg.close()
+    return image_id
+
+
+def _inflate(src: str, dest: str, limit: int) -> None:
+    """The zstd frame ``src`` inflated into ``dest`` (at most ``limit`` bytes); ``src`` removed."""
+    import zstandard
+
+    written = 0
+    try:
+        with (
+            open(src, "rb") as f,
+            open(dest, "wb") as out,
+            zstandard.ZstdDecompressor().stream_reader(f) as r,
+        ):
+            while block := r.read(1 << 20):
+                written += len(block)
+                if written > limit:
+                    raise ImageError(f"{src}: inflates past {limit} bytes (manifest.json)")
+                out.write(block)
+    except zstandard.ZstdError as e:
+        raise ImageError(f"{src}: bad zstd frame: {e}") from None
+    finally:
+        os.unlink(src)

@@ -215,7 +215,7 @@ class DataDevice:
             self._cache.popitem(last=False)
         return data
 
-    def _pack_bytes(self, pack: int, offset: int, length: int) -> bytes:
+    def pack_bytes(self, pack: int, offset: int, length: int) -> bytes:
         size = self.bm.chunk_size
         out = []
         while length > 0:
@@ -243,13 +243,13 @@ class DataDevice:
             and end <= ranges[i].dev_offset + ranges[i].length
         ):
             r = ranges[i]  # the common case: one range holds it all
-            return self._pack_bytes(r.pack, r.pack_offset + (offset - r.dev_offset), length)
+            return self.pack_bytes(r.pack, r.pack_offset + (offset - r.dev_offset), length)
         out = bytearray(length)
         while i < len(ranges) and ranges[i].dev_offset < end:
             r = ranges[i]
             lo, hi = max(offset, r.dev_offset), min(end, r.dev_offset + r.length)
             if lo < hi:
-                data = self._pack_bytes(r.pack, r.pack_offset + (lo - r.dev_offset), hi - lo)
+                data = self.pack_bytes(r.pack, r.pack_offset + (lo - r.dev_offset), hi - lo)
                 out[lo - offset : hi - offset] = data
             i += 1
         return bytes(out)

@@ -10,6 +10,7 @@ A spec is a YAML mapping::
     prefetch: ["/usr/bin/*", "/etc/**"]                   # optional: prefetch.trace
     pack_chunk_size: 1048576                              # optional: fetch/verify unit
     pack_compression: none                                # optional: none | zstd
+    base: ../web-base-v1.bundle                           # optional: reuse its packs
     layers:
       - tar: {path: rootfs.tar.zst, exclude: ["/var/cache/**"], uid: 0, gid: 0}
       - oci: {path: ./debian-oci, ref: bookworm}
@@ -470,6 +471,14 @@ class Spec(_Model):
         description="Store each pack chunk as a zstd frame (blockmap version 2), so remote"
         " mounts move fewer bytes; in-place tarball packs stay uncompressed. 'none' (the"
         " default) writes blockmap version 1",
+    )
+    base: str | None = Field(
+        default=None,
+        min_length=1,
+        description="An earlier bundle: a directory, relative to the spec file, or"
+        " oci://REGISTRY/REPO:TAG as push made it (build --base overrides it): content"
+        " already in its packs is mapped where it lies there, not written again, and the packs it is in are linked into the new bundle under the same"
+        " ids, so push and lazy fetch move only the new packs (docs/bundle-format.md)",
     )
 
     # sha256 of the spec file's bytes, set by load_spec (model_copy keeps it); not a field

@@ -294,3 +294,24 @@ def test_tar_stats_counts_an_input_we_did_not_generate(tmp_path: Path) -> None:
     assert (st.entries, st.directories, st.regular_names, st.regular_inodes) == (5, 1, 3, 2)
     assert (st.hardlinks, st.symlinks, st.content_bytes) == (1, 1, 100)
     assert st.tar_bytes == tar.stat().st_size
+
+
+def test_delta_v2_tar_rewrites_every_100th_big_file(tmp_path: Path) -> None:
+    from bench.delta import make_v2_tar
+
+    v1, v2, changed = tmp_path / "v1.tar", tmp_path / "v2.tar", tmp_path / "changed.tar"
+    with tarfile.open(v1, "w", format=tarfile.PAX_FORMAT) as t:
+        for i in range(250):
+            m = tarfile.TarInfo(f"d/f{i:03}")
+            data = os.urandom(5000 if i % 2 else 100)
+            m.size = len(data)
+            t.addfile(m, io.BytesIO(data))
+    files, n, nbytes = make_v2_tar(v1, v2, changed)
+    assert (files, n, nbytes) == (250, 1, 5000)  # 125 big files: the 100th changes
+    with tarfile.open(v1) as a, tarfile.open(v2) as b, tarfile.open(changed) as c:
+        old = {m.name: a.extractfile(m).read() for m in a}  # type: ignore[union-attr]
+        new = {m.name: b.extractfile(m).read() for m in b}  # type: ignore[union-attr]
+        diff = {m.name: c.extractfile(m).read() for m in c}  # type: ignore[union-attr]
+    assert old.keys() == new.keys()
+    assert {k for k in old if old[k] != new[k]} == set(diff) == {"d/f199"}
+    assert len(diff["d/f199"]) == 5000 and diff["d/f199"] == new["d/f199"]

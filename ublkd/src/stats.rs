@@ -19,6 +19,7 @@ pub struct Counters {
     pub disk_cache_misses: AtomicU64,
     pub disk_cache_corrupt: AtomicU64,
     pub disk_cache_bytes: AtomicU64,
+    pub disk_cache_shared_bytes: AtomicU64,
     pub fetch_requests: AtomicU64,
     pub fetch_bytes: AtomicU64,
     pub fetch_errors: AtomicU64,
@@ -56,6 +57,8 @@ pub struct Snapshot {
     /// entries that failed their digest on load (removed, fetched again)
     pub disk_cache_corrupt: u64,
     pub disk_cache_bytes: u64,
+    /// bytes of chunks found in another image's cache (same digest), not fetched
+    pub disk_cache_shared_bytes: u64,
     /// HTTP requests made, body bytes received, failed attempts
     pub fetch_requests: u64,
     pub fetch_bytes: u64,
@@ -105,6 +108,7 @@ impl Counters {
             disk_cache_misses: self.disk_cache_misses.load(Relaxed),
             disk_cache_corrupt: self.disk_cache_corrupt.load(Relaxed),
             disk_cache_bytes: self.disk_cache_bytes.load(Relaxed),
+            disk_cache_shared_bytes: self.disk_cache_shared_bytes.load(Relaxed),
             fetch_requests: self.fetch_requests.load(Relaxed),
             fetch_bytes: self.fetch_bytes.load(Relaxed),
             fetch_errors: self.fetch_errors.load(Relaxed),

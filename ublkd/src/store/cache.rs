@@ -9,6 +9,12 @@
 //!   survives restarts through the files' mtimes, which a hit refreshes).
 //!
 //! One server per image uses the directory (the bundle lock is keyed by image id).
+//!
+//! Chunks are shared across images by digest: a chunk missing here that another image's
+//! cache beside this one (`<cache dir>/<image id>/chunks/`) holds is verified and hard
+//! linked in (a copy where links fail), not fetched: a host that read v1 of an image
+//! fetches only v2's new chunks (`build --base`). Each image's bound counts the chunks it
+//! holds, shared or not; evicting one removes only its own name.
 
 use crate::stats::Counters;
 use anyhow::{Context, Result};
@@ -121,8 +127,12 @@ impl DiskCache {
             match ix.entries.get_mut(digest) {
                 Some(e) => e.1 = tick,
                 None => {
-                    Counters::add(&self.counters.disk_cache_misses, 1);
-                    return None;
+                    drop(ix);
+                    let found = self.take_from_other_images(digest);
+                    if found.is_none() {
+                        Counters::add(&self.counters.disk_cache_misses, 1);
+                    }
+                    return found;
                 }
             }
         }
@@ -152,6 +162,57 @@ impl DiskCache {
         }
         Counters::add(&self.counters.disk_cache_hits, 1);
         Some(data)
+    }
+
+    /// The image caches beside this one (`<cache dir>/<64 hex>/chunks`).
+    fn other_images(&self) -> Vec<PathBuf> {
+        let (Some(image), Some(root)) = (self.dir.parent(), self.dir.parent().and_then(Path::parent)) else {
+            return Vec::new();
+        };
+        let Ok(entries) = std::fs::read_dir(root) else {
+            return Vec::new();
+        };
+        let mut out: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().len() == 64 && e.path() != image)
+            .map(|e| e.path().join(self.dir.file_name().unwrap_or_default()))
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// A chunk another image's cache holds: verified, then linked (else copied) into this
+    /// cache and counted as shared; None when no other image has it intact.
+    fn take_from_other_images(&self, digest: &[u8; 32]) -> Option<Vec<u8>> {
+        let h = hex::encode(digest);
+        for other in self.other_images() {
+            let src = other.join(&h[..2]).join(&h);
+            let Ok(data) = std::fs::read(&src) else {
+                continue;
+            };
+            if Sha256::digest(&data).as_slice() != digest {
+                continue; // that cache's own load removes it
+            }
+            let path = self.path(digest);
+            let linked = path.parent().is_some_and(|p| std::fs::create_dir_all(p).is_ok())
+                && std::fs::hard_link(&src, &path).is_ok();
+            if linked {
+                let mut ix = self.index.lock().unwrap();
+                ix.tick += 1;
+                let tick = ix.tick;
+                if ix.entries.insert(*digest, (data.len() as u64, tick)).is_none() {
+                    ix.total += data.len() as u64;
+                }
+                drop(ix);
+                self.trim();
+            } else {
+                self.put(digest, &data);
+            }
+            Counters::add(&self.counters.disk_cache_hits, 1);
+            Counters::add(&self.counters.disk_cache_shared_bytes, data.len() as u64);
+            return Some(data);
+        }
+        None
     }
 
     /// Add a chunk whose digest the caller has verified. Failures only cost the cache.
@@ -248,5 +309,39 @@ mod tests {
         drop(c);
         let _c = DiskCache::open(tmp.path(), 3500, counters).unwrap();
         assert_eq!(std::fs::read_dir(tmp.path().join("tmp")).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn chunks_are_shared_with_other_images_by_digest_verified() {
+        use std::os::unix::fs::MetadataExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let image = |c: char| tmp.path().join(c.to_string().repeat(64)).join("chunks");
+        let ca = Arc::new(Counters::default());
+        let cb = Arc::new(Counters::default());
+        let a = DiskCache::open(&image('a'), 1 << 20, ca).unwrap();
+        let b = DiskCache::open(&image('b'), 1 << 20, cb.clone()).unwrap();
+        let (one, d1) = chunk(1);
+        let (two, d2) = chunk(2);
+        a.put(&d1, &one);
+        a.put(&d2, &two);
+        // b finds chunk 1 in a's cache: the same file (a hard link), counted as shared
+        assert_eq!(b.get(&d1).as_deref(), Some(&one[..]));
+        assert!(b.contains(&d1));
+        let ino = |c: &DiskCache, d| std::fs::metadata(c.path(d)).unwrap().ino();
+        assert_eq!(ino(&a, &d1), ino(&b, &d1));
+        let s = cb.snapshot();
+        assert_eq!(
+            (s.disk_cache_hits, s.disk_cache_misses, s.disk_cache_shared_bytes),
+            (1, 0, 1000)
+        );
+        // a corrupt entry of a's is not taken; a chunk no image has is a miss
+        let p = a.path(&d2);
+        let mut bad = std::fs::read(&p).unwrap();
+        bad[0] ^= 1;
+        std::fs::write(&p, bad).unwrap();
+        assert_eq!(b.get(&d2), None);
+        assert_eq!(b.get(&chunk(3).1), None);
+        assert!(!b.contains(&d2));
+        assert_eq!(cb.snapshot().disk_cache_misses, 2);
     }
 }

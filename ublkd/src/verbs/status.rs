@@ -162,7 +162,8 @@ pub fn status(json: bool) -> Result<()> {
                 let s = &e.stats;
                 println!(
                     "  fetched  {} bytes in {} requests ({} failed), latency mean {:.1} ms max {:.1} ms; \
-                     chunk cache {} hits {} misses {} bad, {} bytes; {} chunks read ahead",
+                     chunk cache {} hits {} misses {} bad, {} bytes ({} bytes from other images' caches); \
+                     {} chunks read ahead",
                     s.fetch_bytes,
                     s.fetch_requests,
                     s.fetch_errors,
@@ -172,6 +173,7 @@ pub fn status(json: bool) -> Result<()> {
                     s.disk_cache_misses,
                     s.disk_cache_corrupt,
                     s.disk_cache_bytes,
+                    s.disk_cache_shared_bytes,
                     s.readahead_chunks
                 );
             }

@@ -1,0 +1,195 @@
+"""A base image for ``build --base``: the content of an earlier bundle, to reuse as it lies.
+
+A file whose data is one run of bytes in one of the base's packs (every file the
+builder wrote, unless a hole or an in-place tarball's member split it) is indexed as a
+``Blob`` pointing into that pack: its CRC-32C (read once, through the base's verified
+chunks) is the deduplication key the ``PackWriter`` already uses, so new content equal
+to base content (compared byte by byte against the base's verified chunks) is not
+written again: the new blockmap maps it into the base's pack, which the new bundle
+lists under the same id and holds as a hard link (else a reflink, else a copy) of the
+base's pack file. Push and fetch then skip these packs and chunks: they are already
+in the registry and the host cache.
+
+Pack numbers: in the new bundle, pack 0 is the written pack, packs ``1..n`` are the
+base's packs in the base's order (only those the new image uses are kept, see
+``bundle.py``), in-place tarball packs follow.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+
+from btrfs_ublk_image import blockmap as bmap
+from btrfs_ublk_image.btrfs import ondisk as d
+from btrfs_ublk_image.crc import crc32c
+from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.reader import BundleReader, Inode
+from btrfs_ublk_image.tree import Blob
+
+# the CRC may keep the GIL (no other thread runs while the base is indexed)
+_KEEP_GIL = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BasePack:
+    """A pack of the base: its blockmap entry and its file."""
+
+    entry: bmap.PackEntry
+    path: str
+    name: str  # "packs/<hex>", as in the base's manifest
+
+    @property
+    def id(self) -> str:
+        return "sha256:" + self.entry.id.hex()
+
+
+class BaseImage:
+    """An open base bundle: its packs (``packs[i]`` becomes pack ``first + i``) and its
+    content blobs (numbered that way), read through the base's verified chunks."""
+
+    def __init__(self, bundle: str, first: int = 1) -> None:
+        self.bundle = os.path.abspath(bundle)
+        if not os.path.isdir(self.bundle):
+            raise ImageError(f"{bundle}: base is not a bundle directory")
+        self.reader = BundleReader(self.bundle)
+        fs = self.reader.fs
+        self.image_id = fs.image_id
+        self.first = first
+        bm = fs.dev2.bm
+        self.chunk_size = bm.chunk_size
+        self.packs = [
+            BasePack(entry, path, p["path"])
+            for entry, path, p in zip(
+                bm.packs, fs.dev2.pack_paths, fs.manifest["packs"], strict=True
+            )
+        ]
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def __enter__(self) -> BaseImage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read(self, pack: int, offset: int, length: int) -> bytes:
+        """Bytes of base pack ``pack`` (numbered in the new bundle), from verified chunks."""
+        return self.reader.fs.dev2.pack_bytes(pack - self.first, offset, length)
+
+    def blobs(self) -> list[Blob]:
+        """Every distinct content of a regular file of the base that lies in one run of one
+        pack, in the base's walk order (so a build with this base is deterministic)."""
+        inodes: set[int] = set()
+        seen: set[Blob] = set()
+        out: list[Blob] = []
+        for _path, node in self.reader.walk():
+            if not stat.S_ISREG(node.item.mode) or node.item.ino in inodes:
+                continue
+            inodes.add(node.item.ino)
+            where = self._run(node)
+            if where is None:
+                continue
+            pack, offset = where
+            crc = 0
+            try:
+                for piece in self.reader.read_chunks(node):
+                    crc = crc32c(piece, crc, _KEEP_GIL)
+            except ImageError:
+                continue  # a chunk fails its digest: that content is written anew
+            blob = Blob(crc, node.item.size, pack + self.first, offset)
+            if blob not in seen:  # hard links and reflinked copies: one blob
+                seen.add(blob)
+                out.append(blob)
+        return out
+
+    def _run(self, node: Inode) -> tuple[int, int] | None:
+        """(base pack, offset) when the file's bytes are one run of one pack, else None."""
+        size = node.item.size
+        fs = self.reader.fs
+        bm = fs.dev2.bm
+        pos = 0
+        at: tuple[int, int] | None = None  # the pack and offset of file byte `pos`
+        start: tuple[int, int] | None = None
+        for ext in node.extents:
+            if (
+                ext.kind != d.FILE_EXTENT_REG
+                or ext.disk_bytenr == 0
+                or ext.file_offset != pos
+                or ext.compression
+            ):
+                return None
+            length = min(ext.num_bytes, size - pos)
+            logical = ext.disk_bytenr + ext.offset
+            done = 0
+            while done < length:
+                try:
+                    chunk, devid, physical = fs.map_logical(logical + done, 1)
+                except ImageError:
+                    return None
+                if devid != 2:
+                    return None
+                r = bm.lookup(physical)
+                if r is None:
+                    return None
+                n = min(
+                    length - done,
+                    r.dev_offset + r.length - physical,
+                    chunk.logical + chunk.length - (logical + done),
+                )
+                here = (r.pack, r.pack_offset + (physical - r.dev_offset))
+                if at is not None and here != at:
+                    return None
+                if start is None:
+                    start = here
+                at = (here[0], here[1] + n)
+                done += n
+            pos += length
+            if pos >= size:
+                break
+        if pos != size or start is None or size == 0:
+            return None
+        return start
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """What moving from bundle OLD to bundle NEW costs."""
+
+    fetch_bytes: int  # stored bytes of NEW's chunks whose digest no chunk of OLD has
+    fetch_chunks: int
+    push_bytes: int  # stored bytes of NEW's packs whose id is not among OLD's
+    push_packs: int
+    new_bytes: int  # stored bytes of every chunk NEW maps (what a host holding nothing fetches)
+
+
+def mapped_chunks(bundle: str) -> dict[bytes, int]:
+    """The pack chunks the blockmap of ``bundle`` maps a byte of: digest -> stored length
+    (what a host that read every file of the image holds)."""
+    from btrfs_ublk_image.bundle import BLOCKMAP, read_bundle_file
+
+    path = os.path.join(bundle, BLOCKMAP)
+    bm = bmap.decode(read_bundle_file(path), path)
+    size = bm.chunk_size
+    out: dict[bytes, int] = {}
+    for r in bm.ranges:
+        pack = bm.packs[r.pack]
+        for i in range(r.pack_offset // size, (r.pack_offset + r.length - 1) // size + 1):
+            out[pack.chunk_digests[i]] = pack.stored_chunk(i, size).length
+    return out
+
+
+def transfer(old: str, new: str) -> Transfer:
+    """The bytes a host holding every chunk of ``old`` fetches to read all of ``new``, and
+    the bytes a push of ``new`` uploads to a registry holding ``old``."""
+    from btrfs_ublk_image.bundle import read_manifest
+
+    have = mapped_chunks(old)
+    want = mapped_chunks(new)
+    missing = [n for dg, n in want.items() if dg not in have]
+    old_packs = {p["id"] for p in read_manifest(old)[0]["packs"]}
+    new_packs = {p["id"]: p["size"] for p in read_manifest(new)[0]["packs"]}
+    push = [size for pid, size in new_packs.items() if pid not in old_packs]
+    return Transfer(sum(missing), len(missing), sum(push), len(push), sum(want.values()))

@@ -1,0 +1,311 @@
+"""Delta images: `build --base` reuses an earlier bundle's packs, `diff --delta` measures
+what moving from one to the other costs, `push` uploads only the new packs.
+
+v1 is a synthetic tree of random files; v2 is v1 with 1% of its files changed, one added
+and one removed. Oracles: the source directories (every file of a bundle read back
+through the reader, which checks every pack chunk's digest), the pack files' own bytes
+and inodes, and the registry's access log and storage for push.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from servers import Registry, docker_registry
+
+from btrfs_ublk_image import blockmap as bmap
+from btrfs_ublk_image.bundle import BLOCKMAP, read_manifest
+from btrfs_ublk_image.cli import main as cli
+from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.listing import from_bundle, from_directory
+
+pytestmark = pytest.mark.unit
+
+N_FILES = 200
+CHANGED = ["d3/f3", "d7/f107"]  # 1% of the files
+
+
+def make_v1(root: Path, seed: int = 1) -> None:
+    rnd = random.Random(seed)
+    for i in range(N_FILES):
+        d = root / f"d{i % 10}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}").write_bytes(rnd.randbytes(rnd.randint(5_000, 100_000)))
+    (root / "etc").mkdir()
+    (root / "etc" / "hostname").write_text("v1\n")  # inline in meta.img
+
+
+def make_v2(v1: Path, v2: Path) -> int:
+    """v2 = v1 with CHANGED rewritten, one file added and one removed; -> new content bytes."""
+    shutil.copytree(v1, v2)
+    rnd = random.Random(2)
+    new = 0
+    for name in CHANGED:
+        data = rnd.randbytes(80_000)
+        (v2 / name).write_bytes(data)
+        new += len(data)
+    added = rnd.randbytes(30_000)
+    (v2 / "d0" / "added").write_bytes(added)
+    (v2 / "d5" / "f5").unlink()
+    return new + len(added)
+
+
+def write_spec(path: Path, src: Path, extra: str = "") -> Path:
+    path.write_text(
+        f"version: 1\nname: {path.stem}\nsource_date_epoch: 1\n{extra}"
+        f"layers:\n  - dir: {{path: {src}}}\n"
+    )
+    return path
+
+
+def run(*args: str | Path) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli([str(a) for a in args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def build(spec: Path, out: Path, *more: str | Path) -> dict[str, object]:
+    rc, _, err = run("build", spec, "-o", out, *more)
+    assert rc == 0, err
+    return read_manifest(str(out))[0]
+
+
+def contents(source: str) -> dict[bytes, str | None]:
+    """path -> sha256 of every entry (a bundle is read through its verified chunks)."""
+    entries = from_bundle(source) if os.path.exists(f"{source}/manifest.json") else None
+    if entries is None:
+        entries = from_directory(source)
+    return {e.path: e.sha256 for e in entries}
+
+
+def delta(old: Path, new: Path) -> dict[str, int]:
+    rc, out, err = run("diff", "--delta", old, new)
+    assert rc == 1, err
+    return {k: int(v) for k, v in (line.split(": ") for line in out.splitlines())}
+
+
+@pytest.fixture
+def trees(tmp_path: Path) -> tuple[Path, Path, int]:
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    make_v1(v1)
+    return v1, v2, make_v2(v1, v2)
+
+
+def test_v2_reuses_v1_packs_byte_identical_and_diff_counts(
+    tmp_path: Path, trees: tuple[Path, Path, int]
+) -> None:
+    v1, v2, new_bytes = trees
+    b1 = tmp_path / "v1.bundle"
+    m1 = build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    # the spec's base, relative to the spec file
+    spec2 = write_spec(tmp_path / "v2.yaml", v2, "base: v1.bundle\n")
+    m2 = build(spec2, tmp_path / "v2.bundle")
+    build(spec2, tmp_path / "v2b.bundle")
+    for name in ("manifest.json", "meta.img", "blockmap"):
+        assert (tmp_path / "v2.bundle" / name).read_bytes() == (
+            tmp_path / "v2b.bundle" / name
+        ).read_bytes(), name
+    assert m2["base"] == read_manifest(str(b1))[1]
+    packs1 = m1["packs"]
+    assert isinstance(packs1, list) and len(packs1) == 1
+    p1 = packs1[0]
+    packs2 = m2["packs"]
+    assert isinstance(packs2, list) and len(packs2) == 2
+    # pack 0 is the new content; the base's pack follows under its own id, hard-linked
+    assert packs2[1] == p1
+    assert os.stat(b1 / p1["path"]).st_ino == os.stat(tmp_path / "v2.bundle" / p1["path"]).st_ino
+    stats = m2["stats"]
+    assert isinstance(stats, dict)
+    # everything but the new content and the inline /etc/hostname
+    assert stats["base_reused_bytes"] == stats["content_bytes"] - new_bytes - len("v1\n")
+    assert packs2[0]["size"] == new_bytes + 4096  # + device 2's superblock
+
+    # every file reads back right, the base removed (the bundle holds its packs)
+    shutil.rmtree(b1)
+    assert contents(str(tmp_path / "v2.bundle")) == contents(str(v2))
+
+    # and a build without base writes everything again
+    b1 = tmp_path / "v1.bundle"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    whole = tmp_path / "v2-whole.bundle"
+    build(write_spec(tmp_path / "v2w.yaml", v2), whole)
+    d = delta(b1, tmp_path / "v2.bundle")
+    assert (d["changed"], d["added"], d["removed"]) == (2, 1, 1), d
+    # all new bytes are in one new chunk (< 1 MiB): a host holding v1 fetches just it
+    assert d["fetch_bytes"] == d["push_bytes"] == new_bytes + 4096 and d["fetch_chunks"] == 1
+    assert d["push_packs"] == 1
+    assert d["fetch_bytes"] <= new_bytes * 1.1
+    w = delta(b1, whole)
+    assert w["fetch_bytes"] == w["push_bytes"] == w["image_bytes"] > 50 * d["fetch_bytes"]
+    assert (w["changed"], w["added"], w["removed"]) == (2, 1, 1)
+    # the plain forms of diff still list the differences
+    rc, out, _ = run("diff", b1, tmp_path / "v2.bundle")
+    assert rc == 1 and "+ /d0/added" in out.splitlines() and "- /d5/f5" in out.splitlines()
+    rc, _, err = run("diff", "--delta", b1, v2)
+    assert rc == 2 and "not a bundle directory" in err
+
+
+def test_cli_base_overrides_spec_and_bad_bases_are_named(
+    tmp_path: Path, trees: tuple[Path, Path, int]
+) -> None:
+    v1, v2, _ = trees
+    b1 = tmp_path / "v1.bundle"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    spec2 = write_spec(tmp_path / "v2.yaml", v2, "base: nowhere.bundle\n")
+    m2 = build(spec2, tmp_path / "v2.bundle", "--base", b1)
+    assert m2["base"] == read_manifest(str(b1))[1]
+    rc, _, err = run("build", spec2, "-o", tmp_path / "x.bundle")
+    assert rc != 0 and "nowhere.bundle" in err and not (tmp_path / "x.bundle").exists()
+    big = write_spec(tmp_path / "big.yaml", v2, "pack_chunk_size: 2097152\n")
+    rc, _, err = run("build", big, "-o", tmp_path / "y.bundle", "--base", b1)
+    assert rc != 0 and "pack chunks" in err and str(b1) in err
+    # a base with a pack missing: named, nothing built
+    broken = tmp_path / "broken.bundle"
+    shutil.copytree(b1, broken)
+    (pack,) = (broken / "packs").iterdir()
+    pack.unlink()
+    rc, _, err = run("build", spec2, "-o", tmp_path / "z.bundle", "--base", broken)
+    assert rc != 0 and str(pack) in err and not (tmp_path / "z.bundle").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_corrupt_base_chunk_is_written_anew(tmp_path: Path, trees: tuple[Path, Path, int]) -> None:
+    """A base chunk that fails its digest is never reused: the files in it are written into
+    the new pack, and the new bundle reads right with no byte of that chunk mapped."""
+    v1, v2, new_bytes = trees
+    b1 = tmp_path / "v1.bundle"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    (pack,) = (b1 / "packs").iterdir()
+    data = bytearray(pack.read_bytes())
+    bad = 3
+    data[bad * (1 << 20) + 1000] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    b2 = tmp_path / "v2.bundle"
+    m2 = build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
+    packs = m2["packs"]
+    assert isinstance(packs, list)
+    assert new_bytes + (1 << 20) // 2 < packs[0]["size"] < new_bytes + 3 * (1 << 20)
+    bm = bmap.decode((b2 / BLOCKMAP).read_bytes())
+    for r in bm.ranges:
+        if r.pack == 1:
+            first, last = r.pack_offset >> 20, (r.pack_offset + r.length - 1) >> 20
+            assert not first <= bad <= last, r
+    shutil.rmtree(b1)
+    assert contents(str(b2)) == contents(str(v2))
+
+
+def test_compressed_base_uncompressed_v2(tmp_path: Path, trees: tuple[Path, Path, int]) -> None:
+    """Base packs compressed (blockmap version 2), the new build not: its blockmap is version
+    2 (the base's chunk table comes along), its own pack raw; every file reads right."""
+    v1, v2, new_bytes = trees
+    b1 = tmp_path / "v1.bundle"
+    build(write_spec(tmp_path / "v1.yaml", v1, "pack_compression: zstd\n"), b1)
+    b2 = tmp_path / "v2.bundle"
+    m2 = build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
+    bm = bmap.decode((b2 / BLOCKMAP).read_bytes())
+    assert bm.version == bmap.VERSION_COMPRESSED
+    assert not bm.packs[0].compressed and bm.packs[1].compressed
+    packs = m2["packs"]
+    assert isinstance(packs, list) and packs[0]["size"] == new_bytes + 4096
+    assert contents(str(b2)) == contents(str(v2))
+
+
+def test_unused_base_pack_is_dropped(tmp_path: Path) -> None:
+    """Nothing of the base in the new image: no base pack is listed or linked."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_v1(a, seed=1)
+    make_v1(b, seed=7)
+    ba = tmp_path / "a.bundle"
+    build(write_spec(tmp_path / "a.yaml", a), ba)
+    m = build(write_spec(tmp_path / "b.yaml", b), tmp_path / "b.bundle", "--base", ba)
+    packs = m["packs"]
+    assert isinstance(packs, list) and len(packs) == 1
+    assert len(list((tmp_path / "b.bundle" / "packs").iterdir())) == 1
+    stats = m["stats"]
+    assert isinstance(stats, dict) and stats["base_reused_bytes"] == 0
+
+
+def test_base_index_error_is_clear(tmp_path: Path) -> None:
+    from btrfs_ublk_image.base import BaseImage
+
+    with pytest.raises(ImageError, match="not a bundle directory"):
+        BaseImage(str(tmp_path / "none"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ImageError, match="manifest.json"):
+        BaseImage(str(tmp_path / "empty"))
+
+
+def test_manifest_without_base_has_no_base_key(tmp_path: Path) -> None:
+    src = tmp_path / "s"
+    make_v1(src)
+    m = build(write_spec(tmp_path / "s.yaml", src), tmp_path / "s.bundle")
+    assert "base" not in m and "base_reused_bytes" not in json.dumps(m["stats"])
+
+
+def sha256_file(path: Path) -> str:
+    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def uploaded_blobs(reg: Registry) -> dict[str, int]:
+    """digest -> size of every blob an upload completed (the PUT naming its digest), the
+    size read from the registry's storage."""
+    out = {}
+    for r in reg.requests():
+        if r.method != "PUT" or "/blobs/uploads/" not in r.path:
+            continue
+        (digest,) = parse_qs(urlsplit(r.path).query)["digest"]
+        hexd = digest.removeprefix("sha256:")
+        data = reg.workdir / "storage/docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
+        out[digest] = data.stat().st_size
+    return out
+
+
+def test_push_v2_after_v1_uploads_only_the_new_pack(
+    tmp_path: Path, trees: tuple[Path, Path, int]
+) -> None:
+    v1, v2, new_bytes = trees
+    b1, b2 = tmp_path / "v1.bundle", tmp_path / "v2.bundle"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    m2 = build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
+    with docker_registry(tmp_path / "registry") as reg:
+        rc, _, err = run("push", b1, f"{reg.address}/img:v1")
+        assert rc == 0, err
+        first = uploaded_blobs(reg)
+        rc, _, err = run("push", b2, f"{reg.address}/img:v2")
+        assert rc == 0, err
+        second = {d: n for d, n in uploaded_blobs(reg).items() if d not in first}
+        packs = m2["packs"]
+        assert isinstance(packs, list)
+        # blobs are named by the sha256 of their file (a pack's id is over its chunk digests)
+        new_pack, base_pack = (sha256_file(b2 / p["path"]) for p in packs)
+        # v1's pack was not uploaded again; v2's own pack was, with its metadata
+        assert base_pack in first and new_pack in second, (first, second)
+        pack_bytes = second.pop(new_pack)
+        assert pack_bytes == packs[0]["size"] <= new_bytes * 1.1
+        # the rest: manifest.json (the config), meta.img (zstd), the blockmap
+        assert len(second) == 3, second
+        meta_bytes = sum(second.values())
+        # content and metadata together: v1 pushed whole is ~10 MiB
+        assert pack_bytes + meta_bytes <= sum(first.values()) / 20, (pack_bytes, second)
+        # a base given by its registry reference gives the same bundle
+        b3 = tmp_path / "v2-from-registry.bundle"
+        build(write_spec(tmp_path / "v2.yaml", v2), b3, "--base", f"oci://{reg.address}/img:v1")
+        for name in ("manifest.json", "meta.img", "blockmap", *(p["path"] for p in packs)):
+            assert (b3 / name).read_bytes() == (b2 / name).read_bytes(), name
+        assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        rc, _, err = run("build", tmp_path / "v2.yaml", "-o", tmp_path / "x.bundle", "--base",
+                         f"oci://{reg.address}/img:nope")  # fmt: skip
+        assert rc != 0 and "img:nope: no such manifest" in err, err
+        # the registry serves v2 whole: its manifest lists both packs
+        rc, _, err = run("push", b2, f"{reg.address}/img:v2-again")
+        assert rc == 0 and "0 blobs uploaded" in err, err

@@ -1,0 +1,153 @@
+"""Delta images under ublkd (fuse frontend, root): a bundle built with ``--base`` whose
+reused base pack is corrupt serves EIO for the files in the bad chunk only; every other
+file, reused or new, reads right. Over HTTP, a host that read all of v1 fetches only v2's
+new chunks: the rest is found, by digest, in v1's chunk cache. Oracles: the source trees'
+bytes, where each file's bytes lie in the base pack (found by content, not through the
+blockmap), nginx's access log."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import subprocess
+from pathlib import Path
+
+import pytest
+from servers import nginx_serving
+from test_delta import build, make_v1, make_v2, write_spec
+from test_remote import cache_dir, pack_bytes, settled_status
+from test_ublkd import CHUNK, fresh_seed, no_leftovers, read_file, status_of, ublkd
+
+__all__ = ["cache_dir", "no_leftovers"]  # the fixture, used by name
+
+pytestmark = pytest.mark.root
+
+
+def tree_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_corrupt_base_pack_fails_only_its_files(no_leftovers: Path) -> None:
+    tmp = no_leftovers
+    v1, v2 = tmp / "v1", tmp / "v2"
+    make_v1(v1, seed=fresh_seed())
+    make_v2(v1, v2)
+    b1, b2 = tmp / "v1.bundle", tmp / "v2.bundle"
+    build(write_spec(tmp / "v1.yaml", v1), b1)
+    m2 = build(write_spec(tmp / "v2.yaml", v2), b2, "--base", b1)
+    packs = m2["packs"]
+    assert isinstance(packs, list) and len(packs) == 2
+    base_pack = b2 / packs[1]["path"]
+    data = bytearray(base_pack.read_bytes())
+    files = tree_files(v2)
+    in_base: dict[str, set[int]] = {}
+    for name, content in files.items():
+        if len(content) > 4096 and (at := data.find(content)) >= 0:
+            in_base[name] = set(range(at // CHUNK, (at + len(content) - 1) // CHUNK + 1))
+    new = [n for n, c in files.items() if len(c) > 4096 and n not in in_base]
+    assert sorted(new) == ["d0/added", "d3/f3", "d7/f107"]
+    bad = 4
+    data[bad * CHUNK + 12345] ^= 0xFF
+    base_pack.unlink()  # a hard link of v1's pack: v2 gets its own, corrupt, copy
+    base_pack.write_bytes(bytes(data))
+    affected = sorted(n for n, c in in_base.items() if bad in c)
+    assert affected and len(affected) < len(in_base) // 5
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    ublkd("mount", b2, mnt, "--frontend", "fuse")
+    try:
+        for name in affected * 2:  # again: a failed read leaves nothing in the page cache
+            assert read_file(mnt / name) == errno.EIO, name
+        for name, content in files.items():
+            if name not in affected:
+                assert read_file(mnt / name) == content, name
+        st = status_of(mnt)
+        assert isinstance(st["verify_failures"], int) and st["verify_failures"] >= 1
+    finally:
+        ublkd("umount", mnt)
+
+
+def read_all(mnt: Path, files: dict[str, bytes]) -> None:
+    """Every file through one child (a hung read fails the test by its timeout)."""
+    r = subprocess.run(
+        ["python3", "-c", READ_ALL, str(mnt), *files], capture_output=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    got = dict(zip(files, r.stdout.decode().split(), strict=True))
+    for name, content in files.items():
+        assert got[name] == hashlib.sha256(content).hexdigest(), name
+
+
+READ_ALL = """
+import hashlib, sys
+for name in sys.argv[2:]:
+    print(hashlib.sha256(open(sys.argv[1] + '/' + name, 'rb').read()).hexdigest())
+"""
+
+
+def test_v2_after_v1_over_http_fetches_only_new_chunks(no_leftovers: Path, cache_dir: Path) -> None:
+    tmp = no_leftovers
+    v1, v2 = tmp / "v1", tmp / "v2"
+    make_v1(v1, seed=fresh_seed())
+    new_bytes = make_v2(v1, v2)
+    www = tmp / "www"
+    www.mkdir()
+    b1, b2 = www / "v1.bundle", www / "v2.bundle"
+    build(write_spec(tmp / "v1.yaml", v1), b1)
+    build(write_spec(tmp / "v2.yaml", v2), b2, "--base", b1)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    with nginx_serving(www, tmp / "nginx") as web:
+        ublkd("mount", f"{web.url}/v1.bundle/manifest.json", mnt, "--frontend", "fuse")
+        try:
+            read_all(mnt, tree_files(v1))
+            v1_fetched = pack_bytes(web.requests())
+        finally:
+            ublkd("umount", mnt)
+        web.clear_log()
+        ublkd("mount", f"{web.url}/v2.bundle/manifest.json", mnt, "--frontend", "fuse")
+        try:
+            read_all(mnt, tree_files(v2))
+            st = settled_status(mnt)
+        finally:
+            ublkd("umount", mnt)
+        fetched = pack_bytes(web.requests())
+    # v2's new pack is one chunk: its new content and device 2's superblock
+    assert new_bytes < fetched <= new_bytes * 1.1, (fetched, new_bytes)
+    assert v1_fetched > 50 * fetched
+    shared = st["disk_cache_shared_bytes"]
+    assert isinstance(shared, int) and shared > v1_fetched * 0.9, (shared, v1_fetched)
+    assert st["fetch_bytes"] == fetched
+
+
+def test_base_pack_missing_on_the_server_fails_only_reused_files(
+    no_leftovers: Path, cache_dir: Path
+) -> None:
+    """v2 served without its base pack (a 404), on a host that never read v1: every read
+    of reused content fails with EIO, v2's new files read right."""
+    tmp = no_leftovers
+    v1, v2 = tmp / "v1", tmp / "v2"
+    make_v1(v1, seed=fresh_seed())
+    make_v2(v1, v2)
+    www = tmp / "www"
+    www.mkdir()
+    b1, b2 = tmp / "v1.bundle", www / "v2.bundle"
+    build(write_spec(tmp / "v1.yaml", v1), b1)
+    m2 = build(write_spec(tmp / "v2.yaml", v2), b2, "--base", b1)
+    packs = m2["packs"]
+    assert isinstance(packs, list)
+    (b2 / packs[1]["path"]).unlink()
+    files = tree_files(v2)
+    new = {"d0/added", "d3/f3", "d7/f107"}
+    reused = [n for n, c in sorted(files.items()) if len(c) > 4096 and n not in new]
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    with nginx_serving(www, tmp / "nginx") as web:
+        ublkd("mount", f"{web.url}/v2.bundle/manifest.json", mnt, "--frontend", "fuse")
+        try:
+            for name in reused[:5]:
+                assert read_file(mnt / name) == errno.EIO, name
+            read_all(mnt, {n: files[n] for n in sorted(new)})
+            assert read_file(mnt / "etc/hostname") == b"v1\n"  # inline in meta.img
+        finally:
+            ublkd("umount", mnt)
