@@ -23,7 +23,7 @@ use anyhow::{bail, Context, Result};
 use nix::sys::signal::{SigSet, Signal};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc;
@@ -51,7 +51,7 @@ enum Event {
     Failed(String),
 }
 
-fn announce(r: &Ready) -> Result<()> {
+pub fn announce(r: &Ready) -> Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "READY {}", serde_json::to_string(r)?)?;
     out.flush()?;
@@ -170,7 +170,21 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 
     match kind {
         Frontend::Fuse => {
-            let fe = frontend::fuse::start(dev.clone(), args.threads, dev2_cache)?;
+            let inherited = match (args.fuse_fd, args.fuse_root_fd) {
+                // SAFETY: fds the supervisor opened and left open for us (clap makes the
+                // two flags come together); nothing else in this process owns them.
+                (Some(fuse), Some(root)) => Some(frontend::fuse::Inherited {
+                    conn: unsafe {
+                        frontend::fuse::Connection {
+                            fuse: OwnedFd::from_raw_fd(fuse),
+                            root: OwnedFd::from_raw_fd(root),
+                        }
+                    },
+                    resume: args.fuse_resume,
+                }),
+                _ => None,
+            };
+            let fe = frontend::fuse::start(dev.clone(), args.threads, dev2_cache, inherited)?;
             timing("serve: fuse frontend up");
             let device = format!("/proc/{pid}/fd/{}/{}", fe.root.as_raw_fd(), frontend::fuse::FILE_NAME);
             announce(&Ready {
