@@ -154,6 +154,9 @@ pub struct ServeArgs {
     /// Supervised fuse server: the inherited root fd of the connection's detached mount.
     #[arg(long, hide = true, requires = "fuse_fd")]
     pub fuse_root_fd: Option<i32>,
+    /// A supervisor's restart: the counters go on from `--dir`'s stats.json.
+    #[arg(long, hide = true)]
+    pub resume_stats: bool,
     /// Supervised fuse server: an earlier server answered the connection's FUSE_INIT.
     #[arg(long, hide = true, requires = "fuse_fd")]
     pub fuse_resume: bool,

@@ -115,6 +115,14 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 
     timing("serve: signals set up");
     let counters = Arc::new(Counters::default());
+    if let (true, Some(dir)) = (args.resume_stats, &args.dir) {
+        if let Some(s) = std::fs::read(dir.join(STATS_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+        {
+            counters.resume(&s);
+        }
+    }
     let mut opened = remote::open_for_serving(&args.bundle, &args.remote, args.expect_id.as_deref(), counters.clone())?;
     let dev2_cache = match args.dev2_cache {
         Some(c) => c,

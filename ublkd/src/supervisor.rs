@@ -70,11 +70,11 @@ fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// This process's `serve` arguments for its child: without `--supervise`, and with
-/// `--frontend` and `--ublk-recover` left to [`spawn`].
-fn child_args() -> Vec<OsString> {
+/// This process's `serve` arguments (`args`, after the program name) for its child:
+/// without `--supervise`, and with `--frontend` and `--ublk-recover` left to [`spawn`].
+fn child_args(args: impl IntoIterator<Item = OsString>) -> Vec<OsString> {
     let mut out = Vec::new();
-    let mut args = std::env::args_os().skip(1);
+    let mut args = args.into_iter();
     while let Some(a) = args.next() {
         let s = a.to_string_lossy();
         if s == "--supervise" || s.starts_with("--frontend=") || s.starts_with("--ublk-recover=") {
@@ -89,9 +89,9 @@ fn child_args() -> Vec<OsString> {
     out
 }
 
-/// Start a server: `fuse` = the connection's (/dev/fuse, root) fds it inherits, `resume`
-/// when an earlier server answered FUSE_INIT; `ublk_recover` = the ublk device to
-/// reattach.
+/// Start a server: `fuse` = the connection's (/dev/fuse, root) fds it inherits; `resume`
+/// for every server after the first (fuse: an earlier one answered FUSE_INIT; the
+/// counters go on); `ublk_recover` = the ublk device to reattach.
 fn spawn(
     base: &[OsString],
     kind: Frontend,
@@ -107,6 +107,9 @@ fn spawn(
         if resume {
             cmd.arg("--fuse-resume");
         }
+    }
+    if resume {
+        cmd.arg("--resume-stats");
     }
     if let Some(id) = ublk_recover {
         cmd.args(["--ublk-recover", &id.to_string()]);
@@ -295,7 +298,7 @@ pub fn supervise(args: ServeArgs) -> Result<()> {
     };
     let fuse_fds = conn.as_ref().map(|c| (c.fuse.as_raw_fd(), c.root.as_raw_fd()));
     let me = std::process::id() as i32;
-    let base = child_args();
+    let base = child_args(std::env::args_os().skip(1));
     let dir = args.dir.as_deref();
     if let Some(d) = dir {
         std::fs::create_dir_all(d).with_context(|| format!("{}: mkdir", d.display()))?;
@@ -366,5 +369,28 @@ pub fn supervise(args: ServeArgs) -> Result<()> {
             begin_ublk_recovery(id)?;
             recover_next = Some(id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn child_args_drop_what_the_supervisor_sets() {
+        let argv = "serve --supervise /b --frontend auto --expect-id sha256:x --ublk-recover 3 --ublk-recover=4 \
+                    --frontend=fuse --cache-mb 9";
+        let got = child_args(argv.split_whitespace().map(OsString::from));
+        let want: Vec<OsString> = "serve /b --expect-id sha256:x --cache-mb 9"
+            .split_whitespace()
+            .map(OsString::from)
+            .collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn causes_name_the_signal_or_status() {
+        assert_eq!(cause(&ExitStatus::from_raw(libc::SIGKILL)), "killed by SIGKILL");
+        assert_eq!(cause(&ExitStatus::from_raw(101 << 8)), "exited with status 101");
     }
 }
