@@ -85,6 +85,7 @@ IN_PLACE_SPEC = "spec-in-place.yaml"  # one tar: layer, in_place: true
 BUILD_INPUTS = ("synthetic", "debian")
 SECTIONS = (
     "build", "mount", "randread", "laziness", "vm", "remote", "containerd", "latency", "latency_vm",
+    "soak",
 )  # fmt: skip
 
 
@@ -502,7 +503,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc["latency_vm"] = measure_latency_vm(
             workdir / "latency", args.repeat, args.baseline_ublkd
         )
-    if sections - {"build", "latency", "latency_vm"}:
+    if "soak" in sections:
+        from bench.soak import measure_soak
+
+        doc["soak"] = measure_soak(workdir / "soak")
+    if sections - {"build", "latency", "latency_vm", "soak"}:
         from bench.runtime import run_runtime
 
         doc["runtime_commit"] = commit
@@ -673,6 +678,13 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
         print(latency_table(doc["latency_vm"]))
         if args.update_docs:
             update_doc(path, "latency_vm", latency_table(doc["latency_vm"]))
+    if "soak" in doc:
+        from bench.soak import soak_table
+
+        print("\nSoak: SIGKILLs of the server and a fault-injecting proxy (fuse):\n")
+        print(soak_table(doc["soak"]))
+        if args.update_docs:
+            update_doc(path, "soak", soak_table(doc["soak"]))
     if "randread" in doc and args.update_docs:
         update_doc(path, "randread", randread_section(doc))
     for name, why in doc.get("runtime_skipped", {}).items():

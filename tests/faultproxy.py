@@ -63,13 +63,19 @@ def make_handler(
 
         def _forward(self, body: bool) -> None:
             conn = http.client.HTTPConnection(host, port, timeout=60)
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+            headers = {
+                k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")
+            }
             conn.request(self.command, self.path, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
             conn.close()
             fault = draw() if "Range" in self.headers and resp.status == 206 and body else None
-            count("requests", *(["ranges"] if "Range" in self.headers else []), *([fault] if fault else []))
+            count(
+                "requests",
+                *(["ranges"] if "Range" in self.headers else []),
+                *([fault] if fault else []),
+            )
             if fault == "stall":
                 time.sleep(args.stall_ms / 1000)
             if fault == "corrupt" and data:
@@ -101,7 +107,9 @@ def make_handler(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("upstream")
     ap.add_argument("port", type=int)
     ap.add_argument("counts", type=Path)
@@ -111,7 +119,9 @@ def main() -> None:
     ap.add_argument("--corrupt", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args()
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(args.upstream, args.counts, args))
+    server = ThreadingHTTPServer(
+        ("127.0.0.1", args.port), make_handler(args.upstream, args.counts, args)
+    )
     server.daemon_threads = True
     server.serve_forever()
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from btrfs_ublk_image.cli import main as cli
 
-from servers import fault_proxy, slow_http
+from tests.servers import fault_proxy, slow_http
 
 CHUNK = 256 << 10
 MODES = ("ro", "ro", "ro", "ephemeral", "ephemeral", "rw", "rw", "rw")
@@ -51,7 +51,9 @@ def _pct(xs: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(p / 100 * len(s)))]
 
 
-def _reader(path_files: list[tuple[Path, bytes]], seed: int, stop: threading.Event, out: Reads) -> None:
+def _reader(
+    path_files: list[tuple[Path, bytes]], seed: int, stop: threading.Event, out: Reads
+) -> None:
     rnd = random.Random(seed)
     buf = mmap.mmap(-1, 256 << 10)
     try:
@@ -86,7 +88,9 @@ def _reader(path_files: list[tuple[Path, bytes]], seed: int, stop: threading.Eve
         buf.close()
 
 
-def build_site(work: Path, seed: int, files: int = 24, size: int = 2 << 20) -> tuple[Path, dict[str, bytes]]:
+def build_site(
+    work: Path, seed: int, files: int = 24, size: int = 2 << 20
+) -> tuple[Path, dict[str, bytes]]:
     """A bundle of `files` files of random bytes (256 KiB chunks) under work/site/bundle."""
     rnd = random.Random(seed)
     tree = work / "tree"
@@ -97,7 +101,9 @@ def build_site(work: Path, seed: int, files: int = 24, size: int = 2 << 20) -> t
         (tree / f"f{i:02}.bin").write_bytes(data)
         content[f"f{i:02}.bin"] = data
     spec = work / "spec.yaml"
-    spec.write_text(f"version: 1\nname: soak\npack_chunk_size: {CHUNK}\nlayers:\n  - dir: {{path: {tree}}}\n")
+    spec.write_text(
+        f"version: 1\nname: soak\npack_chunk_size: {CHUNK}\nlayers:\n  - dir: {{path: {tree}}}\n"
+    )
     site = work / "site"
     site.mkdir()
     assert cli(["build", str(spec), "-o", str(site / "bundle")]) == 0
@@ -148,7 +154,12 @@ def run_soak(
                        "--readahead", "0", "--no-prefetch", "--cache-dir", work / "cache", *extra)  # fmt: skip
                 mounts.append(mnt)
             st = json.loads(ublkd_("status", "--json"))
-            restarts_file = Path(os.environ["UBLKD_RUN_DIR"]) / "bundles" / st[0]["bundle_key"] / "restarts.json"
+            restarts_file = (
+                Path(os.environ["UBLKD_RUN_DIR"])
+                / "bundles"
+                / st[0]["bundle_key"]
+                / "restarts.json"
+            )
             reads = Reads()
             stop = threading.Event()
             readers = [
@@ -212,8 +223,16 @@ def run_soak(
         },
         "restarts": status["restarts"],
         "proxy_faults": faults,
-        "status": {k: status[k] for k in ("fetch_errors", "verify_failures", "fetch_latency_us_max",
-                                          "fetch_requests", "read_errors")},  # fmt: skip
+        "status": {
+            k: status[k]
+            for k in (
+                "fetch_errors",
+                "verify_failures",
+                "fetch_latency_us_max",
+                "fetch_requests",
+                "read_errors",
+            )
+        },  # fmt: skip
         "status_text": text,
     }
     log(json.dumps({k: v for k, v in out.items() if k != "status_text"}, indent=1))

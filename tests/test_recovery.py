@@ -163,7 +163,7 @@ def test_fuse_server_killed_with_a_read_in_flight_resends_it(no_leftovers: Path)
             for name in ("data/b.bin", "data/a.bin"):
                 got: list[bytes | Exception] = []
 
-                def read(name: str = name) -> None:
+                def read(name: str = name, got: list[bytes | Exception] = got) -> None:
                     try:
                         got.append(read_direct(mnt / name))
                     except OSError as e:

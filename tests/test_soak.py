@@ -8,9 +8,10 @@ import os
 from pathlib import Path
 
 import pytest
-from soak import run_soak
 from test_ublkd import UBLKD
 from test_ublkd import no_leftovers as no_leftovers  # noqa: F401  (a fixture)
+
+from tests.soak import run_soak
 
 
 @pytest.mark.root

@@ -1,0 +1,52 @@
+"""Soak section (issue 22): tests/soak.py once, 2 minutes: 8 mounts of one remote bundle
+behind tests/faultproxy.py (2% of range responses dropped mid-body, 2% stalled 1.5 s, 2%
+with a flipped byte), a reader per mount checking every byte, the server killed with
+SIGKILL 20 times at random moments (fuse, on the host; its supervisor restarts it)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from bench.mounts import ublkd_binary
+from tests.soak import run_soak
+
+
+def measure_soak(workdir: Path, seconds: float = 120, kills: int = 20) -> dict[str, Any]:
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    old = os.environ.get("UBLKD_RUN_DIR")
+    os.environ["UBLKD_RUN_DIR"] = str(workdir / "run")
+    try:
+        out = run_soak(ublkd_binary(), workdir, seconds=seconds, kills=kills, log=lambda _: None)
+    finally:
+        if old is None:
+            os.environ.pop("UBLKD_RUN_DIR", None)
+        else:
+            os.environ["UBLKD_RUN_DIR"] = old
+    out.pop("status_text", None)
+    return out
+
+
+def soak_table(d: dict[str, Any]) -> str:
+    f, s, r = d["proxy_faults"], d["status"], d["restarts"]
+    lat, acr = d["latency_ms"], d["across_restart_ms"]
+    rows = [
+        ("mounts, seconds, SIGKILLs", f"{d['mounts']}, {d['seconds']:.0f}, {d['kills']}"),
+        ("reads (bytes)", f"{d['reads']:,} ({d['bytes_read'] / 2**20:,.0f} MiB)"),
+        ("failed reads / wrong bytes / hung readers",
+         f"{d['failed_reads']} / {d['wrong_bytes']} / {d['hung_readers']}"),
+        ("read latency p50 / p99 / max (ms)", f"{lat['p50']:.0f} / {lat['p99']:.0f} / {lat['max']:.0f}"),
+        (f"reads across a restart ({acr['reads']}): p50 / p99 / max (ms)",
+         f"{acr['p50']:.0f} / {acr['p99']:.0f} / {acr['max']:.0f}"),
+        ("restarts in status (cause; downtime last / max ms)",
+         f"{r['count']} ({r['last_cause']}; {r['last_downtime_ms']} / {r['max_downtime_ms']})"),
+        ("dropped responses: proxy / status fetch_errors", f"{f['drop']} / {s['fetch_errors']}"),
+        ("corrupted responses: proxy / status verify_failures", f"{f['corrupt']} / {s['verify_failures']}"),
+        ("stalled responses (1.5 s): proxy / status fetch latency max (ms)",
+         f"{f['stall']} / {s['fetch_latency_us_max'] / 1000:.0f}"),
+    ]  # fmt: skip
+    lines = ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    return "\n".join(lines) + "\n"
