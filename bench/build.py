@@ -85,7 +85,7 @@ IN_PLACE_SPEC = "spec-in-place.yaml"  # one tar: layer, in_place: true
 BUILD_INPUTS = ("synthetic", "debian")
 SECTIONS = (
     "build", "mount", "randread", "laziness", "vm", "remote", "containerd", "latency", "latency_vm",
-    "soak",
+    "soak", "soak_vm",
 )  # fmt: skip
 
 
@@ -507,7 +507,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.soak import measure_soak
 
         doc["soak"] = measure_soak(workdir / "soak")
-    if sections - {"build", "latency", "latency_vm", "soak"}:
+    if "soak_vm" in sections:
+        from bench.soak import measure_soak_vm
+
+        doc["soak_vm"] = measure_soak_vm()
+    if sections - {"build", "latency", "latency_vm", "soak", "soak_vm"}:
         from bench.runtime import run_runtime
 
         doc["runtime_commit"] = commit
@@ -685,6 +689,13 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
         print(soak_table(doc["soak"]))
         if args.update_docs:
             update_doc(path, "soak", soak_table(doc["soak"]))
+    if "soak_vm" in doc:
+        from bench.soak import soak_table
+
+        print("\nThe same through ublk in the VM (TCG):\n")
+        print(soak_table(doc["soak_vm"]))
+        if args.update_docs:
+            update_doc(path, "soak_vm", soak_table(doc["soak_vm"]))
     if "randread" in doc and args.update_docs:
         update_doc(path, "randread", randread_section(doc))
     for name, why in doc.get("runtime_skipped", {}).items():

@@ -1,10 +1,13 @@
 """Soak section (issue 22): tests/soak.py once, 2 minutes: 8 mounts of one remote bundle
 behind tests/faultproxy.py (2% of range responses dropped mid-body, 2% stalled 1.5 s, 2%
 with a flipped byte), a reader per mount checking every byte, the server killed with
-SIGKILL 20 times at random moments (fuse, on the host; its supervisor restarts it)."""
+SIGKILL 20 times at random moments (its supervisor restarts it): fuse on the host
+(`soak`), ublk inside the VM harness (`soak_vm`; `python -m bench.soak` runs there)."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 from pathlib import Path
@@ -14,13 +17,22 @@ from bench.mounts import ublkd_binary
 from tests.soak import run_soak
 
 
-def measure_soak(workdir: Path, seconds: float = 120, kills: int = 20) -> dict[str, Any]:
+def measure_soak(
+    workdir: Path, seconds: float = 120, kills: int = 20, frontend: str = "fuse"
+) -> dict[str, Any]:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     old = os.environ.get("UBLKD_RUN_DIR")
     os.environ["UBLKD_RUN_DIR"] = str(workdir / "run")
     try:
-        out = run_soak(ublkd_binary(), workdir, seconds=seconds, kills=kills, log=lambda _: None)
+        out = run_soak(
+            ublkd_binary(),
+            workdir,
+            seconds=seconds,
+            kills=kills,
+            frontend=frontend,
+            log=lambda _: None,
+        )
     finally:
         if old is None:
             os.environ.pop("UBLKD_RUN_DIR", None)
@@ -30,11 +42,38 @@ def measure_soak(workdir: Path, seconds: float = 120, kills: int = 20) -> dict[s
     return out
 
 
+def measure_soak_vm() -> dict[str, Any]:
+    """The same through ublk inside the VM harness (tests/vm): this module runs there."""
+    from tests.vm import harness
+
+    script = f"{harness.guest_python()} -m bench.soak --json /vmout/soak.json\n"
+    res = harness.run_in_vm(
+        harness.SCRIPT_BODY.format(script="/vmout/script.sh"),
+        files={"script.sh": script.encode()},
+        timeout=float(os.environ.get("BUI_VM_TIMEOUT", 1800)),
+    )
+    out = res.share / "soak.json"
+    if res.rc != 0 or not out.exists():
+        raise RuntimeError(f"VM soak failed (rc {res.rc}): {res.read('pytest.log')[-800:]}")
+    doc: dict[str, Any] = json.loads(out.read_text())
+    return doc
+
+
+def main() -> None:
+    """Inside the VM: the soak through ublk, written as JSON."""
+    ap = argparse.ArgumentParser(description="bench/soak.py inside the VM (ublk)")
+    ap.add_argument("--json", required=True)
+    args = ap.parse_args()
+    doc = measure_soak(Path("/tmp/bench-soak"), frontend="ublk")
+    Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+
+
 def soak_table(d: dict[str, Any]) -> str:
     f, s, r = d["proxy_faults"], d["status"], d["restarts"]
     lat, acr = d["latency_ms"], d["across_restart_ms"]
     rows = [
-        ("mounts, seconds, SIGKILLs", f"{d['mounts']}, {d['seconds']:.0f}, {d['kills']}"),
+        ("frontend, mounts, seconds, SIGKILLs",
+         f"{d.get('frontend', 'fuse')}, {d['mounts']}, {d['seconds']:.0f}, {d['kills']}"),
         ("reads (bytes)", f"{d['reads']:,} ({d['bytes_read'] / 2**20:,.0f} MiB)"),
         ("failed reads / wrong bytes / hung readers",
          f"{d['failed_reads']} / {d['wrong_bytes']} / {d['hung_readers']}"),
@@ -50,3 +89,7 @@ def soak_table(d: dict[str, Any]) -> str:
     ]  # fmt: skip
     lines = ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

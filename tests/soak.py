@@ -121,6 +121,7 @@ def run_soak(
     stall: float = 0.02,
     stall_ms: float = 1500,
     corrupt: float = 0.02,
+    frontend: str = "fuse",
     log: Any = print,
 ) -> dict[str, Any]:
     """Run the soak in `work` (UBLKD_RUN_DIR must be set by the caller); -> the counts."""
@@ -150,7 +151,7 @@ def run_soak(
                     extra = ["--ephemeral"]
                 elif mode == "rw":
                     extra = ["--rw", work / f"rw{i}.img", "--rw-size", "1G"]
-                ublkd_("mount", url, mnt, "--frontend", "fuse", "--cache-mb", "4", "--cache-size", "4M",
+                ublkd_("mount", url, mnt, "--frontend", frontend, "--cache-mb", "4", "--cache-size", "4M",
                        "--readahead", "0", "--no-prefetch", "--cache-dir", work / "cache", *extra)  # fmt: skip
                 mounts.append(mnt)
             st = json.loads(ublkd_("status", "--json"))
@@ -201,6 +202,7 @@ def run_soak(
     across = [d for s, d in reads.times if any(s <= k < s + d or k <= s < k + 1 for k in killed)]
     out = {
         "seed": seed,
+        "frontend": frontend,
         "seconds": seconds,
         "mounts": len(mounts),
         "kills": len(killed),

@@ -44,6 +44,16 @@ pub struct Ready {
     pub dev2_cache: Option<Dev2Cache>,
 }
 
+/// The signals a server acts on (and its supervisor passes on): stop; SIGUSR1: start
+/// the prefetch `mount` left in --dir; SIGUSR2: write the access trace.
+pub const SIGNALS: [Signal; 5] = [
+    Signal::SIGTERM,
+    Signal::SIGINT,
+    Signal::SIGHUP,
+    Signal::SIGUSR1,
+    Signal::SIGUSR2,
+];
+
 enum Event {
     Signal(Signal),
     FrontendEnded(String),
@@ -99,14 +109,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     }
     // signals are taken synchronously by one thread; block them before any thread starts
     let mut set = SigSet::empty();
-    // SIGUSR1: start the prefetch `mount` left in --dir; SIGUSR2: write the access trace
-    for s in [
-        Signal::SIGTERM,
-        Signal::SIGINT,
-        Signal::SIGHUP,
-        Signal::SIGUSR1,
-        Signal::SIGUSR2,
-    ] {
+    for s in SIGNALS {
         set.add(s);
     }
     set.thread_block().context("block signals")?;

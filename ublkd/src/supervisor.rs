@@ -23,7 +23,7 @@
 
 use crate::args::ServeArgs;
 use crate::frontend;
-use crate::server::{announce, Ready};
+use crate::server::{announce, Ready, SIGNALS};
 use crate::state::Restarts;
 use crate::types::Frontend;
 use anyhow::{bail, Context, Result};
@@ -276,14 +276,7 @@ pub fn supervise(args: ServeArgs) -> Result<()> {
         k => k,
     };
     let mut mask = SigSet::empty();
-    for s in [
-        Signal::SIGTERM,
-        Signal::SIGINT,
-        Signal::SIGHUP,
-        Signal::SIGUSR1,
-        Signal::SIGUSR2,
-        Signal::SIGCHLD,
-    ] {
+    for s in SIGNALS.into_iter().chain([Signal::SIGCHLD]) {
         mask.add(s);
     }
     mask.thread_block().context("block signals")?;
