@@ -18,12 +18,19 @@ from tests.soak import run_soak
 
 
 def measure_soak(
-    workdir: Path, seconds: float = 120, kills: int = 20, frontend: str = "fuse"
+    workdir: Path,
+    seconds: float = 120,
+    kills: int = 20,
+    frontend: str = "fuse",
+    run_dir: Path | None = None,
 ) -> dict[str, Any]:
+    """`run_dir`: ublkd's state (default workdir/run); the overlay upper directories of the
+    ephemeral mounts live there, and overlayfs refuses an upper dir on overlayfs (the VM
+    guest's /tmp)."""
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     old = os.environ.get("UBLKD_RUN_DIR")
-    os.environ["UBLKD_RUN_DIR"] = str(workdir / "run")
+    os.environ["UBLKD_RUN_DIR"] = str(run_dir or workdir / "run")
     try:
         out = run_soak(
             ublkd_binary(),
@@ -64,7 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="bench/soak.py inside the VM (ublk)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
-    doc = measure_soak(Path("/tmp/bench-soak"), frontend="ublk")
+    doc = measure_soak(Path("/tmp/bench-soak"), frontend="ublk", run_dir=Path("/run/bench-soak"))
     Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
 
 
