@@ -249,13 +249,16 @@ fn stop_requested_within(sfd: &mut SignalFd, d: Duration) -> Result<bool> {
 
 /// START_USER_RECOVERY once the kernel has noticed the server's death (it quiesces the
 /// device when the dead server's io_uring commands are cancelled, which may take a
-/// moment after the process is gone).
+/// moment after the process is gone; seconds in the VM harness under TCG).
 fn begin_ublk_recovery(id: i32) -> Result<()> {
     let t = Instant::now();
     loop {
         match frontend::ublk::begin_recovery(id) {
-            Ok(()) => return Ok(()),
-            Err(e) if t.elapsed() > Duration::from_secs(10) => return Err(e),
+            Ok(()) => {
+                log::info!("ublk device {id}: recovery started after {:?}", t.elapsed());
+                return Ok(());
+            }
+            Err(e) if t.elapsed() > Duration::from_secs(30) => return Err(e),
             Err(e) => log::debug!("{e:#}: retrying"),
         }
         std::thread::sleep(Duration::from_millis(20));
