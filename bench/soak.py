@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from bench.measure import in_vm_json
 from bench.mounts import ublkd_binary
 from tests.soak import run_soak
 
@@ -51,19 +52,7 @@ def measure_soak(
 
 def measure_soak_vm() -> dict[str, Any]:
     """The same through ublk inside the VM harness (tests/vm): this module runs there."""
-    from tests.vm import harness
-
-    script = f"{harness.guest_python()} -m bench.soak --json /vmout/soak.json\n"
-    res = harness.run_in_vm(
-        harness.SCRIPT_BODY.format(script="/vmout/script.sh"),
-        files={"script.sh": script.encode()},
-        timeout=float(os.environ.get("BUI_VM_TIMEOUT", 1800)),
-    )
-    out = res.share / "soak.json"
-    if res.rc != 0 or not out.exists():
-        raise RuntimeError(f"VM soak failed (rc {res.rc}): {res.read('pytest.log')[-800:]}")
-    doc: dict[str, Any] = json.loads(out.read_text())
-    return doc
+    return in_vm_json(["-m", "bench.soak", "--json", "/vmout/soak.json"], "soak.json", "soak")
 
 
 def main() -> None:
