@@ -93,6 +93,7 @@ BUILD_INPUTS = ("synthetic", "debian", "issue23", "million")
 SECTIONS = (
     "build", "mount", "randread", "laziness", "vm", "remote", "containerd", "latency", "latency_vm",
     "delta",
+    "soak", "soak_vm",
 )  # fmt: skip
 
 
@@ -558,7 +559,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc["latency_vm"] = measure_latency_vm(
             workdir / "latency", args.repeat, args.baseline_ublkd
         )
-    if sections - {"build", "latency", "latency_vm"}:
+    if "soak" in sections:
+        from bench.soak import measure_soak
+
+        doc["soak"] = measure_soak(workdir / "soak")
+    if "soak_vm" in sections:
+        from bench.soak import measure_soak_vm
+
+        doc["soak_vm"] = measure_soak_vm()
+    if sections - {"build", "latency", "latency_vm", "soak", "soak_vm"}:
         from bench.runtime import run_runtime
 
         doc["runtime_commit"] = commit
@@ -745,6 +754,20 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
         print(latency_table(doc["latency_vm"]))
         if args.update_docs:
             update_doc(path, "latency_vm", latency_table(doc["latency_vm"]))
+    if "soak" in doc:
+        from bench.soak import soak_table
+
+        print("\nSoak: SIGKILLs of the server and a fault-injecting proxy (fuse):\n")
+        print(soak_table(doc["soak"]))
+        if args.update_docs:
+            update_doc(path, "soak", soak_table(doc["soak"]))
+    if "soak_vm" in doc:
+        from bench.soak import soak_table
+
+        print("\nThe same through ublk in the VM (TCG):\n")
+        print(soak_table(doc["soak_vm"]))
+        if args.update_docs:
+            update_doc(path, "soak_vm", soak_table(doc["soak_vm"]))
     if "randread" in doc and args.update_docs:
         update_doc(path, "randread", randread_section(doc))
     for name, why in doc.get("runtime_skipped", {}).items():

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.measure import drop_caches, remove
+from bench.measure import drop_caches, in_vm_json, remove
 from bench.mounts import ublkd_binary
 from tests.servers import slow_http
 
@@ -104,21 +104,9 @@ def measure_latency(
 
 def measure_latency_vm(work: Path, repeats: int, baseline: str | None) -> dict[str, Any]:
     """The same through ublk inside the VM harness (tests/vm): this module runs there."""
-    from tests.vm import harness
-
     argv = ["-m", "bench.latency", "--json", "/vmout/latency.json", "--repeat", str(repeats)]
     argv += ["--baseline-ublkd", baseline] if baseline else []
-    script = f"{harness.guest_python()} {' '.join(argv)}\n"
-    res = harness.run_in_vm(
-        harness.SCRIPT_BODY.format(script="/vmout/script.sh"),
-        files={"script.sh": script.encode()},
-        timeout=float(os.environ.get("BUI_VM_TIMEOUT", 1800)),
-    )
-    out = res.share / "latency.json"
-    if res.rc != 0 or not out.exists():
-        raise RuntimeError(f"VM latency run failed (rc {res.rc}): {res.read('pytest.log')[-800:]}")
-    doc: dict[str, Any] = json.loads(out.read_text())
-    return doc
+    return in_vm_json(argv, "latency.json", "latency run")
 
 
 def main() -> None:

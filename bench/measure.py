@@ -74,6 +74,26 @@ def run_measured(cmd: Sequence[str], log: Path, stdin: Path | None = None) -> Sa
     return Sample(wall, maxrss, proc.returncode, time.perf_counter() - t1, cpu)
 
 
+def in_vm_json(module_argv: Sequence[str], out: str, what: str) -> dict[str, Any]:
+    """Run `python MODULE_ARGV` inside the VM harness (tests/vm), where it writes the JSON
+    file /vmout/OUT; -> that JSON. `what` names the run in the error."""
+    import json
+
+    from tests.vm import harness
+
+    script = f"{harness.guest_python()} {' '.join(module_argv)}\n"
+    res = harness.run_in_vm(
+        harness.SCRIPT_BODY.format(script="/vmout/script.sh"),
+        files={"script.sh": script.encode()},
+        timeout=float(os.environ.get("BUI_VM_TIMEOUT", 1800)),
+    )
+    path = res.share / out
+    if res.rc != 0 or not path.exists():
+        raise RuntimeError(f"VM {what} failed (rc {res.rc}): {res.read('pytest.log')[-800:]}")
+    doc: dict[str, Any] = json.loads(path.read_text())
+    return doc
+
+
 def drop_caches() -> bool:
     """sync + drop the page cache, dentries and inodes; False when not permitted (not root)."""
     os.sync()

@@ -397,3 +397,44 @@ def slow_http(root: Path, workdir: Path, delay_ms: float) -> Iterator[SlowHttp]:
         yield server
     finally:
         server.stop()
+
+
+class FaultProxy(ServerProcess):
+    """tests/faultproxy.py: a proxy in front of `upstream` that drops connections
+    mid-body, stalls, and flips bytes in range responses; `counts()` says how often."""
+
+    def counts(self) -> dict[str, int]:
+        path = self.workdir / "faults.json"
+        out: dict[str, int] = json.loads(path.read_text()) if path.exists() else {}
+        return out
+
+
+@contextlib.contextmanager
+def fault_proxy(
+    upstream: str,
+    workdir: Path,
+    *,
+    drop: float = 0.0,
+    stall: float = 0.0,
+    stall_ms: float = 1000.0,
+    corrupt: float = 0.0,
+    seed: int | None = None,
+) -> Iterator[FaultProxy]:
+    """Proxy `upstream` (http://HOST:PORT) on loopback, injecting faults into the
+    responses to range requests with the given probabilities (see tests/faultproxy.py)."""
+    import sys
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    script = Path(__file__).resolve().parent / "faultproxy.py"
+    argv = [sys.executable, str(script), upstream, str(port), str(workdir / "faults.json"),
+            "--drop", str(drop), "--stall", str(stall), "--stall-ms", str(stall_ms),
+            "--corrupt", str(corrupt)]  # fmt: skip
+    if seed is not None:
+        argv += ["--seed", str(seed)]
+    proxy = FaultProxy(argv, port, workdir, "faultproxy")
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()

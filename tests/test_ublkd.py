@@ -665,6 +665,16 @@ def test_ublk_poll_mount_read_recover_umount(no_leftovers: Path) -> None:
     assert not list(Path("/dev").glob("ublkb*"))
 
 
+def serving_pid(mnt: Path) -> int:
+    """The process that serves `mnt`'s bundle now: not the recorded server pid (its
+    supervisor, docs/ublkd.md "Server death") but the supervisor's child."""
+    restarts = status_of(mnt)["restarts"]
+    assert isinstance(restarts, dict)
+    pid = restarts["server_pid"]
+    assert isinstance(pid, int) and pid > 0
+    return pid
+
+
 def running_threads(pid: int, settle_s: float) -> list[str]:
     """Names of `pid`'s threads found running (state R) in each of three looks over
     `settle_s` seconds: a polling queue thread always is, a sleeping one never (a thread
@@ -751,7 +761,7 @@ def test_ublk_poll_default_is_auto_and_off_sleeps(no_leftovers: Path) -> None:
                 assert (mnt / name).read_bytes() == files[name], name
         # idle after those reads: nothing polls (a long fixed window would: see
         # test_ublk_poll_serve_raw_device_checksum_sigterm)
-        assert running_threads(pid, settle_s=1.0) == []
+        assert running_threads(serving_pid(mnt), settle_s=1.0) == []
         r = ublkd("mount", bundle, mnt2, "--ublk-poll=off", check=False)
         assert r.returncode != 0 and "--ublk-poll=auto" in r.stderr, r.stderr
         assert "--ublk-poll=auto" in ublkd("status").stdout
@@ -764,7 +774,7 @@ def test_ublk_poll_default_is_auto_and_off_sleeps(no_leftovers: Path) -> None:
         assert hw_queues(st) == min(4, os.cpu_count() or 1)
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
         assert (mnt / "data" / "c.bin").read_bytes() == files["data/c.bin"]
-        assert running_threads(st["server_pid"], settle_s=1.0) == []  # type: ignore[arg-type]
+        assert running_threads(serving_pid(mnt), settle_s=1.0) == []
     finally:
         ublkd("umount", mnt, timeout=120)
     assert status() == []

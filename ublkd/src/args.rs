@@ -151,6 +151,24 @@ pub struct ServeArgs {
     /// Reattach to an existing ublk device left by a dead server (USER_RECOVERY).
     #[arg(long)]
     pub ublk_recover: Option<i32>,
+    /// Keep device 2 alive across a crash of the server: run it as a child and start a
+    /// new one when it dies (fuse: this process holds the FUSE connection, and the
+    /// requests the dead server had taken are sent to the next; ublk: USER_RECOVERY).
+    /// `mount` starts its servers so.
+    #[arg(long)]
+    pub supervise: bool,
+    /// Supervised fuse server: the inherited /dev/fuse fd of the supervisor's connection.
+    #[arg(long, hide = true, requires = "fuse_root_fd")]
+    pub fuse_fd: Option<i32>,
+    /// Supervised fuse server: the inherited root fd of the connection's detached mount.
+    #[arg(long, hide = true, requires = "fuse_fd")]
+    pub fuse_root_fd: Option<i32>,
+    /// A supervisor's restart: the counters go on from `--dir`'s stats.json.
+    #[arg(long, hide = true)]
+    pub resume_stats: bool,
+    /// Supervised fuse server: an earlier server answered the connection's FUSE_INIT.
+    #[arg(long, hide = true, requires = "fuse_fd")]
+    pub fuse_resume: bool,
     #[command(flatten)]
     pub poll: PollArg,
     #[command(flatten)]

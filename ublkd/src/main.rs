@@ -3,7 +3,7 @@
 //! Layers, bottom first (docs/ublkd.md; `tests/layers.rs` checks that each module
 //! imports only its own layer or those below, and that there is no cycle):
 //! util, plumbing, stats -> format -> types, state, args -> store -> verify -> device
-//! -> frontend -> server -> verbs -> main.
+//! -> frontend -> server, supervisor -> verbs -> main.
 
 mod args;
 mod device;
@@ -15,6 +15,7 @@ mod server;
 mod state;
 mod stats;
 mod store;
+mod supervisor;
 mod types;
 mod util;
 mod verbs;
@@ -35,6 +36,7 @@ fn main() {
         Cmd::Status { json } => verbs::status::status(json),
         Cmd::Recover { mountpoint } => verbs::recover::recover(&mountpoint),
         Cmd::Record { mountpoint, output } => verbs::record::record(&mountpoint, &output),
+        Cmd::Serve(a) if a.supervise => supervisor::supervise(a),
         Cmd::Serve(a) => server::serve(a),
         Cmd::UblkNull { size_mb, threads, poll } => frontend::ublk::serve_null(
             size_mb << 20,

@@ -23,7 +23,7 @@ use anyhow::{bail, Context, Result};
 use nix::sys::signal::{SigSet, Signal};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc;
@@ -44,6 +44,16 @@ pub struct Ready {
     pub dev2_cache: Option<Dev2Cache>,
 }
 
+/// The signals a server acts on (and its supervisor passes on): stop; SIGUSR1: start
+/// the prefetch `mount` left in --dir; SIGUSR2: write the access trace.
+pub const SIGNALS: [Signal; 5] = [
+    Signal::SIGTERM,
+    Signal::SIGINT,
+    Signal::SIGHUP,
+    Signal::SIGUSR1,
+    Signal::SIGUSR2,
+];
+
 enum Event {
     Signal(Signal),
     FrontendEnded(String),
@@ -51,7 +61,7 @@ enum Event {
     Failed(String),
 }
 
-fn announce(r: &Ready) -> Result<()> {
+pub fn announce(r: &Ready) -> Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "READY {}", serde_json::to_string(r)?)?;
     out.flush()?;
@@ -99,14 +109,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     }
     // signals are taken synchronously by one thread; block them before any thread starts
     let mut set = SigSet::empty();
-    // SIGUSR1: start the prefetch `mount` left in --dir; SIGUSR2: write the access trace
-    for s in [
-        Signal::SIGTERM,
-        Signal::SIGINT,
-        Signal::SIGHUP,
-        Signal::SIGUSR1,
-        Signal::SIGUSR2,
-    ] {
+    for s in SIGNALS {
         set.add(s);
     }
     set.thread_block().context("block signals")?;
@@ -115,6 +118,14 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 
     timing("serve: signals set up");
     let counters = Arc::new(Counters::default());
+    if let (true, Some(dir)) = (args.resume_stats, &args.dir) {
+        if let Some(s) = std::fs::read(dir.join(STATS_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+        {
+            counters.resume(&s);
+        }
+    }
     let mut opened = remote::open_for_serving(&args.bundle, &args.remote, args.expect_id.as_deref(), counters.clone())?;
     let dev2_cache = match args.dev2_cache {
         Some(c) => c,
@@ -170,7 +181,21 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 
     match kind {
         Frontend::Fuse => {
-            let fe = frontend::fuse::start(dev.clone(), args.threads, dev2_cache)?;
+            let inherited = match (args.fuse_fd, args.fuse_root_fd) {
+                // SAFETY: fds the supervisor opened and left open for us (clap makes the
+                // two flags come together); nothing else in this process owns them.
+                (Some(fuse), Some(root)) => Some(frontend::fuse::Inherited {
+                    conn: unsafe {
+                        frontend::fuse::Connection {
+                            fuse: OwnedFd::from_raw_fd(fuse),
+                            root: OwnedFd::from_raw_fd(root),
+                        }
+                    },
+                    resume: args.fuse_resume,
+                }),
+                _ => None,
+            };
+            let fe = frontend::fuse::start(dev.clone(), args.threads, dev2_cache, inherited)?;
             timing("serve: fuse frontend up");
             let device = format!("/proc/{pid}/fd/{}/{}", fe.root.as_raw_fd(), frontend::fuse::FILE_NAME);
             announce(&Ready {

@@ -26,6 +26,40 @@ pub const STATE_FILE: &str = "state.json";
 pub const STATS_FILE: &str = "stats.json";
 /// The server's stderr in its bundle's directory.
 pub const SERVER_LOG: &str = "server.log";
+/// A supervisor's restarts of its server ([`Restarts`]), in the bundle's directory.
+pub const RESTARTS_FILE: &str = "restarts.json";
+
+/// What `serve --supervise` writes to `restarts.json` each time it starts a new server
+/// after one died, and `status` shows.
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq, Eq)]
+#[serde(default)]
+pub struct Restarts {
+    /// servers started after one died (the first one is not counted)
+    pub count: u64,
+    /// when the last one died (unix ms), how ("killed by SIGKILL", "exited with status 101")
+    pub last_ms: u64,
+    pub last_cause: String,
+    /// from that death to the new server's READY (ms): how long readers waited
+    pub last_downtime_ms: u64,
+    pub max_downtime_ms: u64,
+    /// the supervisor gave up (a new server failed to start several times in a row)
+    pub gave_up: bool,
+    /// pid of the server that runs now (the supervisor's child)
+    pub server_pid: i32,
+}
+
+impl Restarts {
+    pub fn load(dir: &Path) -> Restarts {
+        std::fs::read(dir.join(RESTARTS_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    }
+
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        write_atomic(&dir.join(RESTARTS_FILE), &serde_json::to_vec(self)?)
+    }
+}
 
 pub fn run_dir() -> PathBuf {
     std::env::var_os("UBLKD_RUN_DIR")

@@ -92,6 +92,34 @@ impl Counters {
         self.fetch_latency_us_max.fetch_max(us, Relaxed);
     }
 
+    /// Go on from an earlier server's counters (a supervisor's restart): `stats.json`
+    /// then counts for the bundle, not for one server process. The prefetch progress
+    /// fields are not carried over (a prefetch does not survive its server).
+    pub fn resume(&self, s: &Snapshot) {
+        let set = |c: &AtomicU64, v: u64| c.store(v, Relaxed);
+        set(&self.reads, s.reads);
+        set(&self.bytes_served, s.bytes_served);
+        set(&self.read_errors, s.read_errors);
+        set(&self.writes_rejected, s.writes_rejected);
+        set(&self.chunks_verified, s.chunks_verified);
+        set(&self.verify_failures, s.verify_failures);
+        set(&self.pack_bytes_read, s.pack_bytes_read);
+        set(&self.cache_hits, s.cache_hits);
+        set(&self.cache_misses, s.cache_misses);
+        set(&self.disk_cache_hits, s.disk_cache_hits);
+        set(&self.disk_cache_misses, s.disk_cache_misses);
+        set(&self.disk_cache_corrupt, s.disk_cache_corrupt);
+        set(&self.disk_cache_bytes, s.disk_cache_bytes);
+        set(&self.fetch_requests, s.fetch_requests);
+        set(&self.fetch_bytes, s.fetch_bytes);
+        set(&self.fetch_errors, s.fetch_errors);
+        set(&self.fetch_ok, s.fetch_ok);
+        set(&self.fetch_latency_us_total, s.fetch_latency_us_mean * s.fetch_ok);
+        set(&self.fetch_latency_us_max, s.fetch_latency_us_max);
+        set(&self.readahead_chunks, s.readahead_chunks);
+        set(&self.demand_chunk_loads, s.demand_chunk_loads);
+    }
+
     pub fn snapshot(&self) -> Snapshot {
         let ok = self.fetch_ok.load(Relaxed);
         Snapshot {
@@ -123,5 +151,30 @@ impl Counters {
             prefetch_bytes: self.prefetch_bytes.load(Relaxed),
             prefetch_errors: self.prefetch_errors.load(Relaxed),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resumed_counters_go_on_from_the_snapshot() {
+        let a = Counters::default();
+        for (i, c) in [&a.reads, &a.fetch_errors, &a.verify_failures, &a.bytes_served]
+            .iter()
+            .enumerate()
+        {
+            Counters::add(c, 10 + i as u64);
+        }
+        a.record_latency(Duration::from_millis(3));
+        a.record_latency(Duration::from_millis(5));
+        let b = Counters::default();
+        b.resume(&a.snapshot());
+        assert_eq!(b.snapshot(), a.snapshot());
+        Counters::add(&b.fetch_errors, 1);
+        b.record_latency(Duration::from_millis(4));
+        let s = b.snapshot();
+        assert_eq!((s.fetch_errors, s.fetch_ok, s.fetch_latency_us_mean), (12, 3, 4000));
     }
 }

@@ -29,7 +29,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("verification: the verified chunk store", &["verify"]),
     ("device 2: the read path, prefetch", &["device"]),
     ("frontends: ublk, fuse", &["frontend"]),
-    ("server: `ublkd serve`", &["server"]),
+    ("server: `ublkd serve`, its supervisor", &["server", "supervisor"]),
     ("control verbs: mount, umount, status, recover, record", &["verbs"]),
     ("entry point", &["main"]),
 ];

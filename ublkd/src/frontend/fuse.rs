@@ -300,7 +300,25 @@ pub struct FuseFrontend {
     pub session: std::thread::JoinHandle<std::io::Result<()>>,
 }
 
-pub fn start(dev: Arc<Device2>, threads: usize, cache: Dev2Cache) -> Result<FuseFrontend> {
+/// A FUSE connection and its detached mount, made by [`connect`]: `fuse` is the
+/// `/dev/fuse` fd (the connection lives while any process holds it), `root` the
+/// mount's root (O_PATH).
+pub struct Connection {
+    pub fuse: OwnedFd,
+    pub root: OwnedFd,
+}
+
+/// A connection a supervisor holds and hands to this server (by inheritance):
+/// `resume` when an earlier server already answered its FUSE_INIT (it died; the
+/// requests it had taken are still queued on the shared fd, see [`resend`]).
+pub struct Inherited {
+    pub conn: Connection,
+    pub resume: bool,
+}
+
+/// Create the FUSE filesystem (fsopen/fsconfig/fsmount: a detached mount). The kernel
+/// queues FUSE_INIT on `fuse`; whoever serves the connection answers it.
+pub fn connect() -> Result<Connection> {
     crate::plumbing::ensure_module("/dev/fuse", "fuse");
     let fuse = std::fs::OpenOptions::new()
         .read(true)
@@ -317,26 +335,123 @@ pub fn start(dev: Arc<Device2>, threads: usize, cache: Dev2Cache) -> Result<Fuse
     sys_fsconfig_str(&fsfd, "user_id", &uid.to_string())?;
     sys_fsconfig_str(&fsfd, "group_id", &gid.to_string())?;
     sys_fsconfig_create(&fsfd)?;
-    let mnt = sys_fsmount(&fsfd)?;
-    drop(fsfd);
+    let root = sys_fsmount(&fsfd)?;
+    Ok(Connection { fuse, root })
+}
 
+/// FUSE_NOTIFY_RESEND (kernel >= 6.9): the kernel moves every request taken from this
+/// connection and not yet answered (its processing lists) back to the pending queue,
+/// marked with FUSE_UNIQUE_RESEND, so that the server reads them again. Those of a
+/// server that died while the connection lived on in its supervisor: their readers
+/// waited instead of failing. Device-2 reads are idempotent, so answering one twice
+/// could do no harm (a request answered before the death is not in those lists).
+fn resend(fuse: &OwnedFd) -> Result<()> {
+    const FUSE_NOTIFY_RESEND: i32 = 7;
+    // struct fuse_out_header: len, error (= the notify code), unique 0 (= a notification)
+    let mut h = [0u8; 16];
+    h[0..4].copy_from_slice(&16u32.to_ne_bytes());
+    h[4..8].copy_from_slice(&FUSE_NOTIFY_RESEND.to_ne_bytes());
+    // SAFETY: write(2) of a 16-byte buffer to an fd we hold.
+    let r = unsafe { libc::write(fuse.as_raw_fd(), h.as_ptr().cast(), h.len()) };
+    if r != h.len() as isize {
+        return Err(std::io::Error::last_os_error()).context("FUSE_NOTIFY_RESEND (kernel older than 6.9?)");
+    }
+    Ok(())
+}
+
+/// A fuser session on a connection whose FUSE_INIT an earlier server answered. fuser
+/// 0.18 has no way to skip its handshake, so it is given one: the session is built on
+/// one end of a socket pair holding a synthetic FUSE_INIT (its reply goes to the other
+/// end and is dropped), then `dup2` puts the real connection on that very fd number,
+/// which the session reads and writes from then on.
+fn resumed_session(fs: DevFs, fuse: &OwnedFd, config: fuser::Config) -> Result<fuser::Session<DevFs>> {
+    let mut sv = [0i32; 2];
+    // SAFETY: socketpair(2) into a 2-int array.
+    if unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            sv.as_mut_ptr(),
+        )
+    } != 0
+    {
+        return Err(std::io::Error::last_os_error()).context("socketpair for the FUSE handshake");
+    }
+    // SAFETY: two fresh fds we own.
+    let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
+    // struct fuse_in_header (40 bytes) + struct fuse_init_in (64 bytes), protocol 7.31
+    const FUSE_INIT: u32 = 26;
+    let mut m = [0u8; 104];
+    m[0..4].copy_from_slice(&104u32.to_ne_bytes());
+    m[4..8].copy_from_slice(&FUSE_INIT.to_ne_bytes());
+    m[8..16].copy_from_slice(&1u64.to_ne_bytes());
+    m[40..44].copy_from_slice(&7u32.to_ne_bytes());
+    m[44..48].copy_from_slice(&31u32.to_ne_bytes());
+    m[48..52].copy_from_slice(&(128u32 << 10).to_ne_bytes());
+    // flags: FUSE_ASYNC_DIO, which the connection has (the first server asked for it;
+    // this answer goes nowhere), so that `init` does not warn of its absence
+    m[52..56].copy_from_slice(&(1u32 << 15).to_ne_bytes());
+    // SAFETY: write(2) of our buffer to a socket we own.
+    let n = unsafe { libc::write(ours.as_raw_fd(), m.as_ptr().cast(), m.len()) };
+    if n != m.len() as isize {
+        return Err(std::io::Error::last_os_error()).context("write the synthetic FUSE_INIT");
+    }
+    let slot = theirs.as_raw_fd();
+    let session =
+        fuser::Session::from_fd(fs, theirs, fuser::SessionACL::All, config).context("FUSE handshake (resumed)")?;
+    drop(ours);
+    // SAFETY: dup2 onto the fd the session owns: atomically the same number, now the
+    // connection (the socket end is closed by it).
+    if unsafe { libc::dup2(fuse.as_raw_fd(), slot) } != slot {
+        return Err(std::io::Error::last_os_error()).context("dup2 the FUSE connection into the session");
+    }
+    Ok(session)
+}
+
+/// Serve device 2 over FUSE: on a new connection ([`connect`]), or on one a supervisor
+/// holds ([`Inherited`]). A supervised server reads every request through the one
+/// shared fd (no FUSE_DEV_IOC_CLONE): a cloned fd is this process's alone, and when it
+/// dies the kernel fails the requests taken through it (ECONNABORTED) where those
+/// taken through the shared one wait for [`resend`].
+pub fn start(
+    dev: Arc<Device2>,
+    threads: usize,
+    cache: Dev2Cache,
+    inherited: Option<Inherited>,
+) -> Result<FuseFrontend> {
+    let (conn, resume, supervised) = match inherited {
+        Some(i) => (i.conn, i.resume, true),
+        None => (connect()?, false, false),
+    };
     let mut config = fuser::Config::default();
     config.n_threads = Some(threads.max(1));
-    config.clone_fd = true;
+    config.clone_fd = !supervised;
+    // SAFETY: trivial getters.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
     let fs = DevFs { dev, cache, uid, gid };
-    let session = fuser::Session::from_fd(fs, fuse, fuser::SessionACL::All, config).context("FUSE handshake")?;
+    let Connection { fuse, root } = conn;
+    let (session, resend_on) = if resume {
+        (resumed_session(fs, &fuse, config)?, Some(fuse))
+    } else {
+        let s = fuser::Session::from_fd(fs, fuse, fuser::SessionACL::All, config).context("FUSE handshake")?;
+        (s, None)
+    };
     let session = std::thread::Builder::new()
         .name("fuse".into())
         .spawn(move || session.run())?;
+    if let Some(fuse) = resend_on {
+        resend(&fuse)?;
+    }
 
     // check the file is there (stat only: no open, see the module comment)
     let name = CString::new(FILE_NAME).unwrap();
     // SAFETY: fstatat on the detached mount's root fd with a valid C string and buffer.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    if unsafe { libc::fstatat(mnt.as_raw_fd(), name.as_ptr(), &mut st, 0) } != 0 {
+    if unsafe { libc::fstatat(root.as_raw_fd(), name.as_ptr(), &mut st, 0) } != 0 {
         return Err(std::io::Error::last_os_error()).context("stat dev2 on the FUSE mount");
     }
-    Ok(FuseFrontend { root: mnt, session })
+    Ok(FuseFrontend { root, session })
 }
 
 #[cfg(test)]
@@ -372,7 +487,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let (dev, expect, _) = crate::device::tests::synthetic(tmp.path(), 12);
         let dev = Arc::new(dev);
-        let fe = start(dev.clone(), 2, cache).unwrap();
+        let fe = start(dev.clone(), 2, cache, None).unwrap();
         let dev2 = format!("/proc/self/fd/{}/{FILE_NAME}", fe.root.as_raw_fd());
         let file = open_for_loop(&dev2, cache).unwrap();
         assert_eq!(file.metadata().unwrap().len(), expect.len() as u64);

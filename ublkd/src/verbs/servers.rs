@@ -41,7 +41,9 @@ pub fn spawn_server(
         .open(dir.join(SERVER_LOG))
         .with_context(|| format!("{}: open", dir.join(SERVER_LOG).display()))?;
     let mut cmd = Command::new(exe);
+    // supervised: a server that dies is restarted and device 2 reattached (src/supervisor.rs)
     cmd.arg("serve")
+        .arg("--supervise")
         .arg(bundle)
         .args(["--frontend", kind.as_str(), "--expect-id", image_id])
         .arg("--dir")

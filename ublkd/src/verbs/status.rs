@@ -1,7 +1,7 @@
 //! `ublkd status [--json]`: mounts grouped by bundle, with devices and counters.
 
 use crate::plumbing::mount as mnt;
-use crate::state::{self, BundleState, LoopRecord, MountState, ServerRecord, STATS_FILE};
+use crate::state::{self, BundleState, LoopRecord, MountState, Restarts, ServerRecord, STATS_FILE};
 use crate::stats::Snapshot;
 use crate::types::{Ephemeral, Frontend, Mode, Phase, PollMode};
 use anyhow::Result;
@@ -35,6 +35,9 @@ pub struct StatusEntry<'a> {
     /// ublk: the server's `--ublk-poll` mode (auto, off, or a window in microseconds)
     ublk_poll: Option<PollMode>,
     devices: Vec<String>,
+    /// the supervisor's restarts of the bundle's server (count, last death and its cause,
+    /// downtime, the running server's pid)
+    restarts: Restarts,
     /// the bundle server's counters (shared by every mount of the bundle)
     #[serde(flatten)]
     stats: Snapshot,
@@ -108,6 +111,7 @@ pub fn status(json: bool) -> Result<()> {
                 .filter(|s| s.ublk_id.is_some())
                 .map(ServerRecord::ublk_poll_mode),
             devices,
+            restarts: Restarts::load(&b.dir()),
             stats,
         });
     }
@@ -140,6 +144,22 @@ pub fn status(json: bool) -> Result<()> {
                     .map_or(String::new(), |_| format!(", --ublk-poll={}", s.ublk_poll_mode())),
             ),
             None => println!("  server   -"),
+        }
+        let r = Restarts::load(&b.dir());
+        if r.count > 0 || r.gave_up {
+            println!(
+                "  restarts {} (last {} s ago: {}; readers waited {} ms, at most {} ms){}",
+                r.count,
+                state::now().saturating_sub(r.last_ms / 1000),
+                r.last_cause,
+                r.last_downtime_ms,
+                r.max_downtime_ms,
+                if r.gave_up {
+                    "; GAVE UP: a new server failed to start, run `ublkd recover`"
+                } else {
+                    ""
+                }
+            );
         }
         if let Some(sh) = &b.shared {
             let devs: Vec<String> = [

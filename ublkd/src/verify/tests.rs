@@ -231,3 +231,68 @@ fn a_frame_of_the_wrong_length_fails_its_chunk_only() {
     assert!(vc.chunk(0, 1).is_err());
     assert_eq!(vc.core.counters.snapshot().verify_failures, 2);
 }
+
+/// A remote-like source (a disk cache, as remote bundles have) whose first `bad` reads
+/// come back with one byte flipped.
+struct Flaky {
+    inner: Box<dyn PackSource>,
+    bad: AtomicU64,
+}
+
+impl PackSource for Flaky {
+    fn read_at(&self, pack: u32, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.inner.read_at(pack, offset, buf)?;
+        if self.bad.load(Ordering::SeqCst) > 0 {
+            self.bad.fetch_sub(1, Ordering::SeqCst);
+            buf[buf.len() / 2] ^= 0xff;
+        }
+        Ok(())
+    }
+}
+
+fn flaky(tmp: &std::path::Path, bad: u64) -> (VerifiedChunks, Vec<u8>) {
+    let (bm, src, pack, _) = synthetic_parts(tmp, 12);
+    let counters = Arc::new(Counters::default());
+    let disk = DiskCache::open(&tmp.join("cache"), 1 << 30, counters.clone()).unwrap();
+    let fetching = Fetching {
+        disk: Some(disk),
+        ..Fetching::default()
+    };
+    let src = Flaky {
+        inner: src,
+        bad: AtomicU64::new(bad),
+    };
+    let vc =
+        VerifiedChunks::new(Arc::new(bm), Box::new(src), counters, 64 << 12, vec!["p0".into()]).with_fetching(fetching);
+    (vc, pack)
+}
+
+#[test]
+fn a_remote_chunk_corrupted_on_the_way_is_fetched_again() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (vc, pack) = flaky(tmp.path(), REMOTE_MISMATCH_ATTEMPTS as u64 - 1);
+    assert_eq!(&vc.chunk(0, 2).unwrap()[..], &pack[2 * 4096..3 * 4096]);
+    let s = vc.core.counters.snapshot();
+    assert_eq!(
+        s.verify_failures,
+        REMOTE_MISMATCH_ATTEMPTS as u64 - 1,
+        "each bad answer counted"
+    );
+    assert_eq!(s.chunks_verified, 1);
+}
+
+#[test]
+fn a_remote_chunk_that_stays_corrupt_fails_after_its_attempts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (vc, pack) = flaky(tmp.path(), REMOTE_MISMATCH_ATTEMPTS as u64);
+    assert!(matches!(
+        vc.chunk(0, 2),
+        Err(ChunkError::Mismatch { pack: 0, chunk: 2 })
+    ));
+    assert_eq!(
+        vc.core.counters.snapshot().verify_failures,
+        REMOTE_MISMATCH_ATTEMPTS as u64
+    );
+    // not cached: the next read fetches it again (now good)
+    assert_eq!(&vc.chunk(0, 2).unwrap()[..], &pack[2 * 4096..3 * 4096]);
+}

@@ -1,10 +1,11 @@
 //! ublk frontend: device 2 as /dev/ublkbN through libublk, one io handler per queue
 //! calling [`Device2::read`]; a read that would wait for a fetch (a remote chunk not in
 //! memory) goes to the device's miss workers and is completed when they are done
-//! ([`Deferred`]), so hits and other misses are not held up behind it. The device is created with UBLK_F_USER_RECOVERY:
-//! when the server dies the kernel keeps /dev/ublkbN (I/O waits) and a new server
-//! started with `recover_id` reattaches to it (START/END_USER_RECOVERY) without the
-//! filesystem on top noticing.
+//! ([`Deferred`]), so hits and other misses are not held up behind it. The device is
+//! created with UBLK_F_USER_RECOVERY and UBLK_F_USER_RECOVERY_REISSUE: when the server
+//! dies the kernel keeps /dev/ublkbN, queues new I/O and requeues the I/O the dead server
+//! had taken, and a new server started with `recover_id` reattaches to it
+//! (START/END_USER_RECOVERY) without the filesystem on top noticing.
 //!
 //! This host's kernel has no ublk_drv; this path runs in the VM harness (tests/vm/).
 
@@ -352,7 +353,9 @@ pub fn run<R: Reads>(
         .nr_queues(opts.nr_queues)
         .depth(opts.depth)
         .io_buf_bytes(opts.io_buf_bytes)
-        .ctrl_flags(sys::UBLK_F_USER_RECOVERY as u64)
+        // REISSUE: reads the dead server had taken are requeued for the next one (without
+        // it they fail with EIO); device-2 reads are idempotent
+        .ctrl_flags((sys::UBLK_F_USER_RECOVERY | sys::UBLK_F_USER_RECOVERY_REISSUE) as u64)
         .dev_flags(if recovering {
             UblkFlags::UBLK_DEV_F_RECOVER_DEV
         } else {
