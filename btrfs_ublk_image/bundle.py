@@ -199,7 +199,7 @@ def _write_into(
         tree, sources, image_config = fill(packer)
         if progress is not None:
             progress.phase("writing metadata")
-        layout = write_image(tree, os.path.join(tmp, META_IMG), opts)
+        layout = write_image(tree, os.path.join(tmp, META_IMG), opts, packer.encoded)
         # device 2's own superblock is pack content like any other, mapped at 64 KiB
         sb = packer.put_pack_tail(layout.data_super)
     except BaseException:
@@ -213,8 +213,9 @@ def _write_into(
         device_size=layout.data_size,
         packs=[PackEntry(p.id, p.size, p.chunk_digests, p.stored) for p in pack_infos],
         ranges=ranges,
-        # version 1 unless packs are compressed: uncompressed bundles keep their ids
-        version=VERSION_COMPRESSED if pack_compression != "none" else VERSION,
+        # version 1 unless pack chunks are compressed: uncompressed bundles keep their ids
+        # (btrfs-zstd packs hold device 2's bytes as stored: version 1 too)
+        version=VERSION_COMPRESSED if pack_compression == "zstd" else VERSION,
     )
     bm.check()
     with open(os.path.join(tmp, BLOCKMAP), "wb") as f:
@@ -266,7 +267,7 @@ def _write_into(
         from btrfs_ublk_image import trace  # only with prefetch globs
 
         # beside the manifest, not listed in it: the image id does not depend on it
-        chunks = trace.chunks_of_files(tree, prefetch, chunk_size)
+        chunks = trace.chunks_of_files(tree, prefetch, chunk_size, packer.stored_size)
         trace.write(
             os.path.join(tmp, trace.FILE_NAME),
             trace.Trace(iid, chunk_size, "build", tuple(chunks)),

@@ -32,6 +32,14 @@ and the chunk digests are taken over these STORED bytes, so a reader rejects a c
 frame before decompressing it. Deduplication works on the uncompressed pack as before
 (it compares bytes already written). In-place packs are never compressed: they are the
 source tarball byte for byte.
+
+btrfs compressed extents (``compression="btrfs-zstd"``, blockmap version 1): pack 0 holds
+each file's content as btrfs extents stored the kernel's way (``btrfs/encoded.py``): cut
+into 128 KiB pieces, each one zstd frame or raw where that is not smaller, without the
+sector padding; the pack is served as stored and the kernel decompresses. The extents
+and their sector checksums are recorded in ``encoded`` for the btrfs writer. Content is
+deduplicated on its stored bytes (the compressor is deterministic: equal content, equal
+frames). In-place blobs stay raw; their sector checksums are taken as they are read.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Protocol, cast
 
 from btrfs_ublk_image.blockmap import StoredChunk
+from btrfs_ublk_image.btrfs.encoded import COMPRESSED_EXTENT, EncodedExtents, ZstdExtentEncoder
 from btrfs_ublk_image.btrfs.ondisk import SECTORSIZE
 from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import SourceError
@@ -58,7 +67,7 @@ FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
 # zstd's default level: ~3-5x faster to compress than level 9+ for a few % less ratio on
 # 1 MiB chunks, and decompression (on ublkd's read path) is equally fast at any level
 ZSTD_LEVEL = 3
-COMPRESSIONS = ("none", "zstd")
+COMPRESSIONS = ("none", "zstd", "btrfs-zstd")
 IN_PLACE_COPY_STEP = 8 << 20  # bytes copied ahead of the reader when reflinks are unavailable
 # CRC-32C (~5 GB/s) keeps the GIL: handing it to the worker threads and waiting to get it
 # back costs the parsing thread more than the CRC of a MiB (0.2 ms) does
@@ -160,6 +169,25 @@ class PackWriter:
         self.bytes_deduped = 0
         self.bytes_in_place = 0  # unique content referenced in in-place packs (not written)
         self._in_place: list[InPlacePack] = []
+        # btrfs-zstd: every stored blob's extents, and the encoder of pack 0's content
+        self.encoded: EncodedExtents | None = None
+        self._encoder: ZstdExtentEncoder | None = None
+        if compression == "btrfs-zstd":
+            self.encoded = EncodedExtents()
+            self._encoder = ZstdExtentEncoder()
+
+    def stored_size(self, blob: Blob) -> int:
+        """How many pack bytes ``blob`` occupies (its size unless stored as btrfs extents)."""
+        if self.encoded is not None:
+            n = self.encoded.stored_size(blob.pack, blob.offset)
+            if n is not None:
+                return n
+        return blob.size
+
+    def _comparable(self, old: Blob, pack: int) -> bool:
+        """Whether ``old`` may be compared bytewise with new content going to ``pack``:
+        with btrfs-zstd, pack 0 holds stored extents and in-place packs raw bytes."""
+        return self.encoded is None or (old.pack == 0) == (pack == 0)
 
     def put_bytes(self, data: bytes) -> bytes | Blob:
         if len(data) <= self.keep_inline:
@@ -214,13 +242,26 @@ class PackWriter:
         Referenced there (or kept inline when small, or an earlier copy): nothing is written."""
         if size <= self.keep_inline:
             return self.put_stream(src, size, where)
-        crc = self._take(_Reader(src, size, where), size, where, None)
+        enc = self.encoded
+        mark = enc.mark() if enc is not None else (0, 0)
+        sink = _ExtentSink(self, None, offset) if enc is not None else None
+        crc = self._take(
+            _Reader(src, size, where), size, where, sink.write if sink is not None else None
+        )
+        if sink is not None:
+            sink.close()
         key = size << 32 | crc
         for old in self._candidates(key):
-            if self._same_bytes(old.pack, old.offset, pack.index, offset, size):
+            if self._comparable(old, pack.index) and self._same_bytes(
+                old.pack, old.offset, pack.index, offset, size
+            ):
+                if enc is not None:
+                    enc.rollback(mark)
                 self.bytes_deduped += size
                 return old
         blob = Blob(crc32c=crc, size=size, pack=pack.index, offset=offset)
+        if enc is not None:
+            enc.end(pack.index, offset)
         self._remember(key, blob)
         self.bytes_in_place += size
         return blob
@@ -271,18 +312,34 @@ class PackWriter:
         self, pieces: list[bytes] | _Reader, size: int, where: str, dedupe: bool = True
     ) -> Blob:
         start = self._size
-        crc = self._take(pieces, size, where, self._write)
+        enc = self.encoded if dedupe else None  # device 2's superblock is not an extent
+        if enc is not None and self._encoder is not None:
+            mark = enc.mark()
+            sink = _ExtentSink(self, self._encoder, start)
+            crc = self._take(pieces, size, where, sink.write)
+            sink.close()
+        else:
+            crc = self._take(pieces, size, where, self._write)
+        stored = self._size - start
         key = size << 32 | crc
         if dedupe:
             for old in self._candidates(key):
-                if self._same_bytes(old.pack, old.offset, 0, start, size):
+                if (
+                    self._comparable(old, 0)
+                    and self.stored_size(old) == stored
+                    and self._same_bytes(old.pack, old.offset, 0, start, stored)
+                ):
                     # identical content already packed: roll the pack back to where it was
                     self._file.truncate(start)
                     self._file.seek(start)
                     self._size = start
+                    if enc is not None:
+                        enc.rollback(mark)
                     self.bytes_deduped += size
                     return old
         blob = Blob(crc32c=crc, size=size, pack=0, offset=start)
+        if enc is not None:
+            enc.end(0, start)
         if dedupe:
             self._remember(key, blob)
         if self._size >= (self._submitted + self._submit_step) * self.chunk_size:
@@ -562,6 +619,44 @@ class _Flusher:
         self.stop(drop_pending=False)  # a flush asked for just before still runs
         if self._error is not None:
             raise self._error
+
+
+class _ExtentSink:
+    """Takes a blob's bytes in any pieces and records them as btrfs extents of 128 KiB
+    pieces: encoded and appended to pack 0 (``encoder`` set), or only checksummed where
+    they already lie (an in-place pack, at ``offset``)."""
+
+    def __init__(self, packs: PackWriter, encoder: ZstdExtentEncoder | None, offset: int) -> None:
+        assert packs.encoded is not None
+        self.packs, self.encoded, self.encoder = packs, packs.encoded, encoder
+        self.at = offset  # pack offset of the next stored byte
+        self.buf = bytearray()
+        self.encoded.begin()
+
+    def write(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) >= COMPRESSED_EXTENT:
+            view = memoryview(self.buf)
+            done = 0
+            while len(self.buf) - done >= COMPRESSED_EXTENT:
+                self._piece(bytes(view[done : done + COMPRESSED_EXTENT]))
+                done += COMPRESSED_EXTENT
+            view.release()
+            del self.buf[:done]
+
+    def close(self) -> None:
+        if self.buf:
+            self._piece(bytes(self.buf))
+            self.buf.clear()
+
+    def _piece(self, piece: bytes) -> None:
+        if self.encoder is None:
+            stored, zstd = piece, False
+        else:
+            stored, zstd = self.encoder.encode(piece)
+            self.packs._write(stored)
+        self.encoded.add(self.at, stored, len(piece), zstd)
+        self.at += len(stored)
 
 
 class _Reader:
