@@ -183,3 +183,58 @@ def test_btrfs_check_and_the_kernel_read_it(tmp_path: Path) -> None:
         run("btrfs", "device", "scan", "-u", check=False)
     assert json.loads((bz / "manifest.json").read_text())["stats"]["files"] == len(files) + 0
     assert os.path.exists(plain)
+
+
+@pytest.mark.root
+def test_send_compressed_data_moves_the_extents_as_stored(tmp_path: Path) -> None:
+    """``btrfs send --compressed-data`` of a read-only snapshot of a sprouted mount sends
+    every zstd extent as an encoded write (not decompressed); ``btrfs receive`` into an
+    ordinary btrfs writes them as compressed extents and the files are identical."""
+    _, bz, _, files = build_pair(tmp_path)
+    data = tmp_path / "data.img"
+    materialize_data_device(bz, data)
+    for name in ("rw.img", "recv.img"):
+        with open(tmp_path / name, "wb") as f:
+            f.truncate(1 << 30)
+    mnt, recv = tmp_path / "mnt", tmp_path / "recv"
+    mnt.mkdir()
+    recv.mkdir()
+    loops = [losetup(bz / "meta.img"), losetup(data)]
+    mounted: list[Path] = []
+    try:
+        run("btrfs", "device", "scan", *loops)
+        run("mount", "-t", "btrfs", "-o", f"ro,device={loops[0]},device={loops[1]}", loops[0], mnt)
+        mounted.append(mnt)
+        loops.append(losetup(tmp_path / "rw.img", readonly=False))
+        run("btrfs", "device", "add", "-f", "-K", loops[2], mnt)
+        run("mount", "-o", "remount,rw", mnt)
+        run("btrfs", "subvolume", "snapshot", "-r", mnt, mnt / "snap")
+        stream, plain_stream = tmp_path / "stream", tmp_path / "stream-v1"
+        run("btrfs", "send", "--compressed-data", "-f", stream, mnt / "snap")
+        run("btrfs", "send", "-f", plain_stream, mnt / "snap")
+        dump = run("btrfs", "receive", "--dump", "-f", stream).stdout.splitlines()
+        encoded = [line for line in dump if line.startswith("encoded_write")]
+        with BundleReader(str(bz)) as r:
+            n_zstd = len({e.disk_bytenr for e in _extents(r) if e.compression})
+        # compression=2: BTRFS_ENCODED_IO_COMPRESSION_ZSTD; one per distinct extent (the
+        # deduplicated copy of a file is sent as clones)
+        assert len(encoded) == n_zstd > 0 and all("compression=2" in x for x in encoded)
+        assert any(line.startswith("clone") for line in dump)
+        assert stream.stat().st_size < plain_stream.stat().st_size * 0.6
+        run("mkfs.btrfs", "-q", "-f", tmp_path / "recv.img")
+        loops.append(losetup(tmp_path / "recv.img", readonly=False))
+        run("mount", loops[3], recv)
+        mounted.append(recv)
+        run("btrfs", "receive", "-f", stream, recv)
+        for name, want in files.items():
+            assert (recv / "snap" / name).read_bytes() == want, name
+        run("sync")
+        tree = run("btrfs", "inspect-internal", "dump-tree", "-t", "5", loops[3]).stdout
+        tree += run("btrfs", "inspect-internal", "dump-tree", "-t", "256", loops[3]).stdout
+        assert tree.count("extent compression 3 (zstd)") >= n_zstd
+    finally:
+        for m in reversed(mounted):
+            run("umount", m, check=False)
+        for lo in loops:
+            run("losetup", "-d", lo, check=False)
+        run("btrfs", "device", "scan", "-u", check=False)
