@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from servers import nginx_serving
+from test_remote import settled_status
+from test_ublkd import no_leftovers, status, ublkd
 from test_zstd import _text
 
 from btrfs_ublk_image import blockmap as bmap
@@ -27,6 +30,8 @@ from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.reader import COMPRESS_ZSTD, BundleReader, FileExtent
 
 from bundletools import list_dir, list_tar, losetup, materialize_data_device, run
+
+__all__ = ["no_leftovers"]  # the fixture, used by name
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -238,3 +243,58 @@ def test_send_compressed_data_moves_the_extents_as_stored(tmp_path: Path) -> Non
         for lo in loops:
             run("losetup", "-d", lo, check=False)
         run("btrfs", "device", "scan", "-u", check=False)
+
+
+def read_at(path: Path, offset: int, n: int = 4096) -> bytes:
+    """``n`` bytes at ``offset``, read with readahead off (POSIX_FADV_RANDOM), in a child
+    with a timeout."""
+    code = (
+        "import os,sys;fd=os.open(sys.argv[1],os.O_RDONLY);"
+        "os.posix_fadvise(fd,0,0,os.POSIX_FADV_RANDOM);"
+        "sys.stdout.buffer.write(os.pread(fd,int(sys.argv[3]),int(sys.argv[2])))"
+    )
+    r = subprocess.run(
+        ["python3", "-c", code, str(path), str(offset), str(n)], capture_output=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    return r.stdout
+
+
+@pytest.mark.root
+def test_ublkd_fuse_lists_identically_and_a_cold_random_read_moves_one_extent(
+    no_leftovers: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tmp = no_leftovers
+    plain, bz, _, files = build_pair(tmp)
+    (bz / tracefile.FILE_NAME).unlink()  # no prefetch: only the reads below fetch
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    listings = []
+    for b in (plain, bz):
+        ublkd("mount", b, mnt, "--frontend", "fuse")
+        try:
+            listings.append(list_dir(mnt))
+        finally:
+            ublkd("umount", mnt)
+    assert listings[0] == listings[1]
+    assert "sha256" in listings[1]["/data/log.txt"]
+    rnd = random.Random(3)
+    with nginx_serving(tmp, tmp / "nginx") as web:
+        monkeypatch.setenv("UBLKD_CACHE_DIR", str(tmp / "cache"))
+        ublkd("mount", f"{web.url}/www/{bz.name}/manifest.json", mnt, "--frontend", "fuse")
+        try:
+            moved = []
+            for name in ("data/log.txt", "data/mixed.bin", "data/zeros.bin", "data/log.txt"):
+                want = files[name]
+                at = rnd.randrange(0, len(want) - 4096) // 4096 * 4096
+                web.clear_log()
+                assert read_at(mnt / name, at) == want[at : at + 4096], (name, at)
+                settled_status(mnt)
+                moved.append(sum(q.bytes_sent for q in web.requests() if "/packs/" in q.path))
+            # one compressed extent (<= 128 KiB of data, stored smaller) lies in at most
+            # two 64 KiB pack chunks
+            assert all(0 <= m <= 128 * KiB for m in moved), moved
+            assert max(moved) > 0
+        finally:
+            ublkd("umount", mnt)
+    assert status() == []
