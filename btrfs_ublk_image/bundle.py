@@ -232,7 +232,7 @@ def _write_into(
     stats = dict(layout.stats)
     # pack 0 holds only unique content (and the superblock); in-place packs hold whole
     # tarballs, of which only the referenced unique member data counts
-    stats["unique_bytes"] = pack_infos[0].size - len(layout.data_super) + packer.bytes_in_place
+    stats["unique_bytes"] = packer.bytes_packed + packer.bytes_in_place
     stats["content_bytes_in"] = packer.bytes_in
     stats["deduplicated_bytes"] = packer.bytes_deduped
     manifest: dict[str, Any] = {

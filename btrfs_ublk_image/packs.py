@@ -168,6 +168,7 @@ class PackWriter:
         self.bytes_in = 0  # content bytes offered, before dedup
         self.bytes_deduped = 0
         self.bytes_in_place = 0  # unique content referenced in in-place packs (not written)
+        self.bytes_packed = 0  # unique content written to pack 0 (before btrfs-zstd encoding)
         self._in_place: list[InPlacePack] = []
         # btrfs-zstd: every stored blob's extents, and the encoder of pack 0's content
         self.encoded: EncodedExtents | None = None
@@ -342,6 +343,7 @@ class PackWriter:
             enc.end(0, start)
         if dedupe:
             self._remember(key, blob)
+            self.bytes_packed += size
         if self._size >= (self._submitted + self._submit_step) * self.chunk_size:
             self._submit(self._size // self.chunk_size)
         return blob

@@ -70,10 +70,11 @@ def make_tarball(tmp: Path) -> tuple[Path, dict[str, bytes]]:
     return tarball, files
 
 
-def build(tmp: Path, tarball: Path, name: str, extra: str) -> Path:
+def build(tmp: Path, tarball: Path, name: str, extra: str, in_place: bool = False) -> Path:
     spec = tmp / f"{name}.yaml"
+    opt = ", in_place: true" if in_place else ""
     spec.write_text(
-        f"version: 1\nname: {name}\n{extra}layers:\n  - tar: {{path: {tarball.name}}}\n"
+        f"version: 1\nname: {name}\n{extra}layers:\n  - tar: {{path: {tarball.name}{opt}}}\n"
     )
     bundle = tmp / "www" / f"{name}.bundle"
     bundle.parent.mkdir(exist_ok=True)
@@ -84,15 +85,50 @@ def build(tmp: Path, tarball: Path, name: str, extra: str) -> Path:
 BTRFS_ZSTD = "pack_compression: btrfs-zstd\npack_chunk_size: 65536\nprefetch: [/data/log.txt]\n"
 
 
-def build_pair(tmp: Path) -> tuple[Path, Path, Path, dict[str, bytes]]:
+def build_pair(tmp: Path, in_place: bool = False) -> tuple[Path, Path, Path, dict[str, bytes]]:
     tarball, files = make_tarball(tmp)
     plain = build(tmp, tarball, "plain", "")
-    bz = build(tmp, tarball, "bz", BTRFS_ZSTD)
+    bz = build(tmp, tarball, "bz", BTRFS_ZSTD, in_place)
     return plain, bz, tarball, files
 
 
 def _extents(r: BundleReader) -> list[FileExtent]:
     return [e for _, n in r.walk() if n.item.mode & 0o170000 == 0o100000 for e in n.extents]
+
+
+def check_extents_and_csums(r: BundleReader) -> list[FileExtent]:
+    """The kernel's layout for every compressed extent, and a CRC-32C in the csum tree for
+    exactly the stored sectors of every data extent, matching device 2's bytes."""
+    exts = _extents(r)
+    dev2 = r.fs.dev2
+    zstd = [e for e in exts if e.compression]
+    assert all(e.compression == COMPRESS_ZSTD for e in zstd)
+    for e in zstd:
+        # the kernel's layout: <= 128 KiB of data in ONE frame (window <= 128 KiB)
+        # padded with zeros to whole sectors, no longer than the data it holds
+        assert e.num_bytes == e.ram_bytes <= 128 * KiB and e.offset == 0
+        assert e.disk_num_bytes % 4096 == 0 and e.disk_num_bytes < e.ram_bytes
+        stored = r._read_data(e.disk_bytenr, e.disk_num_bytes, "test")
+        params = zstandard.get_frame_parameters(stored)
+        assert params.window_size <= 128 * KiB and not params.has_checksum
+    # every stored sector of every data extent has its CRC-32C in the csum tree
+    csums: dict[int, int] = {}
+    bytenr, level, _ = r.fs._find_root(d.CSUM_TREE_OBJECTID)
+    for key, data in r.fs.items(bytenr, level, d.CSUM_TREE_OBJECTID):
+        assert key[:2] == (d.EXTENT_CSUM_OBJECTID, d.EXTENT_CSUM_KEY)
+        for i, (c,) in enumerate(struct.iter_unpack("<I", data)):
+            csums[key[2] + i * 4096] = c
+    sectors = {
+        e.disk_bytenr + s
+        for e in exts
+        if e.kind == d.FILE_EXTENT_REG
+        for s in range(0, e.disk_num_bytes, 4096)
+    }
+    assert set(csums) == sectors
+    for logical in sorted(sectors)[::7]:
+        _, _, physical = r.fs.map_logical(logical, 4096)
+        assert crc32c(dev2.read(physical, 4096)) == csums[logical]
+    return exts
 
 
 @pytest.mark.unit
@@ -101,37 +137,12 @@ def test_btrfs_zstd_reads_and_lists_like_the_plain_build(tmp_path: Path) -> None
     with BundleReader(str(bz)) as r:
         for name, data in files.items():
             assert r.read(r.lookup("/" + name)) == data, name
-        exts = _extents(r)
-        dev2 = r.fs.dev2
-        zstd = [e for e in exts if e.compression]
-        assert zstd and all(e.compression == COMPRESS_ZSTD for e in zstd)
-        for e in zstd:
-            # the kernel's layout: <= 128 KiB of data in ONE frame (window <= 128 KiB)
-            # padded with zeros to whole sectors, no longer than the data it holds
-            assert e.num_bytes == e.ram_bytes <= 128 * KiB and e.offset == 0
-            assert e.disk_num_bytes % 4096 == 0 and e.disk_num_bytes < e.ram_bytes
-            stored = r._read_data(e.disk_bytenr, e.disk_num_bytes, "test")
-            params = zstandard.get_frame_parameters(stored)
-            assert params.window_size <= 128 * KiB and not params.has_checksum
-        raw = [e for e in exts if not e.compression and e.kind == d.FILE_EXTENT_REG]
-        assert raw, "random data is stored as ordinary extents"
-        # every stored sector of every data extent has its CRC-32C in the csum tree
-        csums: dict[int, int] = {}
-        bytenr, level, _ = r.fs._find_root(d.CSUM_TREE_OBJECTID)
-        for key, data in r.fs.items(bytenr, level, d.CSUM_TREE_OBJECTID):
-            assert key[:2] == (d.EXTENT_CSUM_OBJECTID, d.EXTENT_CSUM_KEY)
-            for i, (c,) in enumerate(struct.iter_unpack("<I", data)):
-                csums[key[2] + i * 4096] = c
-        sectors = {
-            e.disk_bytenr + s
-            for e in exts
-            if e.kind == d.FILE_EXTENT_REG
-            for s in range(0, e.disk_num_bytes, 4096)
-        }
-        assert set(csums) == sectors
-        for logical in sorted(sectors)[::7]:
-            _, _, physical = r.fs.map_logical(logical, 4096)
-            assert crc32c(dev2.read(physical, 4096)) == csums[logical]
+        exts = check_extents_and_csums(r)
+        assert any(e.compression for e in exts)
+        assert any(not e.compression and e.kind == d.FILE_EXTENT_REG for e in exts), "raw"
+        # a sparse file: extents for its data runs only (three runs, < 1 MiB of 64 MiB)
+        sparse = r.lookup("/data/sparse.img").extents
+        assert len(sparse) >= 3 and sum(e.num_bytes for e in sparse) < MiB
         # datasum inodes: no NODATASUM / NODATACOW in this mode
         assert all(n.item.flags == 0 for p, n in r.walk() if n.item.mode & 0o170000 == 0o100000)
     assert listing.format_listing(listing.from_bundle(str(bz))) == listing.format_listing(
@@ -158,8 +169,9 @@ def test_btrfs_zstd_reads_and_lists_like_the_plain_build(tmp_path: Path) -> None
 
 
 @pytest.mark.root
-def test_btrfs_check_and_the_kernel_read_it(tmp_path: Path) -> None:
-    plain, bz, tarball, files = build_pair(tmp_path)
+@pytest.mark.parametrize("in_place", [False, True], ids=["packed", "in-place"])
+def test_btrfs_check_and_the_kernel_read_it(tmp_path: Path, in_place: bool) -> None:
+    plain, bz, tarball, files = build_pair(tmp_path, in_place)
     data = tmp_path / "data.img"
     materialize_data_device(bz, data)
     loops = [losetup(bz / "meta.img"), losetup(data)]
@@ -298,3 +310,26 @@ def test_ublkd_fuse_lists_identically_and_a_cold_random_read_moves_one_extent(
         finally:
             ublkd("umount", mnt)
     assert status() == []
+
+
+@pytest.mark.unit
+def test_in_place_tarball_extents_are_raw_and_checksummed(tmp_path: Path) -> None:
+    tarball, files = make_tarball(tmp_path)
+    spec = tmp_path / "ip.yaml"
+    spec.write_text(
+        "version: 1\nname: ip\npack_compression: btrfs-zstd\n"
+        f"layers:\n  - tar: {{path: {tarball.name}, in_place: true}}\n"
+    )
+    bundle = tmp_path / "ip.bundle"
+    assert cli(["build", str(spec), "-o", str(bundle)]) == 0
+    bm = bmap.decode((bundle / "blockmap").read_bytes())
+    assert bm.version == 1 and len(bm.packs) == 2
+    with BundleReader(str(bundle)) as r:
+        for name, data in files.items():
+            assert r.read(r.lookup("/" + name)) == data, name
+        check_extents_and_csums(r)
+        # members referenced in the tarball are its bytes as they are: ordinary extents
+        # (sparse members, which the tarball does not hold expanded, are written to pack 0)
+        log = r.lookup("/data/log.txt").extents
+        assert log and not any(e.compression for e in log)
+        assert sum(e.num_bytes for e in log) >= len(files["data/log.txt"])
