@@ -169,7 +169,12 @@ def test_btrfs_zstd_reads_and_lists_like_the_plain_build(tmp_path: Path) -> None
 
 
 @pytest.mark.root
-@pytest.mark.parametrize("in_place", [False, True], ids=["packed", "in-place"])
+@pytest.mark.parametrize(
+    "in_place",
+    # the last one runs inside the VM harness: the 6.12 guest kernel (tests/vm/)
+    [False, True, pytest.param(False, marks=pytest.mark.vm, id="guest-6.12")],
+    ids=["packed", "in-place", "guest-6.12"],
+)
 def test_btrfs_check_and_the_kernel_read_it(tmp_path: Path, in_place: bool) -> None:
     plain, bz, tarball, files = build_pair(tmp_path, in_place)
     data = tmp_path / "data.img"
@@ -333,3 +338,21 @@ def test_in_place_tarball_extents_are_raw_and_checksummed(tmp_path: Path) -> Non
         log = r.lookup("/data/log.txt").extents
         assert log and not any(e.compression for e in log)
         assert sum(e.num_bytes for e in log) >= len(files["data/log.txt"])
+
+
+@pytest.mark.vm
+def test_ublk_frontend_in_the_guest(no_leftovers: Path) -> None:
+    """ublkd's ublk frontend (the 6.12 guest kernel) serves the stored extents; the kernel
+    decompresses: the tree lists like the tarball."""
+    tmp = no_leftovers
+    subprocess.run(["modprobe", "ublk_drv"], check=False)
+    _, bz, tarball, files = build_pair(tmp)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    r = ublkd("mount", bz, mnt, "--frontend", "ublk")
+    try:
+        assert "frontend ublk" in r.stdout + r.stderr
+        assert list_dir(mnt) == list_tar(tarball)
+    finally:
+        ublkd("umount", mnt)
+    assert status() == []
