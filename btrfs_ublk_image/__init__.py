@@ -1,7 +1,7 @@
 """btrfs-ublk-image: build btrfs seed images whose data is served lazily.
 
 Pipeline (one module each, in the order a byte travels):
-  spec.py    -> the YAML spec, validated (typed dataclasses; also its JSON schema)
+  spec.py    -> the YAML spec, validated (pydantic models; also its JSON schema)
   sources/   -> tar / files (/ oci / dir) layers streamed into one merged tree
   tree.py    -> the merged tree: Inode objects, content as Blob (in a pack), inline bytes or
              Sparse (a file with holes: Blobs at file offsets)

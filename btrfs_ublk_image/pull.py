@@ -29,7 +29,6 @@ image. ``build --update-lock`` resolves every ref again.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -315,8 +314,7 @@ def pin_spec(
                 progress=progress,
             )
             pins[src.ref] = pulled.digest
-            layer = OciLayer(oci=dataclasses.replace(src, digest=pulled.digest))
+            layer = OciLayer(oci=src.model_copy(update={"digest": pulled.digest}))
         layers.append(layer)
-    pinned = dataclasses.replace(spec, layers=layers)
-    object.__setattr__(pinned, "_sha256", spec.spec_sha256)  # the spec file's, as loaded
-    return pinned, pins
+    # model_copy keeps spec_sha256: the spec file's, as loaded
+    return spec.model_copy(update={"layers": layers}), pins

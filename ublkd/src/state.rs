@@ -12,7 +12,7 @@
 //! it locked is still the one at the path, so a waiter never holds a stale lock.
 
 use crate::format::digest::{self, sha256_hex};
-use crate::types::{Dev2Cache, Frontend, Mode, Phase, PollMode};
+use crate::types::{Dev2Cache, Ephemeral, Frontend, Mode, Phase, PollMode};
 use crate::util::write_atomic;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -188,15 +188,32 @@ pub struct MountState {
     /// "mounting" until the filesystem is up, then "mounted".
     pub phase: Phase,
     /// "ro" (bind mount of the bundle's shared mount), "ephemeral" (overlayfs over it,
-    /// upper and work dirs in this state dir), "rw" (own devices, native sprout).
+    /// upper and work dirs in this state dir; or see `ephemeral`), "rw" (own devices,
+    /// native sprout).
     pub mode: Mode,
     /// Key of the bundle (`bundles/<key>/`) whose server and shared mount this uses.
     #[serde(default)]
     pub bundle_key: String,
     pub created: u64,
+    /// ephemeral mounts: how (none in state from before it was recorded: overlay)
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ephemeral: Option<Ephemeral>,
+    /// ephemeral sprouts: why overlayfs was not used
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ephemeral_why: Option<String>,
 }
 
 impl MountState {
+    /// Does this mount stand on the bundle's shared mount (ro, ephemeral overlay)? The
+    /// others have their own device instances.
+    pub fn uses_shared(&self) -> bool {
+        match self.mode {
+            Mode::Ro => true,
+            Mode::Ephemeral => self.ephemeral != Some(Ephemeral::Sprout),
+            Mode::Rw => false,
+        }
+    }
+
     pub fn dir(&self) -> PathBuf {
         mounts_dir().join(&self.id)
     }

@@ -149,6 +149,25 @@ impl std::fmt::Display for Mode {
     }
 }
 
+/// How an `--ephemeral` mount is made: overlayfs over the shared mount, or, for images
+/// overlayfs would show differently (`verify::structure::OverlayView`), a btrfs sprout of
+/// its own device instances onto a file in the mount's state dir (deleted at umount).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ephemeral {
+    Overlay,
+    Sprout,
+}
+
+impl Ephemeral {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Ephemeral::Overlay => "overlay",
+            Ephemeral::Sprout => "sprout",
+        }
+    }
+}
+
 /// Where a mount (or a bundle's shared mount) is: "mounting" until it is up, then "mounted".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -192,6 +211,9 @@ mod tests {
         assert_eq!(j(&Mode::Rw), "\"rw\"");
         assert_eq!(j(&Phase::Mounting), "\"mounting\"");
         assert_eq!(j(&Phase::Mounted), "\"mounted\"");
+        for e in [Ephemeral::Overlay, Ephemeral::Sprout] {
+            assert_eq!(j(&e), format!("\"{}\"", e.as_str()));
+        }
         for m in [Mode::Ro, Mode::Ephemeral, Mode::Rw] {
             assert_eq!(serde_json::from_str::<Mode>(&j(&m)).unwrap(), m);
             assert_eq!(j(&m), format!("\"{m}\""));

@@ -326,6 +326,10 @@ pub struct StructureRecord {
     pub checked: u64,
     /// what it took, ms
     pub ms: u64,
+    /// why overlayfs would not show this image exactly (`OverlayView::inexact`); none:
+    /// it would
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlay_inexact: Option<String>,
 }
 
 pub fn structure_record_path(image_id: &str) -> PathBuf {

@@ -15,7 +15,7 @@ use crate::plumbing::{btrfs, loopdev, mount as mnt};
 use crate::state::{self, BundleState, MountState, ServerRecord};
 use crate::store::local::{self, Bundle};
 use crate::store::remote;
-use crate::types::{Dev2Cache, Frontend, Mode, Phase};
+use crate::types::{Dev2Cache, Ephemeral, Frontend, Mode, Phase};
 use crate::util::timing;
 use crate::verify::structure;
 use anyhow::{anyhow, ensure, Context, Result};
@@ -144,11 +144,23 @@ pub fn mount(args: MountArgs) -> Result<()> {
     // the structural check, before anything is attached: meta.img here, device 2's
     // superblock once the server serves it (below); skipped when a record says this image
     // passed it
-    let check = structure_check_meta(&args, &bundle, &location)?;
+    let (check, overlay_inexact) = structure_check_meta(&args, &bundle, &location)?;
+    if mode == Mode::Ephemeral {
+        // overlayfs when it shows the image exactly, else a sprout (never another tree)
+        st.ephemeral = Some(match overlay_inexact {
+            None => Ephemeral::Overlay,
+            Some(why) => {
+                eprintln!("ublkd: ephemeral mount as a btrfs sprout, not overlayfs: {why}");
+                st.ephemeral_why = Some(why);
+                Ephemeral::Sprout
+            }
+        });
+        st.save()?;
+    }
     // a new instance of the image's devices needs meta.img on a loop device: attached
     // while the server starts
-    let meta_loop = match (mode, &b.shared) {
-        (Mode::Ro | Mode::Ephemeral, Some(sh)) if shared_is_up(sh)? => None,
+    let meta_loop = match &b.shared {
+        Some(sh) if st.uses_shared() && shared_is_up(sh)? => None,
         _ => Some(MetaLoop::start(&bundle)?),
     };
     // 1. the bundle's server (shared by all its mounts)
@@ -183,6 +195,13 @@ pub fn mount(args: MountArgs) -> Result<()> {
             rb.push("umount", move || Ok(mnt::umount(&mp, false)?));
             format!(" (bind of {})", shared.display())
         }
+        Mode::Ephemeral if st.ephemeral == Some(Ephemeral::Sprout) => {
+            sprout_shared(&mut b)?;
+            // in the state dir (under the run dir, tmpfs on most systems): umount removes it
+            let rw = dir.join(EPHEMERAL_SPROUT_FILE);
+            let note = mount_rw(&rw, args.rw_size, &bundle, &srv, meta_loop, &mut st, &mut rb)?;
+            format!(" (btrfs sprout onto {}{note})", rw.display())
+        }
         Mode::Ephemeral => {
             let shared = ensure_shared(&mut b, &bundle, &srv, meta_loop)?;
             let (upper, work) = (dir.join("upper"), dir.join("work"));
@@ -195,7 +214,8 @@ pub fn mount(args: MountArgs) -> Result<()> {
         }
         Mode::Rw => {
             sprout_shared(&mut b)?;
-            mount_rw(&args, &bundle, &srv, meta_loop, &mut st, &mut rb)?
+            let rw = args.rw.as_ref().expect("rw mode");
+            mount_rw(rw, args.rw_size, &bundle, &srv, meta_loop, &mut st, &mut rb)?
         }
     };
     timing("mount: mounted");
@@ -233,6 +253,9 @@ pub fn mount(args: MountArgs) -> Result<()> {
     Ok(())
 }
 
+/// An ephemeral sprout's writable device: a file in the mount's state dir.
+pub const EPHEMERAL_SPROUT_FILE: &str = "ephemeral-rw.img";
+
 /// The check this ublkd runs, as its records name it.
 fn check_id() -> String {
     format!(
@@ -250,8 +273,13 @@ pub struct PendingCheck {
 
 /// meta.img's part of the structural check, unless a record says this image id passed it
 /// (and `--recheck` is not given): `btrfs check --readonly` on the checked open file,
-/// then our own walk ([`structure::check_meta`]).
-fn structure_check_meta(args: &MountArgs, bundle: &Bundle, location: &str) -> Result<Option<PendingCheck>> {
+/// then our own walk ([`structure::check_meta`]). Also: why overlayfs would not show
+/// the image exactly, if it would not (from the walk or the record).
+fn structure_check_meta(
+    args: &MountArgs,
+    bundle: &Bundle,
+    location: &str,
+) -> Result<(Option<PendingCheck>, Option<String>)> {
     let id = check_id();
     if !args.recheck {
         if let Some(r) = local::structure_record(&bundle.image_id, &id) {
@@ -260,7 +288,7 @@ fn structure_check_meta(args: &MountArgs, bundle: &Bundle, location: &str) -> Re
                 r.ms,
                 local::structure_record_path(&bundle.image_id).display()
             );
-            return Ok(None);
+            return Ok((None, r.overlay_inexact));
         }
     }
     let t0 = Instant::now();
@@ -282,7 +310,8 @@ fn structure_check_meta(args: &MountArgs, bundle: &Bundle, location: &str) -> Re
     )
     .map_err(fail)?;
     timing("mount: meta.img structure checked");
-    Ok(Some(PendingCheck { summary, t0 }))
+    let inexact = summary.overlay.inexact();
+    Ok((Some(PendingCheck { summary, t0 }), inexact))
 }
 
 /// Device 2's superblock, read through the bundle's server, against meta.img's; then the
@@ -307,6 +336,7 @@ fn structure_check_dev2(p: PendingCheck, bundle: &Bundle, srv: &ServerRecord, lo
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
         ms,
+        overlay_inexact: p.summary.overlay.inexact(),
     };
     if let Err(e) = local::write_structure_record(&bundle.image_id, &rec) {
         log::warn!("structural check record not written: {e:#}");
@@ -335,16 +365,17 @@ pub fn prefetch_trace(args: &MountArgs, bundle: &Bundle) -> Result<Option<(Strin
     Ok(Some((whence, t)))
 }
 
-/// `--rw`: own device instances (meta.img, device 2, the rw file), native btrfs sprout.
+/// `--rw` and ephemeral sprouts: own device instances (meta.img, device 2, the rw file
+/// `rw`, made `rw_size` bytes if new), native btrfs sprout.
 pub fn mount_rw(
-    args: &MountArgs,
+    rw: &Path,
+    rw_size: u64,
     bundle: &Bundle,
     srv: &ServerRecord,
     meta_loop: Option<MetaLoop>,
     st: &mut MountState,
     rb: &mut Rollback,
 ) -> Result<String> {
-    let rw = args.rw.as_ref().expect("rw mode");
     let mountpoint = PathBuf::from(&st.mountpoint);
     let mut holds: Vec<File> = Vec::new(); // loop fds kept open until the fs holds the devices
     let d2 = attach_dev2_instance(srv, &st.dir())?;
@@ -374,8 +405,8 @@ pub fn mount_rw(
     }
 
     let mp = mountpoint.clone();
-    let (rwf, created) = open_rw_file(rw, args.rw_size)?;
-    let rw_abs = rw.canonicalize().unwrap_or_else(|_| rw.clone());
+    let (rwf, created) = open_rw_file(rw, rw_size)?;
+    let rw_abs = rw.canonicalize().unwrap_or_else(|_| rw.to_path_buf());
     if created {
         let rw2 = rw_abs.clone();
         rb.push(format!("remove new {}", rw2.display()), move || {

@@ -9,9 +9,9 @@ use super::mounts::{is_mounted, mounts_of};
 use super::servers::{fail_dead_ublk, stop_server, ublk_dev_exists};
 use crate::frontend;
 use crate::plumbing::{btrfs, loopdev, mount as mnt};
-use crate::state::{self, BundleState, ServerRecord, SharedMount};
+use crate::state::{self, BundleState, MountState, ServerRecord, SharedMount};
 use crate::store::local::Bundle;
-use crate::types::{Mode, Phase};
+use crate::types::Phase;
 use crate::util::timing;
 use anyhow::{Context, Result};
 use std::fs::File;
@@ -51,7 +51,7 @@ pub fn gc_bundle(key: &str) -> Result<()> {
     };
     let users = mounts_of(key)?;
     if let Some(sh) = b.shared.clone() {
-        if !users.iter().any(|m| m.mode != Mode::Rw) {
+        if !users.iter().any(MountState::uses_shared) {
             fail_dead_ublk(&b)?;
             teardown_shared(&sh)?;
             b.shared = None;

@@ -3,7 +3,7 @@
 use crate::plumbing::mount as mnt;
 use crate::state::{self, BundleState, LoopRecord, MountState, ServerRecord, STATS_FILE};
 use crate::stats::Snapshot;
-use crate::types::{Frontend, Mode, Phase, PollMode};
+use crate::types::{Ephemeral, Frontend, Mode, Phase, PollMode};
 use anyhow::Result;
 
 #[derive(serde::Serialize)]
@@ -16,7 +16,11 @@ pub struct StatusEntry<'a> {
     mode: Mode,
     phase: Phase,
     rw_path: &'a Option<String>,
-    /// ephemeral: the overlay's upper directory
+    /// ephemeral: overlay (over the shared mount) or sprout (own devices; the image has
+    /// what overlayfs hides or interprets: `ephemeral_why`)
+    ephemeral: Option<Ephemeral>,
+    ephemeral_why: &'a Option<String>,
+    /// ephemeral overlay: its upper directory
     upper: Option<String>,
     /// ro/ephemeral: the bundle's shared mount
     shared: Option<&'a str>,
@@ -58,7 +62,8 @@ pub fn status(json: bool) -> Result<()> {
             .and_then(|x| serde_json::from_slice(&x).ok())
             .unwrap_or_default();
         let server_dev = b.server.as_ref().map(|s| s.device.as_str()).unwrap_or("-");
-        let shared = b.shared.as_ref().filter(|_| st.mode != Mode::Rw);
+        let shared = b.shared.as_ref().filter(|_| st.uses_shared());
+        let ephemeral = (st.mode == Mode::Ephemeral).then(|| st.ephemeral.unwrap_or(Ephemeral::Overlay));
         let mut devices: Vec<String> = Vec::new();
         let (meta, dev2, rw) = match shared {
             Some(sh) => (&sh.meta_loop, &sh.dev2_loop, &sh.rw_loop),
@@ -85,7 +90,9 @@ pub fn status(json: bool) -> Result<()> {
             mode: st.mode,
             phase: st.phase,
             rw_path: &st.rw_path,
-            upper: (st.mode == Mode::Ephemeral).then(|| st.dir().join("upper").display().to_string()),
+            ephemeral,
+            ephemeral_why: &st.ephemeral_why,
+            upper: (ephemeral == Some(Ephemeral::Overlay)).then(|| st.dir().join("upper").display().to_string()),
             shared: shared.map(|s| s.path.as_str()),
             frontend: b.server.as_ref().map_or("", |s| s.frontend.as_str()),
             mounted: mounts
@@ -190,7 +197,17 @@ pub fn status(json: bool) -> Result<()> {
         for e in &mine {
             let what = match e.mode {
                 Mode::Rw => format!("rw {} [{}]", e.rw_path.as_deref().unwrap_or("-"), e.devices.join(" ")),
-                Mode::Ephemeral => format!("ephemeral, upper {}", e.upper.as_deref().unwrap_or("-")),
+                Mode::Ephemeral if e.ephemeral == Some(Ephemeral::Sprout) => format!(
+                    "ephemeral, btrfs sprout onto {} [{}] (not overlayfs: {})",
+                    e.rw_path.as_deref().unwrap_or("-"),
+                    e.devices.join(" "),
+                    e.ephemeral_why.as_deref().unwrap_or("-")
+                ),
+                Mode::Ephemeral => format!(
+                    "ephemeral, {}, upper {}",
+                    Ephemeral::Overlay.as_str(),
+                    e.upper.as_deref().unwrap_or("-")
+                ),
                 m => m.to_string(),
             };
             println!(

@@ -16,6 +16,9 @@
 //! * Device 2's superblock (read through the server, [`check_dev2_super`]) agrees with
 //!   meta.img's: fsid, devid 2 and its dev item in meta.img's chunk tree, total bytes.
 //!
+//! The fs tree walk also notes what overlayfs would not show as the image has it
+//! ([`OverlayView`]), so `mount --ephemeral` can choose another way for such images.
+//!
 //! Crafted input gives an error naming the first problem and where, never a panic.
 
 use crate::format::blockmap::Blockmap;
@@ -26,7 +29,7 @@ use std::os::unix::fs::FileExt;
 
 /// Changes when what the check checks changes: a record of another version is not
 /// believed.
-pub const CHECK_VERSION: u32 = 1;
+pub const CHECK_VERSION: u32 = 2; // 2: the record says what overlayfs would hide
 
 pub const SUPER_OFFSET: u64 = 64 * 1024;
 pub const SUPER_SIZE: usize = 4096;
@@ -45,6 +48,8 @@ const CHUNK_TREE_OBJECTID: u64 = 3;
 const FS_TREE_OBJECTID: u64 = 5;
 const DEV_ITEMS_OBJECTID: u64 = 1;
 const FIRST_CHUNK_TREE_OBJECTID: u64 = 256;
+const INODE_ITEM_KEY: u8 = 1;
+const XATTR_ITEM_KEY: u8 = 24;
 const EXTENT_DATA_KEY: u8 = 108;
 const ROOT_ITEM_KEY: u8 = 132;
 const DEV_ITEM_KEY: u8 = 216;
@@ -315,6 +320,83 @@ pub struct MetaSummary {
     pub dev2: DevItem,
     pub extents: u64,
     pub tree_blocks: usize,
+    pub overlay: OverlayView,
+}
+
+/// What an overlayfs over the image (mounted by root without `userxattr`, as
+/// `mount --ephemeral` mounts it) would not show as the image has it. Measured on 6.18
+/// (docs/ublkd.md, "Ephemeral mounts are exact"): xattrs named `trusted.overlay.*` are
+/// overlayfs's own (hidden, or steering it: opaque, redirect, whiteout), and
+/// `trusted.overlay.overlay.X` is shown as `trusted.overlay.X`; a character device 0:0
+/// is a whiteout (the entry vanishes). `user.overlay.*`, other `trusted.*`, `security.*`
+/// and `user.*` show as they are.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct OverlayView {
+    /// xattrs named `trusted.overlay.*`
+    pub overlay_xattrs: u64,
+    /// character devices 0:0
+    pub whiteouts: u64,
+    /// the first of them, as "inode N: xattr NAME" or "inode N: character device 0:0"
+    pub first: Option<String>,
+}
+
+/// overlayfs's xattr namespace in a mount without `userxattr` (OVL_XATTR_TRUSTED_PREFIX)
+pub const OVERLAY_XATTR_PREFIX: &[u8] = b"trusted.overlay.";
+
+impl OverlayView {
+    /// None: overlayfs shows the image exactly; else why not, in a sentence.
+    pub fn inexact(&self) -> Option<String> {
+        let mut what = Vec::new();
+        if self.overlay_xattrs > 0 {
+            what.push(format!("{} xattr(s) named trusted.overlay.*", self.overlay_xattrs));
+        }
+        if self.whiteouts > 0 {
+            what.push(format!("{} character device(s) 0:0", self.whiteouts));
+        }
+        let first = self.first.as_ref()?;
+        Some(format!(
+            "the image has {} (first: {first}), which overlayfs hides or interprets",
+            what.join(" and ")
+        ))
+    }
+
+    fn note(&mut self, what: String) {
+        self.first.get_or_insert(what);
+    }
+
+    /// One fs tree item: an INODE_ITEM (mode, rdev) or an XATTR_ITEM (one or more
+    /// btrfs_dir_item entries with the names of the xattrs whose name hashes collide).
+    fn item(&mut self, key: Key, d: &[u8]) -> Result<()> {
+        match key.ty {
+            INODE_ITEM_KEY => {
+                ensure!(d.len() == 160, "inode item of {} bytes, not 160", d.len());
+                let (mode, rdev) = (u32_at(d, 52)?, u64_at(d, 56)?);
+                if mode & 0o170000 == 0o020000 && rdev == 0 {
+                    self.whiteouts += 1;
+                    self.note(format!("inode {}: character device 0:0", key.objectid));
+                }
+            }
+            XATTR_ITEM_KEY => {
+                let mut at = 0;
+                while at < d.len() {
+                    ensure!(d.len() - at >= 30, "xattr item: entry at {at} is cut short");
+                    let data_len = u16::from_le_bytes([d[at + 25], d[at + 26]]) as usize;
+                    let name_len = u16::from_le_bytes([d[at + 27], d[at + 28]]) as usize;
+                    let end = at + 30 + name_len + data_len;
+                    ensure!(end <= d.len(), "xattr item: entry at {at} runs past the item");
+                    let name = &d[at + 30..at + 30 + name_len];
+                    if name.starts_with(OVERLAY_XATTR_PREFIX) {
+                        self.overlay_xattrs += 1;
+                        let name = String::from_utf8_lossy(name);
+                        self.note(format!("inode {}: xattr {name}", key.objectid));
+                    }
+                    at = end;
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
 }
 
 impl<'a> Meta<'a> {
@@ -598,12 +680,13 @@ pub fn check_meta(file: &File, fsid: &str, dev_uuids: [&str; 2], blockmap: &Bloc
     let (fs_bytenr, fs_level) = fs_root.context("root tree: no root item for the fs tree (5)")?;
     // the fs tree: every file extent
     let mut extents = 0u64;
+    let mut overlay = OverlayView::default();
     m.walk(fs_bytenr, fs_level, FS_TREE_OBJECTID, "fs", &mut |m, key, data| {
         if key.ty == EXTENT_DATA_KEY {
             check_extent(&m.chunks, blockmap, data)?;
             extents += 1;
         }
-        Ok(())
+        overlay.item(key, data)
     })?;
     let tree_blocks = m.visited.len();
     Ok(MetaSummary {
@@ -611,6 +694,7 @@ pub fn check_meta(file: &File, fsid: &str, dev_uuids: [&str; 2], blockmap: &Bloc
         dev2,
         extents,
         tree_blocks,
+        overlay,
     })
 }
 

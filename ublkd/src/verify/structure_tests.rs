@@ -176,6 +176,7 @@ fn dev2_super_against_meta() {
         dev2: DevItem::parse(&superblock(2)[DEV_ITEM_OFF..]).unwrap(),
         extents: 0,
         tree_blocks: 0,
+        overlay: OverlayView::default(),
     };
     check_dev2_super(&superblock(2), &meta, 1 << 20).unwrap();
     let e = format!("{:#}", check_dev2_super(&superblock(1), &meta, 1 << 20).unwrap_err());
@@ -223,4 +224,58 @@ fn crafted_meta_img_never_panics() {
     std::fs::write(&path, &base[..70000]).unwrap();
     let f = File::open(&path).unwrap();
     assert!(check_meta(&f, "x", ["x", "x"], &bm).is_err());
+}
+
+/// One btrfs_dir_item of an XATTR_ITEM: location key, transid, data_len, name_len, type.
+fn xattr_entry(name: &str, value: &[u8]) -> Vec<u8> {
+    let mut e = vec![0u8; 30];
+    e[25..27].copy_from_slice(&(value.len() as u16).to_le_bytes());
+    e[27..29].copy_from_slice(&(name.len() as u16).to_le_bytes());
+    e[29] = 8; // BTRFS_FT_XATTR
+    e.extend_from_slice(name.as_bytes());
+    e.extend_from_slice(value);
+    e
+}
+
+fn inode_item(mode: u32, rdev: u64) -> Vec<u8> {
+    let mut d = vec![0u8; 160];
+    d[52..56].copy_from_slice(&mode.to_le_bytes());
+    d[56..64].copy_from_slice(&rdev.to_le_bytes());
+    d
+}
+
+#[test]
+fn overlay_view_notes_overlayfs_names_and_whiteouts() {
+    let key = |objectid, ty| Key {
+        objectid,
+        ty,
+        offset: 0,
+    };
+    let mut v = OverlayView::default();
+    // names that overlayfs (trusted mode) shows as they are
+    for n in ["user.overlay.opaque", "trusted.overlayx", "security.a", "user.a"] {
+        v.item(key(257, XATTR_ITEM_KEY), &xattr_entry(n, b"y")).unwrap();
+    }
+    v.item(key(258, INODE_ITEM_KEY), &inode_item(0o020644, 0x103)).unwrap(); // char 1:3
+    v.item(key(259, INODE_ITEM_KEY), &inode_item(0o100644, 0)).unwrap();
+    assert_eq!(v, OverlayView::default());
+    assert_eq!(v.inexact(), None);
+    // two entries in one item (colliding name hashes): the second is overlayfs's
+    let mut two = xattr_entry("user.a", b"1");
+    two.extend(xattr_entry("trusted.overlay.opaque", b"y"));
+    v.item(key(260, XATTR_ITEM_KEY), &two).unwrap();
+    v.item(key(261, INODE_ITEM_KEY), &inode_item(0o020000, 0)).unwrap();
+    assert_eq!((v.overlay_xattrs, v.whiteouts), (1, 1));
+    let why = v.inexact().unwrap();
+    assert!(
+        why.contains("1 xattr(s) named trusted.overlay.* and 1 character device(s) 0:0"),
+        "{why}"
+    );
+    assert!(why.contains("first: inode 260: xattr trusted.overlay.opaque"), "{why}");
+    // cut short or running past the item: an error, never a panic
+    let e = xattr_entry("trusted.overlay.x", b"y");
+    for cut in [&e[..20], &e[..e.len() - 1]] {
+        assert!(v.item(key(262, XATTR_ITEM_KEY), cut).is_err());
+    }
+    assert!(v.item(key(263, INODE_ITEM_KEY), &[0u8; 100]).is_err());
 }
