@@ -291,7 +291,7 @@ def _write_into(
         tree, sources, image_config = fill(packer)
         if progress is not None:
             progress.phase("writing metadata")
-        layout = write_image(tree, os.path.join(tmp, META_IMG), opts)
+        layout = write_image(tree, os.path.join(tmp, META_IMG), opts, packer.encoded)
         # device 2's own superblock is pack content like any other, mapped at 64 KiB
         sb = packer.put_pack_tail(layout.data_super)
     except BaseException:
@@ -311,7 +311,7 @@ def _write_into(
     for old in keep:
         if 1 <= old <= n_base:
             _link_base_pack(pack_infos[renumber[old]], packs_dir)
-    compressed = pack_compression != "none" or any(
+    compressed = pack_compression == "zstd" or any(
         p.stored is not None and any(c.zstd for c in p.stored) for p in pack_infos
     )
     bm = BlockMap(
@@ -323,7 +323,8 @@ def _write_into(
             for p in pack_infos
         ],
         ranges=ranges,
-        # version 1 unless packs are compressed: uncompressed bundles keep their ids
+        # version 1 unless pack chunks are compressed: uncompressed bundles keep their ids
+        # (btrfs-zstd packs hold device 2's bytes as stored: version 1 too)
         version=VERSION_COMPRESSED if compressed else VERSION,
     )
     bm.check()
@@ -341,7 +342,7 @@ def _write_into(
     stats = dict(layout.stats)
     # pack 0 holds only unique content (and the superblock); in-place packs hold whole
     # tarballs, of which only the referenced unique member data counts
-    stats["unique_bytes"] = pack_infos[0].size - len(layout.data_super) + packer.bytes_in_place
+    stats["unique_bytes"] = packer.bytes_packed + packer.bytes_in_place
     stats["content_bytes_in"] = packer.bytes_in
     stats["deduplicated_bytes"] = packer.bytes_deduped
     if base is not None:
@@ -381,7 +382,8 @@ def _write_into(
 
         # beside the manifest, not listed in it: the image id does not depend on it
         chunks = [
-            (renumber[pack], c) for pack, c in trace.chunks_of_files(tree, prefetch, chunk_size)
+            (renumber[pack], c)
+            for pack, c in trace.chunks_of_files(tree, prefetch, chunk_size, packer.stored_size)
         ]
         trace.write(
             os.path.join(tmp, trace.FILE_NAME),

@@ -37,6 +37,14 @@ A base image (``base``, ``build --base``): its packs are packs ``1..n`` and its 
 is known to the deduplication from the start, so content equal to the base's (compared
 byte by byte with the base's verified chunks) is mapped where it lies in the base's pack,
 not written (``bytes_reused``). In-place packs follow the base's.
+
+btrfs compressed extents (``compression="btrfs-zstd"``, blockmap version 1): pack 0 holds
+each file's content as btrfs extents stored the kernel's way (``btrfs/encoded.py``): cut
+into 128 KiB pieces, each one zstd frame or raw where that is not smaller, without the
+sector padding; the pack is served as stored and the kernel decompresses. The extents
+and their sector checksums are recorded in ``encoded`` for the btrfs writer. Content is
+deduplicated on its stored bytes (the compressor is deterministic: equal content, equal
+frames). In-place blobs stay raw; their sector checksums are taken as they are read.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
 
 from btrfs_ublk_image import native
 from btrfs_ublk_image.blockmap import StoredChunk
+from btrfs_ublk_image.btrfs.encoded import COMPRESSED_EXTENT, EncodedExtents, ZstdExtentEncoder
 from btrfs_ublk_image.btrfs.ondisk import SECTORSIZE
 from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import ImageError, SourceError
@@ -66,7 +75,7 @@ COPY_BUFFER = 1 << 20
 # zstd's default level: ~3-5x faster to compress than level 9+ for a few % less ratio on
 # 1 MiB chunks, and decompression (on ublkd's read path) is equally fast at any level
 ZSTD_LEVEL = 3
-COMPRESSIONS = ("none", "zstd")
+COMPRESSIONS = ("none", "zstd", "btrfs-zstd")
 IN_PLACE_COPY_STEP = 8 << 20  # bytes copied ahead of the reader when reflinks are unavailable
 # CRC-32C (~5 GB/s) keeps the GIL: handing it to the worker threads and waiting to get it
 # back costs the parsing thread more than the CRC of a MiB (0.2 ms) does
@@ -152,9 +161,10 @@ class PackWriter:
         # digests in Rust, shared by the native tar reader and every other source
         self.core: Any = None
         self._interned: dict[Blob, Blob] = {}
-        # not with a base image: a base pack's bytes are compared through its verified
-        # chunks (BaseImage.read), which the native index cannot do
-        if nat is not None and base is None:
+        # not with a base image (a base pack's bytes are compared through its verified
+        # chunks, BaseImage.read) nor with btrfs-zstd (pack 0 holds encoded extents, written
+        # by _ExtentSink): the native pack does neither
+        if nat is not None and base is None and compression != "btrfs-zstd":
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
             self.core = nat.Pack(fd, chunk_size)
         # read back only with pread on its fd (hashing, dedup): a BufferedWriter on an O_RDWR
@@ -179,6 +189,7 @@ class PackWriter:
         self._bytes_in = 0  # content bytes offered, before dedup (besides the native pack's)
         self._bytes_deduped = 0
         self.bytes_in_place = 0  # unique content referenced in in-place packs (not written)
+        self.bytes_packed = 0  # unique content written to pack 0 (before btrfs-zstd encoding)
         self._in_place: list[InPlacePack] = []
         self.bytes_reused = 0  # content found in the base image's packs (not written)
         self._base = base
@@ -186,6 +197,12 @@ class PackWriter:
         if base is not None:
             for blob in base.blobs():
                 self._remember(blob.size << 32 | blob.crc32c, blob)
+        # btrfs-zstd: every stored blob's extents, and the encoder of pack 0's content
+        self.encoded: EncodedExtents | None = None
+        self._encoder: ZstdExtentEncoder | None = None
+        if compression == "btrfs-zstd":
+            self.encoded = EncodedExtents()
+            self._encoder = ZstdExtentEncoder()
 
     @property
     def bytes_in(self) -> int:
@@ -195,6 +212,19 @@ class PackWriter:
     @property
     def bytes_deduped(self) -> int:
         return self._bytes_deduped + (0 if self.core is None else self.core.bytes_deduped)
+
+    def stored_size(self, blob: Blob) -> int:
+        """How many pack bytes ``blob`` occupies (its size unless stored as btrfs extents)."""
+        if self.encoded is not None:
+            n = self.encoded.stored_size(blob.pack, blob.offset)
+            if n is not None:
+                return n
+        return blob.size
+
+    def _comparable(self, old: Blob, pack: int) -> bool:
+        """Whether ``old`` may be compared bytewise with new content going to ``pack``:
+        with btrfs-zstd, pack 0 holds stored extents and in-place packs raw bytes."""
+        return self.encoded is None or (old.pack == 0) == (pack == 0)
 
     def put_bytes(self, data: bytes) -> bytes | Blob:
         if len(data) <= self.keep_inline:
@@ -251,13 +281,26 @@ class PackWriter:
         Referenced there (or kept inline when small, or an earlier copy): nothing is written."""
         if size <= self.keep_inline:
             return self.put_stream(src, size, where)
-        crc = self._take(_Reader(src, size, where), size, where, None)
+        enc = self.encoded
+        mark = enc.mark() if enc is not None else (0, 0)
+        sink = _ExtentSink(self, None, offset) if enc is not None else None
+        crc = self._take(
+            _Reader(src, size, where), size, where, sink.write if sink is not None else None
+        )
+        if sink is not None:
+            sink.close()
         key = size << 32 | crc
         for old in self._candidates(key):
-            if self._same_bytes(old.pack, old.offset, pack.index, offset, size):
+            if self._comparable(old, pack.index) and self._same_bytes(
+                old.pack, old.offset, pack.index, offset, size
+            ):
+                if enc is not None:
+                    enc.rollback(mark)
                 self._count_match(old, size)
                 return old
         blob = Blob(crc32c=crc, size=size, pack=pack.index, offset=offset)
+        if enc is not None:
+            enc.end(pack.index, offset)
         self._remember(key, blob)
         self.bytes_in_place += size
         return blob
@@ -324,20 +367,37 @@ class PackWriter:
             # index held before: sources that are not native tar readers only)
             return self._interned.setdefault(blob, blob)
         start = self._size
-        crc = self._take(pieces, size, where, self._write)
+        enc = self.encoded if dedupe else None  # device 2's superblock is not an extent
+        if enc is not None and self._encoder is not None:
+            mark = enc.mark()
+            sink = _ExtentSink(self, self._encoder, start)
+            crc = self._take(pieces, size, where, sink.write)
+            sink.close()
+        else:
+            crc = self._take(pieces, size, where, self._write)
+        stored = self._size - start
         key = size << 32 | crc
         if dedupe:
             for old in self._candidates(key):
-                if self._same_bytes(old.pack, old.offset, 0, start, size):
+                if (
+                    self._comparable(old, 0)
+                    and self.stored_size(old) == stored
+                    and self._same_bytes(old.pack, old.offset, 0, start, stored)
+                ):
                     # identical content already packed: roll the pack back to where it was
                     self._file.truncate(start)
                     self._file.seek(start)
                     self._size = start
+                    if enc is not None:
+                        enc.rollback(mark)
                     self._count_match(old, size)
                     return old
         blob = Blob(crc32c=crc, size=size, pack=0, offset=start)
+        if enc is not None:
+            enc.end(0, start)
         if dedupe:
             self._remember(key, blob)
+            self.bytes_packed += size
         if self._size >= (self._submitted + self._submit_step) * self.chunk_size:
             self._submit(self._size // self.chunk_size)
         return blob
@@ -666,6 +726,44 @@ class _Counted:
         piece = next(self.pieces)
         self.progress.add_bytes(len(piece))
         return piece
+
+
+class _ExtentSink:
+    """Takes a blob's bytes in any pieces and records them as btrfs extents of 128 KiB
+    pieces: encoded and appended to pack 0 (``encoder`` set), or only checksummed where
+    they already lie (an in-place pack, at ``offset``)."""
+
+    def __init__(self, packs: PackWriter, encoder: ZstdExtentEncoder | None, offset: int) -> None:
+        assert packs.encoded is not None
+        self.packs, self.encoded, self.encoder = packs, packs.encoded, encoder
+        self.at = offset  # pack offset of the next stored byte
+        self.buf = bytearray()
+        self.encoded.begin()
+
+    def write(self, data: bytes) -> None:
+        self.buf += data
+        if len(self.buf) >= COMPRESSED_EXTENT:
+            view = memoryview(self.buf)
+            done = 0
+            while len(self.buf) - done >= COMPRESSED_EXTENT:
+                self._piece(bytes(view[done : done + COMPRESSED_EXTENT]))
+                done += COMPRESSED_EXTENT
+            view.release()
+            del self.buf[:done]
+
+    def close(self) -> None:
+        if self.buf:
+            self._piece(bytes(self.buf))
+            self.buf.clear()
+
+    def _piece(self, piece: bytes) -> None:
+        if self.encoder is None:
+            stored, zstd = piece, False
+        else:
+            stored, zstd = self.encoder.encode(piece)
+            self.packs._write(stored)
+        self.encoded.add(self.at, stored, len(piece), zstd)
+        self.at += len(stored)
 
 
 class _Reader:

@@ -66,6 +66,7 @@ _FILE_EXTENT_REG = struct.Struct("<QQQQ")  # disk_bytenr disk_num_bytes offset n
 _ROOT_ITEM = struct.Struct("<QQQQQQQI17sBB")
 
 FILE_EXTENT_PREALLOC = 2
+COMPRESS_ZSTD = 3  # BTRFS_COMPRESS_ZSTD
 CSUM_TYPE_CRC32C = 0
 BLOCK_GROUP_PROFILE_MASK = 0xFF8  # RAID0/1/10/5/6/DUP/RAID1C3/C4 bits: SINGLE when none set
 BLOCK_GROUP_DUP = 1 << 5
@@ -170,7 +171,9 @@ class FileExtent:
     disk_bytenr: int  # logical address of the extent (0: a hole)
     offset: int  # offset into the extent
     num_bytes: int
-    compression: int
+    compression: int  # 0, or COMPRESS_ZSTD: one zstd frame in disk_num_bytes
+    disk_num_bytes: int = 0
+    ram_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -614,12 +617,12 @@ def _file_extent(file_offset: int, data: memoryview, where: str) -> FileExtent:
         return FileExtent(file_offset, kind, inline, 0, 0, len(inline), 0)
     if kind not in (d.FILE_EXTENT_REG, FILE_EXTENT_PREALLOC):
         raise ImageError(f"{where}: unknown file extent type {kind}")
-    disk_bytenr, _disk_num, offset, num_bytes = _FILE_EXTENT_REG.unpack_from(
-        data, _FILE_EXTENT.size
+    disk_bytenr, disk_num, offset, num_bytes = _FILE_EXTENT_REG.unpack_from(data, _FILE_EXTENT.size)
+    if compression not in (0, COMPRESS_ZSTD):
+        raise ImageError(f"{where}: extent compression {compression} (only zstd is supported)")
+    return FileExtent(
+        file_offset, kind, b"", disk_bytenr, offset, num_bytes, compression, disk_num, ram_bytes
     )
-    if compression:
-        raise ImageError(f"{where}: compressed extent (unsupported)")
-    return FileExtent(file_offset, kind, b"", disk_bytenr, offset, num_bytes, compression)
 
 
 # --- reading files ---------------------------------------------------------------------------
@@ -723,6 +726,10 @@ class BundleReader:
                 yield ext.inline[:length]
                 pos += min(length, len(ext.inline))
                 continue
+            if ext.compression and ext.disk_bytenr:
+                yield self._read_zstd(ext, where)[ext.offset : ext.offset + length]
+                pos += length
+                continue
             done = 0
             while done < length:
                 n = min(piece, length - done)
@@ -736,6 +743,24 @@ class BundleReader:
             n = min(piece, size - pos)
             yield bytes(n)
             pos += n
+
+    def _read_zstd(self, ext: FileExtent, where: str) -> bytes:
+        """A zstd-compressed extent's ``ram_bytes``: its one frame (the rest of its sectors
+        zeros) decompressed, zero-filled past the frame's end as the kernel does."""
+        import zstandard
+
+        stored = self._read_data(ext.disk_bytenr, ext.disk_num_bytes, where)
+        dobj = zstandard.ZstdDecompressor().decompressobj()
+        try:
+            data = dobj.decompress(stored)
+        except zstandard.ZstdError as e:
+            raise ImageError(f"{where}: zstd extent at {ext.disk_bytenr}: {e}") from None
+        if not dobj.eof or len(data) > ext.ram_bytes or any(dobj.unused_data):
+            raise ImageError(
+                f"{where}: zstd extent at {ext.disk_bytenr}: not one frame of at most"
+                f" {ext.ram_bytes} bytes followed by zeros"
+            )
+        return data + bytes(ext.ram_bytes - len(data))
 
     def _read_data(self, logical: int, length: int, where: str) -> bytes:
         out = []

@@ -9,7 +9,7 @@ A spec is a YAML mapping::
     remove: ["/usr/share/doc/**"]                         # optional
     prefetch: ["/usr/bin/*", "/etc/**"]                   # optional: prefetch.trace
     pack_chunk_size: 1048576                              # optional: fetch/verify unit
-    pack_compression: none                                # optional: none | zstd
+    pack_compression: none                                # optional: none | zstd | btrfs-zstd
     base: ../web-base-v1.bundle                           # optional: reuse its packs
     layers:
       - tar: {path: rootfs.tar.zst, exclude: ["/var/cache/**"], uid: 0, gid: 0}
@@ -466,10 +466,12 @@ class Spec(_Model):
         " a power of two from 64 KiB to 16 MiB (default 1 MiB). Smaller chunks move fewer"
         " bytes for scattered small reads (a container's start); larger ones fewer requests",
     )
-    pack_compression: Literal["none", "zstd"] = Field(
+    pack_compression: Literal["none", "zstd", "btrfs-zstd"] = Field(
         default="none",
         description="Store each pack chunk as a zstd frame (blockmap version 2), so remote"
-        " mounts move fewer bytes; in-place tarball packs stay uncompressed. 'none' (the"
+        " mounts move fewer bytes; in-place tarball packs stay uncompressed. 'btrfs-zstd':"
+        " file data as btrfs zstd-compressed extents (at most 128 KiB each) that the kernel"
+        " decompresses; the packs hold them as stored (blockmap version 1). 'none' (the"
         " default) writes blockmap version 1",
     )
     base: str | None = Field(

@@ -10,7 +10,7 @@ the chunks a running server was asked for (source ``record``).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -139,12 +139,18 @@ def check_for_bundle(trace: Trace, manifest: dict[str, Any], image_id: str, wher
             )
 
 
-def chunks_of_files(tree: Tree, patterns: Sequence[str], chunk_size: int) -> list[ChunkRef]:
+def chunks_of_files(
+    tree: Tree,
+    patterns: Sequence[str],
+    chunk_size: int,
+    stored_size: Callable[[Blob], int] | None = None,
+) -> list[ChunkRef]:
     """The pack chunks holding the content of the files ``patterns`` select (globs, as in
     ``remove:``; a pattern naming a directory selects everything under it), in pattern
     order, each pattern's files in listing (sorted path) order, each chunk once. Symlinks
     are not followed; inline files and empty files need no chunk. A pattern that selects
-    nothing is an error (a typo would otherwise go unnoticed)."""
+    nothing is an error (a typo would otherwise go unnoticed). ``stored_size``: the pack
+    bytes a blob occupies when that is not its size (btrfs-zstd extents)."""
     from btrfs_ublk_image.sources.globs import PathSet
 
     entries = [(p, n) for p, n in tree.walk() if p != b"/"]
@@ -165,10 +171,11 @@ def chunks_of_files(tree: Tree, patterns: Sequence[str], chunk_size: int) -> lis
             else:
                 continue
             for blob in blobs:
-                if blob.size == 0:
+                stored = blob.size if stored_size is None else stored_size(blob)
+                if stored == 0:
                     continue
                 first = blob.offset // chunk_size
-                last = (blob.offset + blob.size - 1) // chunk_size
+                last = (blob.offset + stored - 1) // chunk_size
                 for c in range(first, last + 1):
                     ref = (blob.pack, c)
                     if ref not in seen:

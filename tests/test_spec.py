@@ -211,7 +211,7 @@ BASE = "version: 1\nname: x\n"
         (BASE + "layers:\n  - tar: 5\n", "spec.yaml:4: layers[0].tar: Input should be a mapping"),
         (
             BASE + "layers: []\npack_compression: gzip\n",
-            "spec.yaml:4: pack_compression: Input should be 'none' or 'zstd'",
+            "spec.yaml:4: pack_compression: Input should be 'none', 'zstd' or 'btrfs-zstd'",
         ),
         (BASE + "layers: []\n1: x\n", "spec.yaml:4: 1: unknown key"),
         (

@@ -41,6 +41,7 @@ DEV_TREE_OBJECTID = 4
 FS_TREE_OBJECTID = 5
 ROOT_TREE_DIR_OBJECTID = 6
 CSUM_TREE_OBJECTID = 7
+EXTENT_CSUM_OBJECTID = 2**64 - 10  # BTRFS_EXTENT_CSUM_OBJECTID
 UUID_TREE_OBJECTID = 9
 FREE_SPACE_TREE_OBJECTID = 10
 DATA_RELOC_TREE_OBJECTID = 2**64 - 9
@@ -56,6 +57,7 @@ XATTR_ITEM_KEY = 24
 DIR_ITEM_KEY = 84
 DIR_INDEX_KEY = 96
 EXTENT_DATA_KEY = 108
+EXTENT_CSUM_KEY = 128
 ROOT_ITEM_KEY = 132
 EXTENT_ITEM_KEY = 168
 METADATA_ITEM_KEY = 169
@@ -223,18 +225,27 @@ def pack_file_extent_inline(generation: int, data: bytes) -> bytes:
     return _FILE_EXTENT_HEAD.pack(generation, len(data), 0, 0, 0, FILE_EXTENT_INLINE) + data
 
 
-def pack_file_extent_reg(generation: int, disk_bytenr: int, disk_num_bytes: int) -> bytes:
+def pack_file_extent_reg(
+    generation: int,
+    disk_bytenr: int,
+    disk_num_bytes: int,
+    num_bytes: int | None = None,
+    compression: int = 0,
+) -> bytes:
+    """A regular extent referenced whole; uncompressed (``num_bytes`` None) it holds
+    ``disk_num_bytes`` of file data, compressed ``num_bytes`` (= ram_bytes)."""
+    ram = disk_num_bytes if num_bytes is None else num_bytes
     return _FILE_EXTENT_REG.pack(
         generation,
-        disk_num_bytes,  # ram_bytes: uncompressed, so the same
-        0,
+        ram,  # ram_bytes
+        compression,
         0,
         0,
         FILE_EXTENT_REG,
         disk_bytenr,
         disk_num_bytes,
         0,  # offset into the extent
-        disk_num_bytes,  # num_bytes
+        ram,  # num_bytes
     )
 
 

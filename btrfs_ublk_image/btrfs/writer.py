@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import os
+import sys
 import tempfile
 import uuid
 from array import array
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import IO, overload
 
 from btrfs_ublk_image.btrfs import ondisk as d
+from btrfs_ublk_image.btrfs.encoded import COMPRESS_ZSTD, EncodedExtents
 from btrfs_ublk_image.btrfs.layout import (
     CHUNK_ALIGN,
     DEVICE_START,
@@ -55,6 +57,8 @@ MAX_INLINE = d.SECTORSIZE - 1  # btrfs check: inline ram_bytes <= sectorsize - 1
 LINK_MAX = 65535  # BTRFS_LINK_MAX
 # the fs tree spill file's write buffer: one write(2) per MiB, not one per 16 KiB leaf
 SPILL_BUFFER = 1 << 20
+# MAX_CSUM_ITEMS of the kernel's file-item.c for 16 KiB nodes and 4-byte CRC-32C
+MAX_CSUMS_PER_ITEM = (d.LEAF_DATA_SIZE - 2 * d.ITEM_SIZE) // 4 - 1
 
 _FT = {
     FileType.REG: d.FT_REG_FILE,
@@ -216,8 +220,14 @@ class _DataPlacer:
     device order); a blob's extents are consecutive rows, the first with file offset 0.
     """
 
-    def __init__(self, data_logical: int) -> None:
+    def __init__(self, data_logical: int, encoded: EncodedExtents | None = None) -> None:
         self.chunks: list[Chunk] = []
+        # btrfs-zstd: blobs stored as btrfs extents (their own cut, compressed or not,
+        # checksummed); these columns are filled only then
+        self.encoded = encoded
+        self.num_bytes = array("Q")  # file bytes the extent holds (= ram_bytes), sector-aligned
+        self.compression = array("B")
+        self.csum_first = array("Q")  # its first sector's CRC in encoded.csums
         self.first_extent: dict[Blob, int] = {}  # blob -> row of its first extent
         self.logical = array("Q")
         self.disk_bytes = array("Q")  # on disk, 4 KiB aligned
@@ -261,6 +271,10 @@ class _DataPlacer:
         if size == 0:
             return range(0)
         first = len(self.logical)
+        if self.encoded is not None:
+            self._place_encoded(blob)
+            self.first_extent[blob] = first
+            return range(first, len(self.logical))
         done = 0
         while done < size:
             if self._cur >= self._end:
@@ -281,6 +295,57 @@ class _DataPlacer:
             done += length
         self.first_extent[blob] = first
         return range(first, len(self.logical))
+
+    def _place_encoded(self, blob: Blob) -> None:
+        assert self.encoded is not None
+        extents = self.encoded.extents(blob.pack, blob.offset)
+        if extents is None:
+            raise AssertionError(f"blob at pack {blob.pack} offset {blob.offset} has no extents")
+        done = 0
+        for e in extents:
+            disk = e.disk_bytes
+            if self._cur + disk > self._end:  # an extent never crosses a chunk's end
+                self._next_chunk()
+            self.logical.append(self._chunk_logical + (self._cur - self._chunk_phys))
+            self.disk_bytes.append(disk)
+            self.file_offset.append(done)
+            self.dev_offset.append(self._cur)
+            self.length.append(e.stored)  # the padding to ``disk`` reads as zeros
+            self.pack.append(blob.pack)
+            self.pack_offset.append(e.pack_offset)
+            self.num_bytes.append(e.ram_bytes)
+            self.compression.append(COMPRESS_ZSTD if e.zstd else 0)
+            self.csum_first.append(e.csum_first)
+            self._cur += disk
+            self.used += disk
+            done += e.length
+
+    def csum_items(self) -> list[tuple[d.Key, bytes]]:
+        """The csum tree: a CRC-32C per stored sector of every extent (btrfs-zstd only),
+        one item per run of contiguous extents, at most ``MAX_CSUMS_PER_ITEM`` each."""
+        if self.encoded is None:
+            return []
+        csums = self.encoded.csums
+        items: list[tuple[d.Key, bytes]] = []
+        run_start, run = 0, array("I")
+
+        def flush() -> None:
+            for i in range(0, len(run), MAX_CSUMS_PER_ITEM):
+                part = run[i : i + MAX_CSUMS_PER_ITEM]
+                if sys.byteorder == "big":
+                    part.byteswap()
+                key = (d.EXTENT_CSUM_OBJECTID, d.EXTENT_CSUM_KEY, run_start + i * d.SECTORSIZE)
+                items.append((key, part.tobytes()))
+
+        for logical, disk, first in zip(
+            self.logical, self.disk_bytes, self.csum_first, strict=True
+        ):
+            if logical != run_start + len(run) * d.SECTORSIZE:
+                flush()
+                run_start, run = logical, array("I")
+            run.extend(csums[first : first + disk // d.SECTORSIZE])
+        flush()
+        return items
 
     def finish(self) -> list[Chunk]:
         self._close_chunk()
@@ -362,7 +427,10 @@ def _fs_tree_items(
     more_refs = num.more_refs
     reg, dir_, symlink = FileType.REG, FileType.DIR, FileType.SYMLINK
     extent_data_key, inode_item_key = d.EXTENT_DATA_KEY, d.INODE_ITEM_KEY
-    reg_flags = d.INODE_NODATASUM | d.INODE_NODATACOW
+    # btrfs-zstd: datasum inodes (compressed extents need checksums), extents of their own
+    encoded = placer.encoded is not None
+    ext_num, ext_comp = placer.num_bytes, placer.compression
+    reg_flags = 0 if encoded else d.INODE_NODATASUM | d.INODE_NODATACOW
     for ino, node in enumerate(num.inodes, start=d.FIRST_FREE_OBJECTID):
         ftype, perm, uid, gid, xattrs = node.meta()
         size, nbytes, flags = 0, 0, 0
@@ -382,16 +450,19 @@ def _fs_tree_items(
                 for seg_offset, blob in segments:
                     for row in placer.place(blob):
                         offset = seg_offset + ext_offset[row]
-                        file_extents.append(
-                            (
-                                (ino, extent_data_key, offset),
-                                d.pack_file_extent_reg(gen, ext_logical[row], ext_disk[row]),
+                        if encoded:
+                            held = ext_num[row]
+                            item = d.pack_file_extent_reg(
+                                gen, ext_logical[row], ext_disk[row], held, ext_comp[row]
                             )
-                        )
+                        else:
+                            held = ext_disk[row]
+                            item = d.pack_file_extent_reg(gen, ext_logical[row], held)
+                        file_extents.append(((ino, extent_data_key, offset), item))
                         ref_extent.append(row)
                         ref_ino.append(ino)
                         ref_offset.append(offset)
-                        nbytes += ext_disk[row]
+                        nbytes += held
             elif content:
                 if len(content) > imax:
                     raise AssertionError("in-memory content larger than the inline limit")
@@ -863,23 +934,33 @@ def _assign(
     return addr_of, blocks, used
 
 
-def write_image(tree: Tree, meta_path: str, opts: WriterOptions) -> ImageLayout:
-    """Write ``meta.img`` (device 1) for ``tree``; return device 2's layout."""
+def write_image(
+    tree: Tree, meta_path: str, opts: WriterOptions, encoded: EncodedExtents | None = None
+) -> ImageLayout:
+    """Write ``meta.img`` (device 1) for ``tree``; return device 2's layout. ``encoded``:
+    the blobs' btrfs extents when the packs store them so (btrfs-zstd)."""
     # the fs tree's leaf payloads wait on disk (unnamed, next to meta.img), not in memory
     with tempfile.TemporaryFile(
         "w+b", buffering=SPILL_BUFFER, dir=os.path.dirname(meta_path) or "."
     ) as spill:
-        return _write_image(tree, meta_path, opts, spill)
+        return _write_image(tree, meta_path, opts, spill, encoded)
 
 
-def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: IO[bytes]) -> ImageLayout:
+def _write_image(
+    tree: Tree,
+    meta_path: str,
+    opts: WriterOptions,
+    spill: IO[bytes],
+    encoded: EncodedExtents | None,
+) -> ImageLayout:
     imax = inline_max(opts)
     numbering = _number(tree)
     sys_chunk = system_chunk()
-    placer = _DataPlacer(sys_chunk.end)
+    placer = _DataPlacer(sys_chunk.end, encoded)
     fs = _fs_tree_items(numbering, placer, imax, spill)
     del numbering  # it is in the items now
     data_chunks = placer.finish()
+    csum_items = placer.csum_items()
     data_used = {c.logical: 0 for c in data_chunks}
     owner = data_chunks[0]
     for logical, length in zip(placer.logical, placer.disk_bytes, strict=True):
@@ -912,7 +993,7 @@ def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: IO[byte
             _sizes(meta.root_tree(placeholder, dict.fromkeys(_META_TREES, 0)))
         ),
         d.DEV_TREE_OBJECTID: [0],
-        d.CSUM_TREE_OBJECTID: [0],
+        d.CSUM_TREE_OBJECTID: block_levels(_sizes(csum_items)),
         d.UUID_TREE_OBJECTID: block_levels(_sizes(uuid_items)),
         d.FREE_SPACE_TREE_OBJECTID: [0],
         d.DATA_RELOC_TREE_OBJECTID: block_levels(_sizes(reloc_items)),
@@ -929,7 +1010,7 @@ def _write_image(tree: Tree, meta_path: str, opts: WriterOptions, spill: IO[byte
         # the extent tree, by far the largest of these, is made only once the layout is final
         items: dict[int, list[tuple[d.Key, bytes]]] = {
             d.DEV_TREE_OBJECTID: meta.dev_tree(chunks),
-            d.CSUM_TREE_OBJECTID: [],
+            d.CSUM_TREE_OBJECTID: csum_items,
             d.UUID_TREE_OBJECTID: uuid_items,
             d.FREE_SPACE_TREE_OBJECTID: meta.free_space_tree(chunks, used),
             d.DATA_RELOC_TREE_OBJECTID: reloc_items,
