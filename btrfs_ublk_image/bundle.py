@@ -341,8 +341,14 @@ def _write_into(
     }
     stats = dict(layout.stats)
     # pack 0 holds only unique content (and the superblock); in-place packs hold whole
-    # tarballs, of which only the referenced unique member data counts
-    stats["unique_bytes"] = packer.bytes_packed + packer.bytes_in_place
+    # tarballs, of which only the referenced unique member data counts (btrfs-zstd: pack 0
+    # holds encoded extents, so the packer counts the content it wrote)
+    packed = (
+        packer.bytes_packed
+        if packer.encoded is not None
+        else pack_infos[0].size - len(layout.data_super)
+    )
+    stats["unique_bytes"] = packed + packer.bytes_in_place
     stats["content_bytes_in"] = packer.bytes_in
     stats["deduplicated_bytes"] = packer.bytes_deduped
     if base is not None:
