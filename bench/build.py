@@ -138,12 +138,14 @@ def _ours(
     spec: str, python_path: bool = False, baseline: bool = False
 ) -> Callable[[Job, Path], list[str]]:
     py = sys.executable
-    env = ["env", "BUI_NATIVE=0"] if python_path else []  # the Python reader and pack writer
-    if baseline:
-        env = ["env", "PYTHONDONTWRITEBYTECODE=1", f"PYTHONPATH={BASELINE_BUILDER[0]}"]
-    return lambda job, out: [
-        *env, py, "-m", "btrfs_ublk_image", "build", str(out.parent / spec), "-o", str(out)
-    ]  # fmt: skip
+
+    def command(job: Job, out: Path) -> list[str]:
+        env = ["env", "BUI_NATIVE=0"] if python_path else []  # the Python reader and packer
+        if baseline:  # read when the row runs: --baseline-builder is set after import
+            env = ["env", "PYTHONDONTWRITEBYTECODE=1", f"PYTHONPATH={BASELINE_BUILDER[0]}"]
+        return [*env, py, "-m", "btrfs_ublk_image", "build", str(out.parent / spec), "-o", str(out)]
+
+    return command
 
 
 def _mkfs_btrfs(root: Callable[[Job], Path]) -> Callable[[Job, Path], list[str]]:

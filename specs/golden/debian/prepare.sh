@@ -60,4 +60,8 @@ fi
 
 rm -rf "$OUT/overlay"
 cp -a "$HERE/overlay" "$OUT/overlay"
+# the dir: source's digest covers modes and mtimes as found: a checkout's depend on the
+# clone (its time, the umask), so they are fixed here
+chmod -R u=rwX,go=rX "$OUT/overlay"
+find "$OUT/overlay" -exec touch -h -d "@$EPOCH" {} +
 cp "$HERE/spec.yaml" "$HERE/spec-oci.yaml" "$OUT/"
