@@ -84,6 +84,7 @@ def mounted(remote: Remote, frontend: str, tmp_path: Path) -> Iterator[Path]:
 
 def read_direct(path: Path, offsets: list[int], latencies: list[float] | None = None) -> None:
     buf = mmap.mmap(-1, READ)  # page-aligned, as O_DIRECT wants
+    buf.write(bytes(READ))  # faulted in now, not inside the first timed read
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         for off in offsets:
@@ -143,7 +144,9 @@ def test_cached_read_does_not_wait_behind_a_miss(mounted: Path, frontend: str) -
     # a miss in flight (DELAY_MS late), then a read of the cached chunk
     miss = threading.Thread(target=read_direct, args=(mounted, offs[1:2]))
     miss.start()
-    time.sleep(min(0.005, DELAY_MS / 4000))
+    # until the miss waits in preadv (GIL released: its Python start-up would otherwise hold
+    # the GIL across a timed read, under TCG for milliseconds); a quarter of its delay
+    time.sleep(DELAY_MS / 4000)
     latencies: list[float] = []
     read_direct(mounted, offs[:1] * 5, latencies)
     miss.join()
