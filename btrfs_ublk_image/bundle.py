@@ -103,6 +103,31 @@ def _mark_building(tmp: str) -> None:
         f.write(f"{os.getpid()} {_boot_id()}\n")
 
 
+def _unused_output(out_dir: str) -> str:
+    """``out_dir`` made absolute; an error if something is there (never overwritten)."""
+    out_dir = os.path.abspath(out_dir)
+    if os.path.lexists(out_dir):
+        raise ImageError(
+            f"{out_dir}: already exists (a bundle is never overwritten; remove it first)"
+        )
+    return out_dir
+
+
+def _new_temporary_dir(parent: str, prefix: str) -> str:
+    """A hidden ``PREFIX*.tmp`` directory in ``parent`` marked as this build's (so a later
+    build removes it if this one is killed); what killed builds left there goes first."""
+    if not os.path.isdir(parent):
+        raise ImageError(f"{parent}: no such directory")
+    remove_stale_builds(parent)
+    tmp = tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=parent)
+    try:
+        _mark_building(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
 def remove_stale_builds(parent: str) -> None:
     """Remove the temporary directories that killed builds (SIGKILL, a crash, a power cut)
     left in ``parent``: hidden ``.NAME.*.tmp`` directories whose BUILDING marker names a
@@ -131,24 +156,11 @@ def write_bundle(
     pack_compression: str = "none",
     base: str | None = None,
 ) -> BuildResult:
-    out_dir = os.path.abspath(out_dir)
-    if os.path.lexists(out_dir):
-        raise ImageError(
-            f"{out_dir}: already exists (a bundle is never overwritten; remove it first)"
-        )
-    parent = os.path.dirname(out_dir)
-    if not os.path.isdir(parent):
-        raise ImageError(f"{parent}: no such directory")
-    remove_stale_builds(parent)
-    base_image = _open_base(base, chunk_size, progress)
+    out_dir = _unused_output(out_dir)
+    tmp = _new_temporary_dir(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.")
+    base_image = None
     try:
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.", suffix=".tmp", dir=parent)
-    except BaseException:
-        if base_image is not None:
-            base_image.close()
-        raise
-    try:
-        _mark_building(tmp)
+        base_image = _open_base(base, chunk_size, progress)
         result = _write_into(
             tmp,
             name,
@@ -206,14 +218,11 @@ def build_spec(
         base_ref = base
         from btrfs_ublk_image.pull import pull_bundle
 
-        parent = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(parent):
-            raise ImageError(f"{parent}: no such directory")
-        remove_stale_builds(parent)
-        # a killed build's pulled base goes like its temporary bundle (the same marker)
-        pulled = tempfile.mkdtemp(prefix=".base-", suffix=".tmp", dir=parent)
+        # an existing output fails before the pull; a killed build's pulled base goes like
+        # its temporary bundle (the same marker)
+        out = _unused_output(out)
+        pulled = _new_temporary_dir(os.path.dirname(out), ".base-")
         try:
-            _mark_building(pulled)
             if progress is not None:
                 progress.phase("pulling the base image")
             base = os.path.join(pulled, "bundle")
