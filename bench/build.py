@@ -698,6 +698,27 @@ def _emit(doc: dict[str, Any], args: argparse.Namespace, workdir: Path) -> int:
     return 0
 
 
+VM_SAME = "The same through ublk in the VM (TCG)"
+
+
+def _emit_table(
+    doc: dict[str, Any],
+    update_docs: bool,
+    key: str,
+    title: str,
+    table: Callable[[dict[str, Any]], str],
+) -> None:
+    """Section ``key``'s one table, printed under ``title`` and, with --update-docs, put
+    into its block of docs/benchmarks.md."""
+    if key not in doc:
+        return
+    text = table(doc[key])
+    print(f"\n{title}:\n")
+    print(text)
+    if update_docs:
+        update_doc(ROOT / "docs" / "benchmarks.md", key, text)
+
+
 def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
     failed: list[str] = []
     path = ROOT / "docs" / "benchmarks.md"
@@ -742,34 +763,18 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
         print(containerd_table(doc["containerd"]))
         if args.update_docs:
             update_doc(path, "containerd", containerd_section(doc))
-    if "latency" in doc:
+    if "latency" in doc or "latency_vm" in doc:
         from bench.latency import latency_table
 
-        print("\nCold random reads of a remote bundle behind injected latency (fuse):\n")
-        print(latency_table(doc["latency"]))
-        if args.update_docs:
-            update_doc(path, "latency", latency_table(doc["latency"]))
-    if "latency_vm" in doc:
-        from bench.latency import latency_table
-
-        print("\nThe same through ublk in the VM (TCG):\n")
-        print(latency_table(doc["latency_vm"]))
-        if args.update_docs:
-            update_doc(path, "latency_vm", latency_table(doc["latency_vm"]))
-    if "soak" in doc:
+        title = "Cold random reads of a remote bundle behind injected latency (fuse)"
+        _emit_table(doc, args.update_docs, "latency", title, latency_table)
+        _emit_table(doc, args.update_docs, "latency_vm", VM_SAME, latency_table)
+    if "soak" in doc or "soak_vm" in doc:
         from bench.soak import soak_table
 
-        print("\nSoak: SIGKILLs of the server and a fault-injecting proxy (fuse):\n")
-        print(soak_table(doc["soak"]))
-        if args.update_docs:
-            update_doc(path, "soak", soak_table(doc["soak"]))
-    if "soak_vm" in doc:
-        from bench.soak import soak_table
-
-        print("\nThe same through ublk in the VM (TCG):\n")
-        print(soak_table(doc["soak_vm"]))
-        if args.update_docs:
-            update_doc(path, "soak_vm", soak_table(doc["soak_vm"]))
+        title = "Soak: SIGKILLs of the server and a fault-injecting proxy (fuse)"
+        _emit_table(doc, args.update_docs, "soak", title, soak_table)
+        _emit_table(doc, args.update_docs, "soak_vm", VM_SAME, soak_table)
     if "randread" in doc and args.update_docs:
         update_doc(path, "randread", randread_section(doc))
     for name, why in doc.get("runtime_skipped", {}).items():
