@@ -50,8 +50,6 @@ from btrfs_ublk_image.sources.tarheader import (
     FIFOTYPE,
     LNKTYPE,
     READ_SIZE,
-    REGULAR_TYPES,
-    SUPPORTED_TYPES,
     SYMTYPE,
     HeaderProblem,
     Member,
@@ -60,6 +58,7 @@ from btrfs_ublk_image.sources.tarheader import (
     TarFormatError,
     TarReader,
     checksum_ok,
+    is_regular_type,
 )
 from btrfs_ublk_image.spec import TarLayer
 from btrfs_ublk_image.tree import Blob, Content, FileType, Inode, split_path
@@ -797,7 +796,7 @@ def _place_member(
         if progress is not None:
             progress.add_file()
         return
-    regular = t in REGULAR_TYPES or t not in SUPPORTED_TYPES
+    regular = is_regular_type(t)
     symlink = b""
     rdev = 0
     if regular:

@@ -150,9 +150,12 @@ class Member:
 
     @property
     def is_regular(self) -> bool:
-        """A regular file: its data follows the header (unknown types included)."""
-        t = self.type
-        return t in REGULAR_TYPES or t not in SUPPORTED_TYPES
+        return is_regular_type(self.type)
+
+
+def is_regular_type(t: bytes) -> bool:
+    """A regular file's typeflag: its data follows the header (unknown types included)."""
+    return t in REGULAR_TYPES or t not in SUPPORTED_TYPES
 
 
 def nti(field: bytes) -> int:
