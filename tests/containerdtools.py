@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from servers import stop_child
+
 REPO = Path(__file__).resolve().parent.parent
 SNAPSHOTTER = "btrfs-ublk"  # the proxy plugin's name in containerd's config
 NAMESPACE = "bui-test"
@@ -85,15 +87,9 @@ class Daemon:
         self.proc = None
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        """SIGTERM (SIGKILL after 20 s: containerd may be stopping containers) and reap."""
+        if self.proc is not None:
+            stop_child(self.proc, 20)
         self.proc = None
 
 

@@ -53,6 +53,18 @@ class AccessRecord:
     range: str  # the request's Range header, "-" if none
 
 
+def stop_child(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM our child ``proc`` by its pid, SIGKILL after ``grace`` seconds, and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 class ServerProcess:
     """A server child process on a fixed loopback port; stop/start keep the port."""
 
@@ -98,16 +110,8 @@ class ServerProcess:
 
     def stop(self) -> None:
         """SIGTERM our child (SIGKILL after 10 s) and wait for it."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_child(self.proc, 10)
         self.proc = None
 
 

@@ -58,6 +58,11 @@ def build_golden(name: str, out: Path) -> tuple[str, str]:
         module.loader.exec_module(mod)
         mod.generate(work)
         spec = work / "spec.yaml"
+    return build_spec(spec, out)
+
+
+def build_spec(spec: Path, out: Path) -> tuple[str, str]:
+    """Build ``spec`` into ``out``; returns (listing text, image id)."""
     assert cli(["build", str(spec), "-o", str(out)]) == 0
     _, image_id = read_manifest(str(out))
     return listing.format_listing(listing.from_bundle(str(out))), image_id
@@ -210,12 +215,6 @@ def test_debian_acceptance(spec: str, tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 # --- the Debian golden image: committed listing and id (specs/golden/debian) -------------------
-def _build_debian(inputs: Path, out: Path) -> tuple[str, str]:
-    assert cli(["build", str(inputs / "spec-oci.yaml"), "-o", str(out)]) == 0
-    _, image_id = read_manifest(str(out))
-    return listing.format_listing(listing.from_bundle(str(out))), image_id
-
-
 def _needs_mmdebstrap() -> None:
     if os.geteuid() != 0 or shutil.which("mmdebstrap") is None:
         pytest.skip("needs root and mmdebstrap (scripts/setup.sh installs it)")
@@ -237,7 +236,7 @@ def test_debian_golden_from_scratch_twice(tmp_path: Path) -> None:
             timeout=1800,
         )
         assert prep.returncode == 0, f"prepare.sh failed:\n{prep.stdout}{prep.stderr}"
-        text, image_id = _build_debian(inputs, tmp_path / f"bundle-{n}")
+        text, image_id = build_spec(inputs / "spec-oci.yaml", tmp_path / f"bundle-{n}")
         check_against_expected("debian", text, image_id)
         ids.append(image_id)
         shutil.rmtree(inputs)
@@ -263,7 +262,7 @@ def test_debian_golden_one_byte_change_fails(tmp_path: Path) -> None:
         "--change-byte",
         "/usr/bin/dpkg",
     )
-    text, image_id = _build_debian(inputs, tmp_path / "bundle")
+    text, image_id = build_spec(inputs / "spec-oci.yaml", tmp_path / "bundle")
     changes = listing_changes("debian", text)
     assert len(changes) == 1 and "/usr/bin/dpkg" in changes[0], changes
     assert image_id != (GOLDEN / "debian" / "expected-id").read_text().strip()
