@@ -45,6 +45,10 @@ pub fn copy_whole(dev: &Device2, dir: &Path) -> Result<File> {
             at += take as u64;
         }
     }
+    // written out before the server is READY: otherwise the writeback of the whole copy
+    // (ext4 flushes dirty pages within 30 s anyway) competes with the first reads
+    f.sync_data()
+        .with_context(|| format!("{}: write out the copy of device 2", dir.display()))?;
     Ok(f)
 }
 
