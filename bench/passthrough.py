@@ -208,7 +208,11 @@ def passthrough_table(d: dict[str, Any]) -> str:
     """IOPS and CPU µs per I/O (fio + server + kworkers) per job shape and target; the mount
     times; then the crash runs."""
     jobs = list(next(iter(d["targets"].values())))
-    head = "| job | " + " | ".join(LABELS[t] for t in TARGETS) + " |"
+    head = (
+        "| fio job: IOPS; CPU µs per I/O: fio + kworkers (+ server) | "
+        + " | ".join(LABELS[t] for t in TARGETS)
+        + " |"
+    )
     lines = [head, "|---" * (len(TARGETS) + 1) + "|"]
     for name in jobs:
         cells = []
@@ -227,7 +231,11 @@ def passthrough_table(d: dict[str, Any]) -> str:
     mounts = ", ".join(
         f"{LABELS[t]} {min(v):,.0f}-{max(v):,.0f} ms" for t, v in d["mount_ms"].items()
     )
-    lines += ["", f"Mount (+ warm-up read excluded): {mounts}.", ""]
+    lines += [
+        "",
+        f"Mount, wall (kernel {d['kernel']}; passthrough writes device 2's copy): {mounts}.",
+        "",
+    ]
     lines += ["| SIGKILL of | reads in 4 s | failed | slowest (ms) | after the kill: reads, slowest (ms) |",
               "|---|---|---|---|---|"]  # fmt: skip
     for key, c in d["crash"].items():
