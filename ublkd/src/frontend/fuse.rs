@@ -130,8 +130,10 @@ impl Filesystem for DevFs {
                         "--dev2-cache passthrough: the kernel offers no FUSE_PASSTHROUGH (Linux >= 6.9 needed)",
                     )
                 })?;
-            // backing files on a plain filesystem (depth 0); nothing may stack on dev2's
-            let _ = config.set_max_stack_depth(1);
+            // the kernel's maximum: the copy may sit on a stacked filesystem (the cache
+            // directory on overlayfs, as in the VM guest, failed with ELOOP at 1); no
+            // filesystem may then stack on this one, and none does (loop devices do not count)
+            let _ = config.set_max_stack_depth(2);
         }
         let _ = config.set_max_background(64);
         let _ = config.set_congestion_threshold(48);
@@ -506,7 +508,7 @@ pub fn start(
     match backing {
         Some(Backing::Copy(file)) => {
             let id = fuser::BackingId::create_raw(&fuse_dev, &file)
-                .context("FUSE_DEV_IOC_BACKING_OPEN of the copy of device 2")?;
+                .context("FUSE_DEV_IOC_BACKING_OPEN of the copy of device 2 (ELOOP: --cache-dir is on a filesystem stacked twice)")?;
             // the kernel holds the file from now on; our fd on it is not needed
             let _ = backing_id.set(id);
         }
