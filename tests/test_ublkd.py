@@ -569,8 +569,9 @@ def test_dev2_cache_passthrough_reads_bypass_the_server(no_leftovers: Path) -> N
     mount lists and reads exactly what a page-cached mount does, and none of those reads
     reaches the server (its `reads` counter stays 0). A restarted server (SIGKILL, the
     supervisor's restart) answers a new mount's open with the same backing file; with the
-    supervisor killed (the FUSE connection ends) reads still work, from the backing file.
-    The copy is an unnamed file: nothing is left in the cache directory."""
+    supervisor killed (the FUSE connection ends) reads still work, from the backing file,
+    and `recover` puts a new server's copy under the mounts. The copy is an unnamed file:
+    nothing is left in the cache directory."""
     tmp = no_leftovers
     bundle, tarball, _files = build_bundle(tmp, "pt")
     mnt, other = tmp / "mnt", tmp / "other"
@@ -612,6 +613,13 @@ def test_dev2_cache_passthrough_reads_bypass_the_server(no_leftovers: Path) -> N
         subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=True)
         assert list_dir(mnt) == page_listing
         assert list_dir(other) == page_listing
+        # recover: a new server copies device 2 for its new connection
+        ublkd("recover", mnt)
+        subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=True)
+        assert list_dir(other) == page_listing
+        time.sleep(0.5)
+        st = status_of(mnt)
+        assert (st["dev2_cache"], st["server_alive"], st["reads"]) == ("passthrough", True, 0)
     finally:
         ublkd("umount", other, check=False)
         ublkd("umount", mnt)
