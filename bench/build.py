@@ -93,7 +93,7 @@ BUILD_INPUTS = ("synthetic", "debian", "issue23", "million")
 SECTIONS = (
     "build", "mount", "randread", "laziness", "vm", "remote", "containerd", "latency", "latency_vm",
     "delta",
-    "soak", "soak_vm",
+    "soak", "soak_vm", "passthrough",
 )  # fmt: skip
 
 
@@ -569,7 +569,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench.soak import measure_soak_vm
 
         doc["soak_vm"] = measure_soak_vm()
-    if sections - {"build", "latency", "latency_vm", "soak", "soak_vm"}:
+    if "passthrough" in sections:
+        from bench.passthrough import measure_passthrough
+
+        doc["passthrough"] = measure_passthrough(workdir, runtime_s)
+    if sections - {"build", "latency", "latency_vm", "soak", "soak_vm", "passthrough"}:
         from bench.runtime import run_runtime
 
         doc["runtime_commit"] = commit
@@ -775,6 +779,11 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
         title = "Soak: SIGKILLs of the server and a fault-injecting proxy (fuse)"
         _emit_table(doc, args.update_docs, "soak", title, soak_table)
         _emit_table(doc, args.update_docs, "soak_vm", VM_SAME, soak_table)
+    if "passthrough" in doc:
+        from bench.passthrough import passthrough_table
+
+        title = "FUSE passthrough vs the page-cached FUSE file vs btrfs on a loop device"
+        _emit_table(doc, args.update_docs, "passthrough", title, passthrough_table)
     if "randread" in doc and args.update_docs:
         update_doc(path, "randread", randread_section(doc))
     for name, why in doc.get("runtime_skipped", {}).items():

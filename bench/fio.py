@@ -101,8 +101,8 @@ def parse_fio_json(text: str) -> FioResult:
     )
 
 
-def run_fio(job: FioJob, path: Path, runtime_s: float, log: Path) -> FioResult:
-    cmd = ["fio", *fio_args(job, str(path), runtime_s)]
+def run_fio(job: FioJob, path: Path, runtime_s: float, log: Path, ramp_s: float = 1.0) -> FioResult:
+    cmd = ["fio", *fio_args(job, str(path), runtime_s, ramp_s)]
     p = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=runtime_s + 120)
     with open(log, "a") as f:
         f.write(f"$ {' '.join(cmd)}\n{p.stderr}")

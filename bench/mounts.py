@@ -54,17 +54,29 @@ class Ublkd:
         self.env = dict(os.environ, UBLKD_RUN_DIR=str(run_dir))
 
     def mount_cmd(
-        self, bundle: Path, mnt: Path, frontend: str = "fuse", cache_mb: int | None = None
+        self,
+        bundle: Path,
+        mnt: Path,
+        frontend: str = "fuse",
+        cache_mb: int | None = None,
+        dev2_cache: str | None = None,
     ) -> list[str]:
         cmd = [self.bin, "mount", str(bundle), str(mnt), "--frontend", frontend]
         if cache_mb is not None:
             cmd += ["--cache-mb", str(cache_mb)]
+        if dev2_cache is not None:
+            cmd += ["--dev2-cache", dev2_cache]
         return cmd
 
     def mount(
-        self, bundle: Path, mnt: Path, frontend: str = "fuse", cache_mb: int | None = None
+        self,
+        bundle: Path,
+        mnt: Path,
+        frontend: str = "fuse",
+        cache_mb: int | None = None,
+        dev2_cache: str | None = None,
     ) -> None:
-        _run(self.mount_cmd(bundle, mnt, frontend, cache_mb), self.env)
+        _run(self.mount_cmd(bundle, mnt, frontend, cache_mb, dev2_cache), self.env)
 
     def run(self, args: list[str]) -> str:
         """`ublkd ARGS...` with this state directory; its stdout."""
@@ -87,10 +99,15 @@ class Ublkd:
 
     @contextlib.contextmanager
     def mounted(
-        self, bundle: Path, mnt: Path, frontend: str = "fuse", cache_mb: int | None = None
+        self,
+        bundle: Path,
+        mnt: Path,
+        frontend: str = "fuse",
+        cache_mb: int | None = None,
+        dev2_cache: str | None = None,
     ) -> Iterator[Path]:
         mnt.mkdir(parents=True, exist_ok=True)
-        self.mount(bundle, mnt, frontend, cache_mb)
+        self.mount(bundle, mnt, frontend, cache_mb, dev2_cache)
         try:
             yield mnt
         finally:

@@ -315,3 +315,40 @@ def test_delta_v2_tar_rewrites_every_100th_big_file(tmp_path: Path) -> None:
     assert old.keys() == new.keys()
     assert {k for k in old if old[k] != new[k]} == set(diff) == {"d/f199"}
     assert len(diff["d/f199"]) == 5000 and diff["d/f199"] == new["d/f199"]
+
+
+def test_passthrough_table_rows_errors_and_crash_runs() -> None:
+    """bench/passthrough.py's table: one row per fio job with each target's IOPS, CPU split
+    and server reads (a failed job as its error), the mount times, one row per crash run;
+    and the kernel's per-task CPU ticks parsed from /proc (this process has some)."""
+    from bench.passthrough import _ticks, passthrough_table
+
+    cpu = {"fio": 9.1, "kworkers": 8.3, "server": 0.0}
+    d = {
+        "kernel": "6.18.0",
+        "targets": {
+            "fuse_page": {"psync-j1": {"iops": 20249.0, "cpu_us_per_io": cpu, "server_reads": 30}},
+            "fuse_passthrough": {"psync-j1": {"error": "fio exited 1: boom"}},
+            "btrfs_loop": {"psync-j1": {"iops": 13359.4, "cpu_us_per_io": cpu}},
+        },
+        "mount_ms": {"fuse_page": [49, 226], "fuse_passthrough": [806, 1996]},
+        "crash": {
+            "page/server": {"reads": 27927, "failed": 0, "max_ms": 101.8, "after_kill": 27501,
+                            "after_kill_max_ms": 101.8},
+            "passthrough/supervisor": {"reads": 15066, "failed": 0, "max_ms": 33.6,
+                                       "after_kill": 10004, "after_kill_max_ms": 32.3},
+        },
+    }  # fmt: skip
+    lines = passthrough_table(d).splitlines()
+    row = next(ln for ln in lines if ln.startswith("| psync-j1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells == [
+        "psync-j1",
+        "20,249 IOPS; 9.1 + 8.3 + 0.0 µs; 30 reached the server",
+        "error: fio exited 1: boom",
+        "13,359 IOPS; 9.1 + 8.3 µs",
+    ]
+    assert any("passthrough 806-1,996 ms" in ln and "kernel 6.18.0" in ln for ln in lines)
+    assert "| page: the server (restarted) | 27,927 | 0 | 101.8 | 27,501, 101.8 |" in lines
+    assert any(ln.startswith("| passthrough: the supervisor (connection ends) |") for ln in lines)
+    assert _ticks(os.getpid()) > 0 and _ticks(2**31) == 0

@@ -207,6 +207,38 @@ def test_http_mount_tree_one_file_fetch_and_persistent_cache(
     assert status() == []
 
 
+def test_http_passthrough_from_a_full_chunk_cache(no_leftovers: Path, cache_dir: Path) -> None:
+    """--dev2-cache passthrough of a remote bundle whose chunks are all in the persistent
+    cache: the server's copy of device 2 fetches no pack byte, the mount lists what a
+    default mount does, and no read reaches the server."""
+    tmp = no_leftovers
+    bundle, tarball, _files = build_served_bundle(tmp)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    with nginx_serving(bundle.parent, tmp / "nginx") as web:
+        url = f"{web.url}/{bundle.name}/manifest.json"
+        ublkd("mount", url, mnt, *FRONTEND)
+        try:
+            # every file read: every pack chunk (file content or device 2's superblock)
+            # is now in the persistent cache
+            listing = list_dir(mnt)
+        finally:
+            ublkd("umount", mnt)
+        assert listing == list_tar(tarball)
+        web.clear_log()
+        r = ublkd("mount", url, mnt, *FRONTEND, "--dev2-cache", "passthrough")
+        try:
+            assert "--dev2-cache passthrough (requested)" in r.stderr, r.stderr
+            assert pack_bytes(web.requests()) == 0, web.requests()
+            assert list_dir(mnt) == listing
+            st = settled_status(mnt)
+            assert (st["reads"], st["fetch_bytes"]) == (0, 0), st
+            assert st["disk_cache_hits"] == st["prefetch_chunks"] > 0, st
+        finally:
+            ublkd("umount", mnt)
+    assert status() == []
+
+
 def test_http_redirects_are_followed_keeping_the_range(no_leftovers: Path, cache_dir: Path) -> None:
     """Every file of the bundle behind a 302 (as registries and CDNs redirect blob GETs):
     the range request reaches the new location with its Range header."""

@@ -564,6 +564,68 @@ def test_dev2_cache_page_default_direct_on_request_one_mode_per_server(no_leftov
     assert status() == []
 
 
+def test_dev2_cache_passthrough_reads_bypass_the_server(no_leftovers: Path) -> None:
+    """--dev2-cache passthrough (FUSE passthrough onto a verified copy of device 2): the
+    mount lists and reads exactly what a page-cached mount does, and none of those reads
+    reaches the server (its `reads` counter stays 0). A restarted server (SIGKILL, the
+    supervisor's restart) answers a new mount's open with the same backing file; with the
+    supervisor killed (the FUSE connection ends) reads still work, from the backing file,
+    and `recover` puts a new server's copy under the mounts. The copy is an unnamed file:
+    nothing is left in the cache directory."""
+    tmp = no_leftovers
+    bundle, tarball, _files = build_bundle(tmp, "pt")
+    mnt, other = tmp / "mnt", tmp / "other"
+    mnt.mkdir()
+    other.mkdir()
+    ublkd("mount", bundle, mnt, "--frontend", "fuse")
+    try:
+        page_listing = list_dir(mnt)
+    finally:
+        ublkd("umount", mnt)
+    assert page_listing == list_tar(tarball)
+
+    cache_dir = Path(os.environ.get("UBLKD_CACHE_DIR", "/var/cache/ublkd"))
+    cached_before = sorted(cache_dir.iterdir()) if cache_dir.is_dir() else []
+    r = ublkd("mount", bundle, mnt, "--frontend", "fuse", "--dev2-cache", "passthrough")
+    try:
+        assert "--dev2-cache passthrough (requested)" in r.stderr, r.stderr
+        assert status_of(mnt)["dev2_cache"] == "passthrough"
+        assert dev2_dio(mnt) == "0"
+        assert list_dir(mnt) == page_listing
+        time.sleep(0.5)  # the server writes its counters every 200 ms
+        st = status_of(mnt)
+        assert (st["reads"], st["bytes_served"]) == (0, 0), st
+        assert sorted(cache_dir.iterdir()) == cached_before
+
+        # the server killed and restarted: a new mount opens dev2 with the same backing id
+        pid = st["restarts"]["server_pid"]  # type: ignore[index]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while status_of(mnt)["restarts"]["count"] == 0:  # type: ignore[index]
+            assert time.monotonic() < deadline, "the supervisor did not restart the server"
+            time.sleep(0.05)
+        ublkd("mount", bundle, other, "--rw", tmp / "rw.img", "--rw-size", "1G")
+        assert list_dir(other) == page_listing
+        assert status_of(other)["reads"] == 0
+
+        # the supervisor killed: the connection ends, reads go on from the backing file
+        kill_server(mnt)
+        subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=True)
+        assert list_dir(mnt) == page_listing
+        assert list_dir(other) == page_listing
+        # recover: a new server copies device 2 for its new connection
+        ublkd("recover", mnt)
+        subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=True)
+        assert list_dir(other) == page_listing
+        time.sleep(0.5)
+        st = status_of(mnt)
+        assert (st["dev2_cache"], st["server_alive"], st["reads"]) == ("passthrough", True, 0)
+    finally:
+        ublkd("umount", other, check=False)
+        ublkd("umount", mnt)
+    assert status() == []
+
+
 # --- ublk frontend: runs only inside the VM harness (tests/vm/, a 6.12 guest kernel) ---
 @pytest.mark.vm
 def test_ublk_mount_kill_during_reads_recover(no_leftovers: Path) -> None:

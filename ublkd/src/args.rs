@@ -85,8 +85,12 @@ pub struct MountArgs {
     /// server one at a time). direct: direct I/O end to end (every read reaches the
     /// server, misses in parallel). Default: page for a local bundle, direct for an
     /// http(s)/oci one, where a miss is a network round trip that parallel readers
-    /// must not wait for in line. A bundle whose server already runs in another mode is
-    /// refused (omit the flag to follow it). Ignored by the ublk frontend (direct I/O).
+    /// must not wait for in line. passthrough (never the default): the server copies
+    /// device 2 whole, verified, into an unnamed file in --cache-dir when it starts (time
+    /// and disk space of all of device 2: the mount is no longer lazy) and the kernel
+    /// reads that file through FUSE passthrough; no read reaches the server (Linux >=
+    /// 6.9). A bundle whose server already runs in another mode is refused (omit the
+    /// flag to follow it). Ignored by the ublk frontend (direct I/O).
     #[arg(long, value_enum, value_name = "MODE")]
     pub dev2_cache: Option<Dev2Cache>,
     /// Refuse to mount unless the image id (sha256 of manifest.json) is this.
@@ -142,7 +146,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = DEFAULT_CACHE_MB)]
     pub cache_mb: u64,
     /// fuse frontend: how device 2's FUSE file is cached (default: page for a local
-    /// bundle, direct for a remote one; see `ublkd mount --help`). ublk: ignored.
+    /// bundle, direct for a remote one; passthrough on request; see `ublkd mount
+    /// --help`). ublk: ignored.
     #[arg(long, value_enum)]
     pub dev2_cache: Option<Dev2Cache>,
     /// FUSE worker threads / ublk queues.

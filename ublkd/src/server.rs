@@ -13,7 +13,7 @@ use crate::format::blockmap::Segment;
 use crate::format::trace;
 use crate::frontend;
 use crate::plumbing::{btrfs, mount as mnt};
-use crate::state::STATS_FILE;
+use crate::state::{PASSTHROUGH_FILE, STATS_FILE};
 use crate::stats::Counters;
 use crate::store::remote::{self, Opened};
 use crate::types::{Dev2Cache, Frontend};
@@ -139,7 +139,10 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let bundle_ranges = opened.bundle.blockmap.ranges.len();
     let image_id = opened.bundle.image_id.clone();
     let dev = open_device(opened, counters.clone(), args.cache_mb);
-    warm_superblock_chunk(&dev);
+    // a passthrough server copies every chunk (or, restarted, needs none)
+    if !(kind == Frontend::Fuse && dev2_cache == Dev2Cache::Passthrough) {
+        warm_superblock_chunk(&dev);
+    }
     if let Some(dir) = &args.dir {
         std::fs::create_dir_all(dir).with_context(|| format!("{}: mkdir", dir.display()))?;
         stats_writer(counters.clone(), dir.clone());
@@ -195,8 +198,17 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 }),
                 _ => None,
             };
-            let fe = frontend::fuse::start(dev.clone(), args.threads, dev2_cache, inherited)?;
+            let backing = if dev2_cache == Dev2Cache::Passthrough {
+                Some(passthrough_backing(&dev, &args)?)
+            } else {
+                None
+            };
+            let fe = frontend::fuse::start(dev.clone(), args.threads, dev2_cache, inherited, backing)?;
             timing("serve: fuse frontend up");
+            if let (Some(id), Some(dir)) = (fe.backing_id, &args.dir) {
+                let b = serde_json::to_vec(&PassthroughRecord { backing_id: id })?;
+                write_atomic(&dir.join(PASSTHROUGH_FILE), &b)?;
+            }
             let device = format!("/proc/{pid}/fd/{}/{}", fe.root.as_raw_fd(), frontend::fuse::FILE_NAME);
             announce(&Ready {
                 pid,
@@ -288,6 +300,32 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         }
         Frontend::Auto => unreachable!(),
     }
+}
+
+/// What `<dir>/passthrough.json` holds.
+#[derive(Serialize, Deserialize)]
+struct PassthroughRecord {
+    backing_id: u32,
+}
+
+/// The backing file of a `--dev2-cache passthrough` server: on a connection resumed
+/// from a dead server, the backing id that one recorded (its file is still the
+/// kernel's, and every open of the inode must use that one); otherwise device 2 copied
+/// whole into the cache directory (an unnamed file), then the chunk cache emptied (no
+/// read will reach this server).
+fn passthrough_backing(dev: &Device2, args: &ServeArgs) -> Result<frontend::fuse::Backing> {
+    if let (true, Some(dir)) = (args.fuse_resume, &args.dir) {
+        if let Some(r) = std::fs::read(dir.join(PASSTHROUGH_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<PassthroughRecord>(&b).ok())
+        {
+            return Ok(frontend::fuse::Backing::Id(r.backing_id));
+        }
+    }
+    let file = crate::device::copy::copy_whole(dev, &args.remote.cache_root())?;
+    dev.chunks.clear();
+    timing("serve: device 2 copied for passthrough");
+    Ok(frontend::fuse::Backing::Copy(file))
 }
 
 /// Device 2's superblock (64 KiB in) is the first thing every mount reads (`btrfs device

@@ -28,6 +28,9 @@ pub const STATS_FILE: &str = "stats.json";
 pub const SERVER_LOG: &str = "server.log";
 /// A supervisor's restarts of its server ([`Restarts`]), in the bundle's directory.
 pub const RESTARTS_FILE: &str = "restarts.json";
+/// `--dev2-cache passthrough`: the backing id the server registered on the FUSE
+/// connection (`{"backing_id": N}`), for a restarted server on the same connection.
+pub const PASSTHROUGH_FILE: &str = "passthrough.json";
 
 /// What `serve --supervise` writes to `restarts.json` each time it starts a new server
 /// after one died, and `status` shows.

@@ -39,6 +39,10 @@ pub enum Dev2Cache {
     /// Direct-I/O FUSE file and loop devices: every read reaches the server, misses in
     /// parallel.
     Direct,
+    /// FUSE passthrough (kernel >= 6.9): the server writes device 2 whole, verified, into
+    /// an unnamed local file at its start and every open of `dev2` reads that file in
+    /// the kernel; no read reaches the server. Never the default.
+    Passthrough,
 }
 
 impl Dev2Cache {
@@ -46,6 +50,7 @@ impl Dev2Cache {
         match self {
             Dev2Cache::Page => "page",
             Dev2Cache::Direct => "direct",
+            Dev2Cache::Passthrough => "passthrough",
         }
     }
 
@@ -206,6 +211,7 @@ mod tests {
         assert_eq!(j(&Frontend::Fuse), "\"fuse\"");
         assert_eq!(j(&Dev2Cache::Page), "\"page\"");
         assert_eq!(j(&Dev2Cache::Direct), "\"direct\"");
+        assert_eq!(j(&Dev2Cache::Passthrough), "\"passthrough\"");
         assert_eq!(j(&Mode::Ro), "\"ro\"");
         assert_eq!(j(&Mode::Ephemeral), "\"ephemeral\"");
         assert_eq!(j(&Mode::Rw), "\"rw\"");

@@ -1,6 +1,7 @@
 //! Device 2 as a byte array: the one read path every frontend (FUSE file, ublk queue)
 //! calls. It knows nothing about how many device instances are served from it.
 
+pub mod copy;
 pub mod prefetch;
 
 use crate::format::blockmap::Segment;

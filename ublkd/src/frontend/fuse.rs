@@ -23,6 +23,17 @@
 //!
 //! [`Dev2Cache::Direct`]: FOPEN_DIRECT_IO under a direct-I/O loop device: every read
 //! reaches the server, and with FUSE_ASYNC_DIO many at once (misses overlap).
+//!
+//! [`Dev2Cache::Passthrough`]: FUSE passthrough (FUSE_PASSTHROUGH, Linux >= 6.9). The
+//! server registers one local file holding device 2 whole ([`crate::device::copy`]) with
+//! FUSE_DEV_IOC_BACKING_OPEN and answers every open of `dev2` with FOPEN_PASSTHROUGH and
+//! that backing id: the kernel then reads (and splices, and maps) the open file from the
+//! backing file itself, under a buffered loop device, and no read reaches this server.
+//! The kernel ties a backing file to a whole open, never to a range: one file per
+//! inode (a second backing file for an inode with passthrough opens is refused with
+//! EBUSY), so device 2, which maps ranges of several packs, needs that one copy. The
+//! backing id belongs to the connection, not to the server: a restarted server answers
+//! new opens with the id the dead one registered ([`Backing::Id`]).
 
 use crate::device::Device2;
 use crate::store::source::Fetching;
@@ -36,7 +47,7 @@ use fuser::{
 use std::ffi::{CString, OsStr};
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime};
 
 pub const FILE_NAME: &str = "dev2";
@@ -49,6 +60,19 @@ pub struct DevFs {
     cache: Dev2Cache,
     uid: u32,
     gid: u32,
+    /// [`Dev2Cache::Passthrough`]: the backing id every open is answered with (set once
+    /// the connection's FUSE_INIT allows FUSE_DEV_IOC_BACKING_OPEN).
+    backing_id: Arc<OnceLock<u32>>,
+    /// This server took over a connection an earlier server initialized (its FUSE_INIT
+    /// is a synthetic one, see [`resumed_session`]).
+    resumed: bool,
+}
+
+/// The backing file of a [`Dev2Cache::Passthrough`] server: `Copy`, device 2 copied
+/// whole (to register); `Id`, the id a dead server of this connection registered.
+pub enum Backing {
+    Copy(File),
+    Id(u32),
 }
 
 impl DevFs {
@@ -97,6 +121,20 @@ impl Filesystem for DevFs {
         if let Err(missing) = config.add_capabilities(fuser::InitFlags::FUSE_ASYNC_DIO) {
             log::warn!("FUSE kernel lacks {missing:?}: device-2 reads are serialized");
         }
+        // a resumed server's FUSE_INIT is synthetic: the connection already has it
+        if self.cache == Dev2Cache::Passthrough && !self.resumed {
+            config
+                .add_capabilities(fuser::InitFlags::FUSE_PASSTHROUGH)
+                .map_err(|_| {
+                    std::io::Error::other(
+                        "--dev2-cache passthrough: the kernel offers no FUSE_PASSTHROUGH (Linux >= 6.9 needed)",
+                    )
+                })?;
+            // the kernel's maximum: the copy may sit on a stacked filesystem (the cache
+            // directory on overlayfs, as in the VM guest, failed with ELOOP at 1); no
+            // filesystem may then stack on this one, and none does (loop devices do not count)
+            let _ = config.set_max_stack_depth(2);
+        }
         let _ = config.set_max_background(64);
         let _ = config.set_congestion_threshold(48);
         Ok(())
@@ -128,6 +166,18 @@ impl Filesystem for DevFs {
         let flags = match self.cache {
             Dev2Cache::Page => FopenFlags::FOPEN_KEEP_CACHE,
             Dev2Cache::Direct => FopenFlags::FOPEN_DIRECT_IO,
+            Dev2Cache::Passthrough => {
+                let Some(&id) = self.backing_id.get() else {
+                    log::error!("open of {FILE_NAME} before its backing file was registered");
+                    return reply.error(Errno::EIO);
+                };
+                // SAFETY: an id registered on this connection and never closed (the
+                // connection's end releases it); into_raw below keeps it open.
+                let backing = unsafe { reply.wrap_backing(id) };
+                reply.opened_passthrough(FileHandle(0), FopenFlags::empty(), &backing);
+                backing.into_raw();
+                return;
+            }
         };
         reply.opened(FileHandle(0), flags);
     }
@@ -266,7 +316,9 @@ fn sys_fsmount(fsfd: &OwnedFd) -> Result<OwnedFd> {
 /// files, and its request sizes are what reach us). Direct: a plain open.
 pub fn open_for_loop(path: &str, cache: Dev2Cache) -> Result<File> {
     let f = File::open(path).with_context(|| format!("open the server's device {path}"))?;
-    if cache == Dev2Cache::Direct {
+    // passthrough: the kernel reads the backing file through its own open file, whose
+    // readahead is the backing filesystem's (as for btrfs on a loop device over a file)
+    if cache != Dev2Cache::Page {
         return Ok(f);
     }
     // SAFETY: posix_fadvise on an fd we own; returns an errno value, not -1.
@@ -294,10 +346,12 @@ pub fn tune_fetching(fetching: &mut Fetching) {
 }
 
 /// A running FUSE frontend. `root` is the detached mount's root (O_PATH); the session
-/// threads run until the connection ends (server exit).
+/// threads run until the connection ends (server exit). `backing_id`: the passthrough
+/// backing id every open gets ([`Dev2Cache::Passthrough`]).
 pub struct FuseFrontend {
     pub root: OwnedFd,
     pub session: std::thread::JoinHandle<std::io::Result<()>>,
+    pub backing_id: Option<u32>,
 }
 
 /// A FUSE connection and its detached mount, made by [`connect`]: `fuse` is the
@@ -419,7 +473,11 @@ pub fn start(
     threads: usize,
     cache: Dev2Cache,
     inherited: Option<Inherited>,
+    backing: Option<Backing>,
 ) -> Result<FuseFrontend> {
+    if (cache == Dev2Cache::Passthrough) != backing.is_some() {
+        anyhow::bail!("--dev2-cache passthrough needs a backing file (and only it)");
+    }
     let (conn, resume, supervised) = match inherited {
         Some(i) => (i.conn, i.resume, true),
         None => (connect()?, false, false),
@@ -429,14 +487,37 @@ pub fn start(
     config.clone_fd = !supervised;
     // SAFETY: trivial getters.
     let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
-    let fs = DevFs { dev, cache, uid, gid };
+    let backing_id = Arc::new(OnceLock::new());
+    let fs = DevFs {
+        dev,
+        cache,
+        uid,
+        gid,
+        backing_id: backing_id.clone(),
+        resumed: resume,
+    };
     let Connection { fuse, root } = conn;
+    // BACKING_OPEN goes through the connection once its FUSE_INIT is answered
+    let fuse_dev = fuse.try_clone().context("dup the FUSE connection")?;
     let (session, resend_on) = if resume {
         (resumed_session(fs, &fuse, config)?, Some(fuse))
     } else {
         let s = fuser::Session::from_fd(fs, fuse, fuser::SessionACL::All, config).context("FUSE handshake")?;
         (s, None)
     };
+    match backing {
+        Some(Backing::Copy(file)) => {
+            let id = fuser::BackingId::create_raw(&fuse_dev, &file)
+                .context("FUSE_DEV_IOC_BACKING_OPEN of the copy of device 2 (ELOOP: --cache-dir is on a filesystem stacked twice)")?;
+            // the kernel holds the file from now on; our fd on it is not needed
+            let _ = backing_id.set(id);
+        }
+        Some(Backing::Id(id)) => {
+            let _ = backing_id.set(id);
+        }
+        None => {}
+    }
+    drop(fuse_dev);
     let session = std::thread::Builder::new()
         .name("fuse".into())
         .spawn(move || session.run())?;
@@ -451,7 +532,11 @@ pub fn start(
     if unsafe { libc::fstatat(root.as_raw_fd(), name.as_ptr(), &mut st, 0) } != 0 {
         return Err(std::io::Error::last_os_error()).context("stat dev2 on the FUSE mount");
     }
-    Ok(FuseFrontend { root, session })
+    Ok(FuseFrontend {
+        root,
+        session,
+        backing_id: backing_id.get().copied(),
+    })
 }
 
 #[cfg(test)]
@@ -487,7 +572,9 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let (dev, expect, _) = crate::device::tests::synthetic(tmp.path(), 12);
         let dev = Arc::new(dev);
-        let fe = start(dev.clone(), 2, cache, None).unwrap();
+        let backing = (cache == Dev2Cache::Passthrough)
+            .then(|| Backing::Copy(crate::device::copy::copy_whole(&dev, &tmp.path().join("copy")).unwrap()));
+        let fe = start(dev.clone(), 2, cache, None, backing).unwrap();
         let dev2 = format!("/proc/self/fd/{}/{FILE_NAME}", fe.root.as_raw_fd());
         let file = open_for_loop(&dev2, cache).unwrap();
         assert_eq!(file.metadata().unwrap().len(), expect.len() as u64);
@@ -528,11 +615,16 @@ mod tests {
         assert!(second.unwrap() == expect, "device bytes differ on the second read");
         assert!(write.is_err(), "a read-only loop device must refuse writes");
         assert_eq!(direct_io, cache.loop_direct_io(), "the loop device's direct I/O flag");
+        let len = expect.len() as u64;
+        if cache == Dev2Cache::Passthrough {
+            let s = dev.counters.snapshot();
+            assert_eq!((s.reads, served_second), (0, 0), "no read reaches a passthrough server");
+            return;
+        }
         assert_eq!(
             served_one, 4096,
             "a 4 KiB read must reach the server as 4 KiB (no readahead)"
         );
-        let len = expect.len() as u64;
         match cache {
             Dev2Cache::Page => {
                 assert_eq!(
@@ -544,6 +636,7 @@ mod tests {
                     "a repeated read must come from the page cache"
                 );
             }
+            Dev2Cache::Passthrough => unreachable!(),
             Dev2Cache::Direct => {
                 assert_eq!(served_first, 4096 + len, "every read reaches the server");
                 assert_eq!(served_second, 4096 + 2 * len, "every read reaches the server");
@@ -559,5 +652,10 @@ mod tests {
     #[test]
     fn direct_io_device_reads_back_through_a_loop_device() {
         reads_back_through_a_loop_device(Dev2Cache::Direct);
+    }
+
+    #[test]
+    fn passthrough_device_reads_back_through_a_loop_device() {
+        reads_back_through_a_loop_device(Dev2Cache::Passthrough);
     }
 }

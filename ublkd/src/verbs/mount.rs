@@ -256,7 +256,10 @@ pub fn mount(args: MountArgs) -> Result<()> {
     timing("mount: state saved");
     // the bundle's trace is applied by the mount that starts the server; an explicit
     // --prefetch by any mount
+    // a passthrough server copied device 2 whole before READY: nothing to prefetch
+    let passthrough = srv.frontend == Frontend::Fuse && srv.fuse_dev2_cache() == Dev2Cache::Passthrough;
     let pf_note = match prefetch {
+        Some(_) if passthrough => String::new(),
         Some((whence, t)) if args.prefetch.is_some() || !had_server => match request_prefetch(&b, &srv, &t) {
             Ok(()) => format!(
                 "; prefetching {} chunks ({} trace {whence}) in the background",

@@ -400,6 +400,12 @@ impl VerifiedChunks {
         }
     }
 
+    /// Drop every chunk the memory cache holds (a passthrough server, whose reads never
+    /// reach it, after copying device 2). A chunk being loaded stays with its waiters.
+    pub fn clear(&self) {
+        self.core.cache.lock().unwrap().map.clear();
+    }
+
     /// Number of chunks currently cached (tests).
     #[cfg(test)]
     pub fn cache_len(&self) -> usize {
@@ -428,6 +434,12 @@ impl VerifiedChunks {
     pub fn chunk(&self, pack: u32, chunk: u64) -> Result<Arc<Vec<u8>>, ChunkError> {
         self.access.note(pack, chunk);
         self.get(pack, chunk, Why::Demand)
+    }
+
+    /// The verified bytes of chunk `chunk` of pack `pack`, loaded as a prefetch (not a
+    /// device read: no access noted, no demand counters), for a copy of device 2 whole.
+    pub fn chunk_for_copy(&self, pack: u32, chunk: u64) -> Result<Arc<Vec<u8>>, ChunkError> {
+        self.get(pack, chunk, Why::Prefetch)
     }
 
     /// Bring the chunks `chunks` of `pack` that no cache holds into the caches, loaded
