@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hostiletools import set_file_digest
 
 from btrfs_ublk_image.cli import main as cli
 
@@ -877,15 +878,6 @@ def test_ublk_poll_serve_raw_device_checksum_sigterm(no_leftovers: Path) -> None
 
 
 # --- the structural check before the first mount of an image id ------------------------
-def set_file_digest(bundle: Path, name: str) -> None:
-    """Make manifest.json's sha256 of `name` match the file again (a new image id)."""
-    m = json.loads((bundle / "manifest.json").read_text())
-    m["files"][name]["sha256"] = (
-        "sha256:" + hashlib.sha256((bundle / name).read_bytes()).hexdigest()
-    )
-    (bundle / "manifest.json").write_text(json.dumps(m, indent=2))
-
-
 def structure_record(bundle: Path) -> Path:
     image_id = hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()
     return Path(os.environ["UBLKD_RUN_DIR"], "verified", f"image-{image_id}.json")
@@ -914,7 +906,7 @@ def test_structure_check_first_mount_only_recheck(no_leftovers: Path) -> None:
     assert "structural check: passed in" in r.stderr and "file extents" in r.stderr, r.stderr
     ublkd("umount", mnt)
     rec = json.loads(record.read_text())
-    assert rec["check"].startswith("ublkd ") and "structure check 2" in rec["check"]
+    assert rec["check"].startswith("ublkd ") and "structure check 3" in rec["check"]
     assert "overlay_inexact" not in rec  # overlayfs shows this image as it is
     assert record.stat().st_mode & 0o022 == 0
     r = ublkd("mount", bundle, mnt, "--frontend", "fuse")
@@ -953,7 +945,8 @@ def test_structure_check_extent_outside_the_blockmap_refused(no_leftovers: Path)
 
 def test_structure_check_corrupt_tree_block_refused(no_leftovers: Path) -> None:
     """One byte of the fs tree's root block changed (the manifest's meta.img sha256
-    fixed, so only the structural check can see it): refused, nothing left behind."""
+    fixed, so only the structural check can see it): refused by our walk, naming the
+    block, nothing left behind."""
     from btrfs_ublk_image.reader import Filesystem
 
     tmp = no_leftovers
@@ -970,4 +963,4 @@ def test_structure_check_corrupt_tree_block_refused(no_leftovers: Path) -> None:
     set_file_digest(bundle, "meta.img")
     mnt = tmp / "mnt"
     mnt.mkdir()
-    assert_refused(bundle, mnt, "btrfs check --readonly failed")
+    assert_refused(bundle, mnt, f"fs tree block {bytenr}: checksum")
