@@ -538,6 +538,7 @@ def test_hostile_image_refused_before_mount(no_leftovers: Path, image: Image, v:
     log = kmsg_since(kmsg)
     assert r.returncode != 0, f"{v.name} was mounted:\n{r.stderr}"
     problem = r.stderr.strip().splitlines()[-1]
+    print(problem)  # what a user sees (pytest -rP)
     assert problem.startswith("ublkd: error: ") and str(bundle) in problem, r.stderr
     if v.btrfs_check_blind is None:
         assert f"{bundle}: structural check: " in problem, r.stderr
