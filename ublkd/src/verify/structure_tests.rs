@@ -127,10 +127,9 @@ fn extent(ty: u8, disk: u64, disk_len: u64, off: u64, num: u64) -> Vec<u8> {
     d
 }
 
-#[test]
-fn extents_against_chunks_and_blockmap() {
+/// One data chunk: logical 1 MiB -> device 2 at 0, 1 MiB.
+fn data_chunk() -> ChunkMap {
     let mut chunks = ChunkMap::default();
-    // logical 1 MiB -> device 2 at 0, 1 MiB
     chunks
         .insert(Chunk {
             logical: 1 << 20,
@@ -139,6 +138,12 @@ fn extents_against_chunks_and_blockmap() {
             stripes: vec![(2, 0)],
         })
         .unwrap();
+    chunks
+}
+
+#[test]
+fn extents_against_chunks_and_blockmap() {
+    let mut chunks = data_chunk();
     chunks
         .insert(Chunk {
             logical: 4 << 20,
@@ -437,15 +442,7 @@ fn inode_with(mode: u32, nbytes: u64) -> Vec<u8> {
 
 #[test]
 fn fs_tree_inodes_against_their_extents() {
-    let mut chunks = ChunkMap::default();
-    chunks
-        .insert(Chunk {
-            logical: 1 << 20,
-            length: 1 << 20,
-            ty: BG_DATA,
-            stripes: vec![(2, 0)],
-        })
-        .unwrap();
+    let chunks = data_chunk();
     let bm = blockmap(&[(0, 1 << 20)], 1 << 20);
     let ed = |ino, off| key(ino, 108, off);
     let run = |items: &[(Key, Vec<u8>)]| -> Result<FsTree> {
