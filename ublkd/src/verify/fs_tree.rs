@@ -12,7 +12,7 @@
 //!   bytes whose hash is the key's offset (DIR_ITEM, XATTR_ITEM), a valid file type,
 //!   one entry per DIR_INDEX.
 
-use super::structure::{crc32c_update, u16_at, u32_at, u64_at, ChunkMap, Key, BG_DATA};
+use super::ondisk::{crc32c_update, u16_at, u32_at, u64_at, ChunkMap, Key, BG_DATA};
 use crate::format::blockmap::Blockmap;
 use anyhow::{bail, ensure, Context, Result};
 

@@ -20,6 +20,7 @@
 //! containers-policy.json signature policy, docs/signatures.md).
 
 mod fs_tree;
+mod ondisk;
 pub mod policy;
 pub mod signature;
 pub mod structure;
