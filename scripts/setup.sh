@@ -28,6 +28,7 @@ APT_PACKAGES=(
   apache2-utils     # htpasswd -B: bcrypt password files of the registry auth tests (test_push, test_remote)
   containerd runc   # containerd 1.6 + runc: containers through btrfs-ublk-snapshotter (tests, bench)
   gnupg             # gpg: ublkd verifies image signatures with it; tests sign with skopeo + gpg (docs/signatures.md)
+  strace            # tests/test_hostile_images.py: no crafted image reaches mount(2)
   podman            # podman 4.3: pulls through btrfs-ublk-snapshotter podman-store, --rootfs MNT:O (tests/test_podman.py)
 )
 

@@ -939,28 +939,9 @@ def test_ublk_poll_serve_raw_device_checksum_sigterm(no_leftovers: Path) -> None
 
 
 # --- the structural check before the first mount of an image id ------------------------
-def set_file_digest(bundle: Path, name: str) -> None:
-    """Make manifest.json's sha256 of `name` match the file again (a new image id)."""
-    m = json.loads((bundle / "manifest.json").read_text())
-    m["files"][name]["sha256"] = (
-        "sha256:" + hashlib.sha256((bundle / name).read_bytes()).hexdigest()
-    )
-    (bundle / "manifest.json").write_text(json.dumps(m, indent=2))
-
-
 def structure_record(bundle: Path) -> Path:
     image_id = hashlib.sha256((bundle / "manifest.json").read_bytes()).hexdigest()
     return Path(os.environ["UBLKD_RUN_DIR"], "verified", f"image-{image_id}.json")
-
-
-def assert_refused(bundle: Path, mnt: Path, *want: str) -> str:
-    r = ublkd("mount", bundle, mnt, "--frontend", "fuse", check=False)
-    assert r.returncode != 0, r.stdout
-    assert f"{bundle}: structural check: " in r.stderr, r.stderr
-    for w in want:
-        assert w in r.stderr, r.stderr
-    assert status() == [] and not our_mounts(mnt.parent) and not structure_record(bundle).exists()
-    return r.stderr
 
 
 def test_structure_check_first_mount_only_recheck(no_leftovers: Path) -> None:
@@ -976,7 +957,7 @@ def test_structure_check_first_mount_only_recheck(no_leftovers: Path) -> None:
     assert "structural check: passed in" in r.stderr and "file extents" in r.stderr, r.stderr
     ublkd("umount", mnt)
     rec = json.loads(record.read_text())
-    assert rec["check"].startswith("ublkd ") and "structure check 2" in rec["check"]
+    assert rec["check"].startswith("ublkd ") and "structure check 3" in rec["check"]
     assert "overlay_inexact" not in rec  # overlayfs shows this image as it is
     assert record.stat().st_mode & 0o022 == 0
     r = ublkd("mount", bundle, mnt, "--frontend", "fuse")
@@ -987,49 +968,3 @@ def test_structure_check_first_mount_only_recheck(no_leftovers: Path) -> None:
     assert "structural check: passed in" in r.stderr, r.stderr
     ublkd("umount", mnt)
     assert status() == []
-
-
-def test_structure_check_extent_outside_the_blockmap_refused(no_leftovers: Path) -> None:
-    """A blockmap range shortened (and the manifest's blockmap sha256 fixed): every other
-    check passes, `btrfs check` cannot know, the extents of the file lie partly on device-2
-    bytes no range maps: refused, naming the extent; nothing attached, no record."""
-    from btrfs_ublk_image import blockmap as bmap
-
-    tmp = no_leftovers
-    bundle, _, _ = build_bundle(tmp, "short")
-    bm = bmap.decode((bundle / "blockmap").read_bytes())
-    i, r0 = max(enumerate(bm.ranges), key=lambda e: e[1].length)
-    assert r0.length > 3 * 4096
-    ranges = list(bm.ranges)
-    ranges[i] = bmap.Range(r0.dev_offset, 4096, r0.pack, r0.pack_offset)
-    (bundle / "blockmap").write_bytes(
-        bmap.BlockMap(bm.chunk_shift, bm.device_size, bm.packs, ranges, bm.version).encode()
-    )
-    set_file_digest(bundle, "blockmap")
-    mnt = tmp / "mnt"
-    mnt.mkdir()
-    err = assert_refused(bundle, mnt, "fs tree block", "file extent at disk",
-                         f"device 2 byte {r0.dev_offset + 4096} is mapped by no blockmap range")  # fmt: skip
-    assert "btrfs check" not in err
-
-
-def test_structure_check_corrupt_tree_block_refused(no_leftovers: Path) -> None:
-    """One byte of the fs tree's root block changed (the manifest's meta.img sha256
-    fixed, so only the structural check can see it): refused, nothing left behind."""
-    from btrfs_ublk_image.reader import Filesystem
-
-    tmp = no_leftovers
-    bundle, _, _ = build_bundle(tmp, "corrupt")
-    with Filesystem(str(bundle)) as fs:
-        bytenr, _level, _ = fs._find_root(5)
-        _chunk, devid, physical = fs.map_logical(bytenr, fs.nodesize)
-    assert devid == 1
-    with open(bundle / "meta.img", "r+b") as f:
-        f.seek(physical + 300)
-        b = f.read(1)
-        f.seek(physical + 300)
-        f.write(bytes([b[0] ^ 0x40]))
-    set_file_digest(bundle, "meta.img")
-    mnt = tmp / "mnt"
-    mnt.mkdir()
-    assert_refused(bundle, mnt, "btrfs check --readonly failed")

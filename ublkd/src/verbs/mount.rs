@@ -306,8 +306,9 @@ pub struct PendingCheck {
 }
 
 /// meta.img's part of the structural check, unless a record says this image id passed it
-/// (and `--recheck` is not given): `btrfs check --readonly` on the checked open file,
-/// then our own walk ([`structure::check_meta`]). Also: why overlayfs would not show
+/// (and `--recheck` is not given): our own walk ([`structure::check_meta`]: bounded,
+/// naming the tree, block and item; crafted bytes reach btrfs-progs' parser only once it
+/// passed), then `btrfs check --readonly` on the checked open file. Also: why overlayfs would not show
 /// the image exactly, if it would not (from the walk or the record).
 fn structure_check_meta(
     args: &MountArgs,
@@ -333,8 +334,6 @@ fn structure_check_meta(
         std::process::id(),
         std::os::fd::AsRawFd::as_raw_fd(meta)
     ));
-    structure::btrfs_check(&fd_path).map_err(fail)?;
-    timing("mount: btrfs check passed");
     let m = &bundle.manifest;
     let summary = structure::check_meta(
         meta,
@@ -344,6 +343,8 @@ fn structure_check_meta(
     )
     .map_err(fail)?;
     timing("mount: meta.img structure checked");
+    structure::btrfs_check(&fd_path).map_err(fail)?;
+    timing("mount: btrfs check passed");
     let inexact = summary.overlay.inexact();
     Ok((Some(PendingCheck { summary, t0 }), inexact))
 }

@@ -19,6 +19,8 @@
 //! Checks before a mount: [`structure`] (meta.img), [`policy`] and [`signature`] (the
 //! containers-policy.json signature policy, docs/signatures.md).
 
+mod fs_tree;
+mod ondisk;
 pub mod policy;
 pub mod signature;
 pub mod structure;

@@ -8,11 +8,12 @@
 //!   on devid 1 only (so every tree block is in meta.img), data chunks are single on
 //!   devid 2, inside device 2.
 //! * The root tree -> the fs tree: every tree block checksummed, at its own bytenr,
-//!   of this fsid, at the level its parent says, keys sorted, items inside the leaf,
-//!   no block visited twice (no loops), depth bounded.
-//! * Every EXTENT_DATA of the fs tree: well formed, and its disk range (device-2
-//!   logical -> physical through the chunk tree) inside device-2 bytes the blockmap maps
-//!   to packs.
+//!   of this fsid, at the level and generation its parent (or root item, or the
+//!   superblock) says, keys strictly ascending, items laid out in the leaf as the
+//!   kernel's tree-checker wants, no block visited twice (no loops), depth bounded.
+//! * Every item of the fs tree ([`super::fs_tree`]): file extents well formed, not
+//!   overlapping, and on device-2 bytes the blockmap maps to packs; each inode's nbytes
+//!   against its extents; directory and xattr entries.
 //! * Device 2's superblock (read through the server, [`check_dev2_super`]) agrees with
 //!   meta.img's: fsid, devid 2 and its dev item in meta.img's chunk tree, total bytes.
 //!
@@ -21,6 +22,16 @@
 //!
 //! Crafted input gives an error naming the first problem and where, never a panic.
 
+use super::fs_tree::FsTree;
+pub use super::fs_tree::OverlayView;
+#[cfg(test)]
+use super::fs_tree::{check_extent, covered, name_hash, INODE_ITEM_KEY, XATTR_ITEM_KEY};
+#[cfg(test)]
+use super::ondisk::Chunk;
+use super::ondisk::{
+    crc32c, parse_chunk, slice, u16_at, u32_at, u64_at, u8_at, ChunkMap, Key, BG_DATA, BG_METADATA, BG_PROFILES,
+    BG_SYSTEM,
+};
 use crate::format::blockmap::Blockmap;
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::HashSet;
@@ -29,7 +40,9 @@ use std::os::unix::fs::FileExt;
 
 /// Changes when what the check checks changes: a record of another version is not
 /// believed.
-pub const CHECK_VERSION: u32 = 2; // 2: the record says what overlayfs would hide
+// 2: the record says what overlayfs would hide; 3: generations, leaf item layout,
+// inode nbytes, overlapping extents, directory and xattr entries (fs_tree.rs)
+pub const CHECK_VERSION: u32 = 3;
 
 pub const SUPER_OFFSET: u64 = 64 * 1024;
 pub const SUPER_SIZE: usize = 4096;
@@ -48,89 +61,9 @@ const CHUNK_TREE_OBJECTID: u64 = 3;
 const FS_TREE_OBJECTID: u64 = 5;
 const DEV_ITEMS_OBJECTID: u64 = 1;
 const FIRST_CHUNK_TREE_OBJECTID: u64 = 256;
-const INODE_ITEM_KEY: u8 = 1;
-const XATTR_ITEM_KEY: u8 = 24;
-const EXTENT_DATA_KEY: u8 = 108;
 const ROOT_ITEM_KEY: u8 = 132;
 const DEV_ITEM_KEY: u8 = 216;
 const CHUNK_ITEM_KEY: u8 = 228;
-const BG_DATA: u64 = 1;
-const BG_SYSTEM: u64 = 2;
-const BG_METADATA: u64 = 4;
-/// RAID/DUP profile bits of a block group type.
-const BG_PROFILES: u64 = 0x7f8;
-
-// ---------------------------------------------------------------------------------------
-// crc32c (Castagnoli), as btrfs uses it
-
-const fn crc_table() -> [u32; 256] {
-    let mut t = [0u32; 256];
-    let mut i = 0;
-    while i < 256 {
-        let mut c = i as u32;
-        let mut k = 0;
-        while k < 8 {
-            c = if c & 1 != 0 { 0x82F6_3B78 ^ (c >> 1) } else { c >> 1 };
-            k += 1;
-        }
-        t[i] = c;
-        i += 1;
-    }
-    t
-}
-static CRC_TABLE: [u32; 256] = crc_table();
-
-pub fn crc32c(data: &[u8]) -> u32 {
-    let mut c = !0u32;
-    for &b in data {
-        c = CRC_TABLE[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8);
-    }
-    !c
-}
-
-// ---------------------------------------------------------------------------------------
-// bounded little-endian reads: every read of crafted bytes goes through these
-
-fn u8_at(b: &[u8], off: usize) -> Result<u8> {
-    b.get(off).copied().with_context(|| format!("truncated at byte {off}"))
-}
-fn u16_at(b: &[u8], off: usize) -> Result<u16> {
-    Ok(u16::from_le_bytes(slice(b, off, 2)?.try_into().expect("2 bytes")))
-}
-fn u32_at(b: &[u8], off: usize) -> Result<u32> {
-    Ok(u32::from_le_bytes(slice(b, off, 4)?.try_into().expect("4 bytes")))
-}
-fn u64_at(b: &[u8], off: usize) -> Result<u64> {
-    Ok(u64::from_le_bytes(slice(b, off, 8)?.try_into().expect("8 bytes")))
-}
-fn slice(b: &[u8], off: usize, len: usize) -> Result<&[u8]> {
-    off.checked_add(len)
-        .and_then(|end| b.get(off..end))
-        .with_context(|| format!("truncated: {len} bytes at {off} past the end ({})", b.len()))
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Key {
-    pub objectid: u64,
-    pub ty: u8,
-    pub offset: u64,
-}
-
-impl Key {
-    fn parse(b: &[u8], off: usize) -> Result<Key> {
-        Ok(Key {
-            objectid: u64_at(b, off)?,
-            ty: u8_at(b, off + 8)?,
-            offset: u64_at(b, off + 9)?,
-        })
-    }
-}
-
-impl std::fmt::Display for Key {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "({} {} {})", self.objectid, self.ty, self.offset)
-    }
-}
 
 // ---------------------------------------------------------------------------------------
 // superblock
@@ -161,6 +94,7 @@ pub struct Super {
     pub generation: u64,
     pub root: u64,
     pub chunk_root: u64,
+    pub chunk_root_generation: u64,
     pub total_bytes: u64,
     pub num_devices: u64,
     pub nodesize: u32,
@@ -209,6 +143,7 @@ pub fn parse_super(b: &[u8], what: &str) -> Result<Super> {
             generation: u64_at(b, 72)?,
             root: u64_at(b, 80)?,
             chunk_root: u64_at(b, 88)?,
+            chunk_root_generation: u64_at(b, 164)?,
             total_bytes: u64_at(b, 112)?,
             num_devices: u64_at(b, 136)?,
             nodesize,
@@ -219,82 +154,6 @@ pub fn parse_super(b: &[u8], what: &str) -> Result<Super> {
         })
     })();
     r.with_context(|| format!("{what} superblock"))
-}
-
-// ---------------------------------------------------------------------------------------
-// chunks: logical -> (devid, physical)
-
-#[derive(Debug, Clone)]
-pub struct Chunk {
-    pub logical: u64,
-    pub length: u64,
-    pub ty: u64,
-    /// (devid, physical offset) of each stripe
-    pub stripes: Vec<(u64, u64)>,
-}
-
-/// Parse a chunk item at `b` (the item's bytes, possibly followed by more); returns the
-/// chunk and its size in bytes.
-fn parse_chunk(logical: u64, b: &[u8]) -> Result<(Chunk, usize)> {
-    let length = u64_at(b, 0)?;
-    let ty = u64_at(b, 24)?;
-    let n = u16_at(b, 44)? as usize;
-    ensure!(n >= 1, "chunk at {logical}: no stripes");
-    let size = 48 + 32 * n;
-    ensure!(
-        size <= b.len(),
-        "chunk at {logical}: {n} stripes past the end of its item"
-    );
-    ensure!(length > 0, "chunk at {logical}: length 0");
-    ensure!(
-        logical.checked_add(length).is_some(),
-        "chunk at {logical}: length {length} overflows"
-    );
-    let stripes = (0..n)
-        .map(|i| Ok((u64_at(b, 48 + 32 * i)?, u64_at(b, 56 + 32 * i)?)))
-        .collect::<Result<Vec<_>>>()?;
-    Ok((
-        Chunk {
-            logical,
-            length,
-            ty,
-            stripes,
-        },
-        size,
-    ))
-}
-
-#[derive(Debug, Default)]
-pub struct ChunkMap(Vec<Chunk>);
-
-impl ChunkMap {
-    fn insert(&mut self, c: Chunk) -> Result<()> {
-        if let Some(old) = self.0.iter().find(|o| o.logical == c.logical) {
-            ensure!(
-                old.length == c.length && old.ty == c.ty && old.stripes == c.stripes,
-                "chunk at {} differs between sys_chunk_array and chunk tree",
-                c.logical
-            );
-            return Ok(());
-        }
-        ensure!(
-            !self
-                .0
-                .iter()
-                .any(|o| o.logical < c.logical + c.length && c.logical < o.logical + o.length),
-            "chunk at {} (+{}) overlaps another chunk",
-            c.logical,
-            c.length
-        );
-        self.0.push(c);
-        Ok(())
-    }
-
-    fn find(&self, logical: u64, len: u64) -> Option<&Chunk> {
-        self.0
-            .iter()
-            .find(|c| logical >= c.logical && logical.checked_add(len).is_some_and(|e| e <= c.logical + c.length))
-    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -323,84 +182,18 @@ pub struct MetaSummary {
     pub overlay: OverlayView,
 }
 
-/// What an overlayfs over the image (mounted by root without `userxattr`, as
-/// `mount --ephemeral` mounts it) would not show as the image has it. Measured on 6.18
-/// (docs/ublkd.md, "Ephemeral mounts are exact"): xattrs named `trusted.overlay.*` are
-/// overlayfs's own (hidden, or steering it: opaque, redirect, whiteout), and
-/// `trusted.overlay.overlay.X` is shown as `trusted.overlay.X`; a character device 0:0
-/// is a whiteout (the entry vanishes). `user.overlay.*`, other `trusted.*`, `security.*`
-/// and `user.*` show as they are.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct OverlayView {
-    /// xattrs named `trusted.overlay.*`
-    pub overlay_xattrs: u64,
-    /// character devices 0:0
-    pub whiteouts: u64,
-    /// the first of them, as "inode N: xattr NAME" or "inode N: character device 0:0"
-    pub first: Option<String>,
-}
-
-/// overlayfs's xattr namespace in a mount without `userxattr` (OVL_XATTR_TRUSTED_PREFIX)
-pub const OVERLAY_XATTR_PREFIX: &[u8] = b"trusted.overlay.";
-
-impl OverlayView {
-    /// None: overlayfs shows the image exactly; else why not, in a sentence.
-    pub fn inexact(&self) -> Option<String> {
-        let mut what = Vec::new();
-        if self.overlay_xattrs > 0 {
-            what.push(format!("{} xattr(s) named trusted.overlay.*", self.overlay_xattrs));
-        }
-        if self.whiteouts > 0 {
-            what.push(format!("{} character device(s) 0:0", self.whiteouts));
-        }
-        let first = self.first.as_ref()?;
-        Some(format!(
-            "the image has {} (first: {first}), which overlayfs hides or interprets",
-            what.join(" and ")
-        ))
-    }
-
-    fn note(&mut self, what: String) {
-        self.first.get_or_insert(what);
-    }
-
-    /// One fs tree item: an INODE_ITEM (mode, rdev) or an XATTR_ITEM (one or more
-    /// btrfs_dir_item entries with the names of the xattrs whose name hashes collide).
-    fn item(&mut self, key: Key, d: &[u8]) -> Result<()> {
-        match key.ty {
-            INODE_ITEM_KEY => {
-                ensure!(d.len() == 160, "inode item of {} bytes, not 160", d.len());
-                let (mode, rdev) = (u32_at(d, 52)?, u64_at(d, 56)?);
-                if mode & 0o170000 == 0o020000 && rdev == 0 {
-                    self.whiteouts += 1;
-                    self.note(format!("inode {}: character device 0:0", key.objectid));
-                }
-            }
-            XATTR_ITEM_KEY => {
-                let mut at = 0;
-                while at < d.len() {
-                    ensure!(d.len() - at >= 30, "xattr item: entry at {at} is cut short");
-                    let data_len = u16::from_le_bytes([d[at + 25], d[at + 26]]) as usize;
-                    let name_len = u16::from_le_bytes([d[at + 27], d[at + 28]]) as usize;
-                    let end = at + 30 + name_len + data_len;
-                    ensure!(end <= d.len(), "xattr item: entry at {at} runs past the item");
-                    let name = &d[at + 30..at + 30 + name_len];
-                    if name.starts_with(OVERLAY_XATTR_PREFIX) {
-                        self.overlay_xattrs += 1;
-                        let name = String::from_utf8_lossy(name);
-                        self.note(format!("inode {}: xattr {name}", key.objectid));
-                    }
-                    at = end;
-                }
-            }
-            _ => {}
-        }
-        Ok(())
-    }
+/// Where a tree (or subtree) starts and what its block must say.
+#[derive(Debug, Clone, Copy)]
+struct Root {
+    bytenr: u64,
+    level: u8,
+    generation: u64,
 }
 
 impl<'a> Meta<'a> {
-    fn read_block(&mut self, logical: u64, level: u8, owner: u64, tree: &str) -> Result<Vec<u8>> {
+    /// A tree block at `logical`, checked against what points at it: `level`, `owner` and
+    /// `generation` (its parent's key pointer, root item or the superblock).
+    fn read_block(&mut self, logical: u64, level: u8, owner: u64, generation: u64, tree: &str) -> Result<Vec<u8>> {
         let ns = self.sb.nodesize as u64;
         let where_ = format!("{tree} tree block {logical}");
         ensure!(
@@ -433,68 +226,143 @@ impl<'a> Meta<'a> {
         self.file
             .read_exact_at(&mut b, phys)
             .with_context(|| format!("{where_}: read at {phys}"))?;
-        let want = u32_at(&b, 0)?;
-        let got = crc32c(&b[32..]);
-        ensure!(want == got, "{where_}: checksum {want:#010x}, computed {got:#010x}");
-        ensure!(
-            u64_at(&b, 48)? == logical,
-            "{where_}: header says bytenr {}",
-            u64_at(&b, 48)?
-        );
-        ensure!(b[32..48] == self.sb.fsid, "{where_}: fsid is not the filesystem's");
-        ensure!(b[100] == level, "{where_}: level {}, its parent says {level}", b[100]);
-        let o = u64_at(&b, 88)?;
-        ensure!(o == owner, "{where_}: owner {o}, not {owner}");
+        check_header(&b, logical, level, owner, generation, &self.sb, &where_)?;
         Ok(b)
     }
 
     /// Walk a tree depth first; `leaf_item(key, data)` sees every leaf item in key order.
-    fn walk(&mut self, root: u64, level: u8, owner: u64, tree: &str, leaf_item: &mut LeafFn<'a, '_>) -> Result<()> {
-        self.walk_block(root, level, owner, tree, None, leaf_item)
+    fn walk(&mut self, root: Root, owner: u64, tree: &str, leaf_item: &mut LeafFn<'a, '_>) -> Result<()> {
+        self.walk_block(root, owner, tree, None, leaf_item)
     }
 
     fn walk_block(
         &mut self,
-        bytenr: u64,
-        level: u8,
+        Root {
+            bytenr,
+            level,
+            generation,
+        }: Root,
         owner: u64,
         tree: &str,
         first_key: Option<Key>,
         leaf_item: &mut LeafFn<'a, '_>,
     ) -> Result<()> {
-        let b = self.read_block(bytenr, level, owner, tree)?;
+        let b = self.read_block(bytenr, level, owner, generation, tree)?;
         let where_ = format!("{tree} tree block {bytenr}");
-        let n = u32_at(&b, 96)? as usize;
-        let body = b.len() - HEADER_SIZE;
-        let mut prev: Option<Key> = None;
-        if level == 0 {
-            ensure!(n * ITEM_SIZE <= body, "{where_}: {n} items do not fit in a leaf");
-            for i in 0..n {
-                let at = HEADER_SIZE + i * ITEM_SIZE;
-                let key = Key::parse(&b, at)?;
-                let (off, size) = (u32_at(&b, at + 17)? as usize, u32_at(&b, at + 21)? as usize);
-                ensure!(
-                    off >= n * ITEM_SIZE && off.checked_add(size).is_some_and(|e| e <= body),
-                    "{where_}: item {i} {key}: data at {off}+{size} outside the leaf"
-                );
-                check_order(&where_, i, key, prev, first_key)?;
-                prev = Some(key);
-                let data = &b[HEADER_SIZE + off..HEADER_SIZE + off + size];
-                leaf_item(self, key, data).with_context(|| format!("{where_}: item {i} {key}"))?;
+        // the whole block's layout and key order first (as the kernel's tree-checker
+        // does), then its items or children: the first problem is the block's own
+        match block_layout(&b, level, &where_, first_key)? {
+            Layout::Leaf(items) => {
+                for (i, (key, at, size)) in items.into_iter().enumerate() {
+                    leaf_item(self, key, &b[at..at + size]).with_context(|| format!("{where_}: item {i} {key}"))?;
+                }
             }
-        } else {
-            ensure!(n >= 1, "{where_}: a node with no children");
-            ensure!(n * KEY_PTR_SIZE <= body, "{where_}: {n} pointers do not fit in a node");
-            for i in 0..n {
-                let at = HEADER_SIZE + i * KEY_PTR_SIZE;
-                let key = Key::parse(&b, at)?;
-                check_order(&where_, i, key, prev, first_key)?;
-                prev = Some(key);
-                let child = u64_at(&b, at + 17)?;
-                self.walk_block(child, level - 1, owner, tree, Some(key), leaf_item)?;
+            Layout::Node(children) => {
+                for (key, child) in children {
+                    self.walk_block(child, owner, tree, Some(key), leaf_item)?;
+                }
             }
         }
         Ok(())
+    }
+}
+
+/// A tree block's header against what points at it (`level`, `owner`, `generation`: its
+/// parent's key pointer, a root item or the superblock) and the superblock.
+fn check_header(
+    b: &[u8],
+    logical: u64,
+    level: u8,
+    owner: u64,
+    generation: u64,
+    sb: &Super,
+    where_: &str,
+) -> Result<()> {
+    let want = u32_at(b, 0)?;
+    let got = crc32c(&b[32..]);
+    ensure!(want == got, "{where_}: checksum {want:#010x}, computed {got:#010x}");
+    ensure!(
+        u64_at(b, 48)? == logical,
+        "{where_}: header says bytenr {}",
+        u64_at(b, 48)?
+    );
+    ensure!(b[32..48] == sb.fsid, "{where_}: fsid is not the filesystem's");
+    ensure!(b[100] == level, "{where_}: level {}, its parent says {level}", b[100]);
+    let o = u64_at(b, 88)?;
+    ensure!(o == owner, "{where_}: owner {o}, not {owner}");
+    // the kernel's verify_parent_transid: a block of another generation than its parent
+    // names is a stale or forged one
+    let g = u64_at(b, 80)?;
+    ensure!(
+        g == generation,
+        "{where_}: generation {g}, what points at it says {generation}"
+    );
+    ensure!(
+        g <= sb.generation,
+        "{where_}: generation {g}, newer than the superblock's {}",
+        sb.generation
+    );
+    Ok(())
+}
+
+/// What a tree block holds, its layout checked.
+#[derive(Debug)]
+enum Layout {
+    /// (key, data position in the block, data size) of each item
+    Leaf(Vec<(Key, usize, usize)>),
+    /// (key, child) of each key pointer
+    Node(Vec<(Key, Root)>),
+}
+
+/// A block's items or key pointers: inside the block, keys strictly ascending, the first
+/// one its parent's (`first_key`); a leaf's item data laid out as the kernel's
+/// tree-checker wants it.
+fn block_layout(b: &[u8], level: u8, where_: &str, first_key: Option<Key>) -> Result<Layout> {
+    let n = u32_at(b, 96)? as usize;
+    let body = b.len() - HEADER_SIZE;
+    let mut prev: Option<Key> = None;
+    if level == 0 {
+        ensure!(n * ITEM_SIZE <= body, "{where_}: {n} items do not fit in a leaf");
+        let mut items = Vec::with_capacity(n);
+        let mut data_end = body;
+        for i in 0..n {
+            let at = HEADER_SIZE + i * ITEM_SIZE;
+            let key = Key::parse(b, at)?;
+            let (off, size) = (u32_at(b, at + 17)? as usize, u32_at(b, at + 21)? as usize);
+            ensure!(
+                off >= n * ITEM_SIZE && off.checked_add(size).is_some_and(|e| e <= body),
+                "{where_}: item {i} {key}: data at {off}+{size} outside the leaf"
+            );
+            // item 0's data ends the leaf, each next item's ends where the one before
+            // starts (no gaps, no shared bytes)
+            ensure!(
+                off + size == data_end,
+                "{where_}: item {i} {key}: data at {off}+{size} does not end where the item before \
+                 starts ({data_end})"
+            );
+            data_end = off;
+            check_order(where_, i, key, prev, first_key)?;
+            prev = Some(key);
+            items.push((key, HEADER_SIZE + off, size));
+        }
+        Ok(Layout::Leaf(items))
+    } else {
+        ensure!(n >= 1, "{where_}: a node with no children");
+        ensure!(n * KEY_PTR_SIZE <= body, "{where_}: {n} pointers do not fit in a node");
+        let mut children = Vec::with_capacity(n);
+        for i in 0..n {
+            let at = HEADER_SIZE + i * KEY_PTR_SIZE;
+            let key = Key::parse(b, at)?;
+            check_order(where_, i, key, prev, first_key)?;
+            prev = Some(key);
+            let child = Root {
+                bytenr: u64_at(b, at + 17)?,
+                level: level - 1,
+                generation: u64_at(b, at + 25)?,
+            };
+            children.push((key, child));
+        }
+        Ok(Layout::Node(children))
     }
 }
 
@@ -564,48 +432,47 @@ pub fn check_meta(file: &File, fsid: &str, dev_uuids: [&str; 2], blockmap: &Bloc
     }
     // the chunk tree
     let mut dev_items: Vec<DevItem> = Vec::new();
-    m.walk(
-        sb.chunk_root,
-        sb.chunk_root_level,
-        CHUNK_TREE_OBJECTID,
-        "chunk",
-        &mut |m, key, data| {
-            match key.ty {
-                CHUNK_ITEM_KEY => {
-                    ensure!(
-                        key.objectid == FIRST_CHUNK_TREE_OBJECTID,
-                        "chunk item of objectid {}",
-                        key.objectid
-                    );
-                    let (c, size) = parse_chunk(key.offset, data)?;
-                    ensure!(
-                        size == data.len(),
-                        "chunk item of {} bytes, its stripes make {size}",
-                        data.len()
-                    );
-                    m.chunks.insert(c)?;
-                }
-                DEV_ITEM_KEY => {
-                    ensure!(
-                        key.objectid == DEV_ITEMS_OBJECTID,
-                        "dev item of objectid {}",
-                        key.objectid
-                    );
-                    ensure!(data.len() == DEV_ITEM_SIZE, "dev item of {} bytes", data.len());
-                    let d = DevItem::parse(data)?;
-                    ensure!(
-                        d.devid == key.offset,
-                        "dev item {} under key offset {}",
-                        d.devid,
-                        key.offset
-                    );
-                    dev_items.push(d);
-                }
-                _ => {}
+    let chunk_root = Root {
+        bytenr: sb.chunk_root,
+        level: sb.chunk_root_level,
+        generation: sb.chunk_root_generation,
+    };
+    m.walk(chunk_root, CHUNK_TREE_OBJECTID, "chunk", &mut |m, key, data| {
+        match key.ty {
+            CHUNK_ITEM_KEY => {
+                ensure!(
+                    key.objectid == FIRST_CHUNK_TREE_OBJECTID,
+                    "chunk item of objectid {}",
+                    key.objectid
+                );
+                let (c, size) = parse_chunk(key.offset, data)?;
+                ensure!(
+                    size == data.len(),
+                    "chunk item of {} bytes, its stripes make {size}",
+                    data.len()
+                );
+                m.chunks.insert(c)?;
             }
-            Ok(())
-        },
-    )?;
+            DEV_ITEM_KEY => {
+                ensure!(
+                    key.objectid == DEV_ITEMS_OBJECTID,
+                    "dev item of objectid {}",
+                    key.objectid
+                );
+                ensure!(data.len() == DEV_ITEM_SIZE, "dev item of {} bytes", data.len());
+                let d = DevItem::parse(data)?;
+                ensure!(
+                    d.devid == key.offset,
+                    "dev item {} under key offset {}",
+                    d.devid,
+                    key.offset
+                );
+                dev_items.push(d);
+            }
+            _ => {}
+        }
+        Ok(())
+    })?;
     // every chunk: metadata only on devid 1, data single on devid 2 inside device 2
     for c in &m.chunks.0 {
         let where_ = format!("chunk tree: chunk at {} (+{}, type {:#x})", c.logical, c.length, c.ty);
@@ -661,126 +528,40 @@ pub fn check_meta(file: &File, fsid: &str, dev_uuids: [&str; 2], blockmap: &Bloc
         blockmap.device_size
     );
     // the root tree -> the fs tree's root
-    let mut fs_root: Option<(u64, u8)> = None;
-    m.walk(
-        sb.root,
-        sb.root_level,
-        ROOT_TREE_OBJECTID,
-        "root",
-        &mut |_, key, data| {
-            if key.objectid == FS_TREE_OBJECTID && key.ty == ROOT_ITEM_KEY {
-                ensure!(data.len() >= 239, "root item of {} bytes", data.len());
-                let level = u8_at(data, 238)?;
-                ensure!(level <= MAX_LEVEL, "fs tree level {level}");
-                fs_root = Some((u64_at(data, 176)?, level));
-            }
-            Ok(())
-        },
-    )?;
-    let (fs_bytenr, fs_level) = fs_root.context("root tree: no root item for the fs tree (5)")?;
-    // the fs tree: every file extent
-    let mut extents = 0u64;
-    let mut overlay = OverlayView::default();
-    m.walk(fs_bytenr, fs_level, FS_TREE_OBJECTID, "fs", &mut |m, key, data| {
-        if key.ty == EXTENT_DATA_KEY {
-            check_extent(&m.chunks, blockmap, data)?;
-            extents += 1;
+    let mut fs_root: Option<Root> = None;
+    let root = Root {
+        bytenr: sb.root,
+        level: sb.root_level,
+        generation: sb.generation,
+    };
+    m.walk(root, ROOT_TREE_OBJECTID, "root", &mut |_, key, data| {
+        if key.objectid == FS_TREE_OBJECTID && key.ty == ROOT_ITEM_KEY {
+            ensure!(data.len() >= 239, "root item of {} bytes", data.len());
+            let level = u8_at(data, 238)?;
+            ensure!(level <= MAX_LEVEL, "fs tree level {level}");
+            fs_root = Some(Root {
+                bytenr: u64_at(data, 176)?,
+                level,
+                generation: u64_at(data, 160)?,
+            });
         }
-        overlay.item(key, data)
+        Ok(())
     })?;
+    let fs_root = fs_root.context("root tree: no root item for the fs tree (5)")?;
+    // the fs tree: every item (fs_tree.rs)
+    let mut fs = FsTree::default();
+    m.walk(fs_root, FS_TREE_OBJECTID, "fs", &mut |m, key, data| {
+        fs.item(&m.chunks, blockmap, key, data)
+    })?;
+    fs.finish().context("fs tree")?;
     let tree_blocks = m.visited.len();
     Ok(MetaSummary {
         sb,
         dev2,
-        extents,
+        extents: fs.extents,
         tree_blocks,
-        overlay,
+        overlay: fs.overlay,
     })
-}
-
-/// One EXTENT_DATA item: well formed; a regular or prealloc extent's disk range in one
-/// data chunk and, on device 2, inside bytes the blockmap maps to packs.
-fn check_extent(chunks: &ChunkMap, bm: &Blockmap, d: &[u8]) -> Result<()> {
-    ensure!(d.len() >= 21, "file extent of {} bytes", d.len());
-    let ty = d[20];
-    match ty {
-        0 => {
-            let ram = u64_at(d, 8)?;
-            if d[16] == 0 {
-                ensure!(
-                    ram == (d.len() - 21) as u64,
-                    "inline extent: ram_bytes {ram}, {} bytes inline",
-                    d.len() - 21
-                );
-            }
-            Ok(())
-        }
-        1 | 2 => {
-            ensure!(d.len() == 53, "file extent of {} bytes, not 53", d.len());
-            let disk = u64_at(d, 21)?;
-            let disk_len = u64_at(d, 29)?;
-            let off = u64_at(d, 37)?;
-            let num = u64_at(d, 45)?;
-            if disk == 0 {
-                return Ok(()); // a hole
-            }
-            ensure!(disk_len > 0 && num > 0, "file extent of 0 bytes");
-            let ram = u64_at(d, 8)?;
-            ensure!(
-                off.checked_add(num).is_some_and(|e| e <= ram),
-                "file extent: offset {off} + {num} bytes past its {ram} bytes"
-            );
-            if d[16] == 0 {
-                ensure!(
-                    ram == disk_len,
-                    "uncompressed file extent: ram_bytes {ram} != disk_num_bytes {disk_len}"
-                );
-            }
-            let c = chunks
-                .find(disk, disk_len)
-                .with_context(|| format!("file extent at disk {disk} (+{disk_len}): in no chunk"))?;
-            ensure!(
-                c.ty & BG_DATA != 0,
-                "file extent at disk {disk}: in a chunk of type {:#x}, not data",
-                c.ty
-            );
-            let phys = c.stripes[0].1 + (disk - c.logical);
-            covered(bm, phys, disk_len).with_context(|| {
-                format!(
-                    "file extent at disk {disk} (+{disk_len}) = device 2 bytes {phys}..{}",
-                    phys + disk_len
-                )
-            })
-        }
-        t => bail!("file extent of type {t}"),
-    }
-}
-
-/// Every byte of device 2's [off, off+len) mapped by a blockmap range, but for the rest
-/// of a 4 KiB block after a range that ends inside it.
-fn covered(bm: &Blockmap, off: u64, len: u64) -> Result<()> {
-    let end = off.checked_add(len).context("overflows")?;
-    ensure!(end <= bm.device_size, "past device 2's size {}", bm.device_size);
-    let mut at = off;
-    // the last range starting at or before `at`
-    let mut i = bm.ranges.partition_point(|r| r.dev_offset <= at);
-    ensure!(i > 0, "device 2 byte {at} is mapped by no blockmap range");
-    i -= 1;
-    while at < end {
-        let r = bm
-            .ranges
-            .get(i)
-            .with_context(|| format!("device 2 byte {at} is mapped by no blockmap range"))?;
-        ensure!(
-            r.dev_offset <= at && at < r.dev_offset + r.length,
-            "device 2 byte {at} is mapped by no blockmap range"
-        );
-        // a range need not end on a 4 KiB boundary (a file's last bytes): the rest of
-        // that block is zeros the extent may cover
-        at = (r.dev_offset + r.length).next_multiple_of(4096);
-        i += 1;
-    }
-    Ok(())
 }
 
 /// Device 2's superblock (4 KiB read at [`SUPER_OFFSET`] of device 2) against meta.img's.
