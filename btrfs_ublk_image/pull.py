@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from btrfs_ublk_image import patch
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.files import write_atomic
 from btrfs_ublk_image.progress import Progress
@@ -367,21 +368,32 @@ def pull_bundle(
         reg.get_blob(str(config.get("digest")), mpath, config.get("size"))
         manifest, image_id = parse_manifest(read_bundle_file(mpath), f"{text}: {MANIFEST}")
         files: dict[str, Any] = manifest.get("files") or {}
+        patches = patch.entries(manifest, f"{text}: {MANIFEST}")
+        # a bundle with patches travels as its patch base and its patches (docs/remote.md)
+        sizes = {patch.base_path(n): p["base"]["size"] for n, p in patches.items()}
+        sizes[META_IMG] = files.get(META_IMG, {}).get("size", 0)
         os.mkdir(os.path.join(dest, "packs"))
+        if patches:
+            os.mkdir(os.path.join(dest, patch.BASE_DIR))
         for layer in layers:
             title = (layer.get("annotations") or {}).get(ANNOTATION_TITLE)
             if not isinstance(title, str) or not re.fullmatch(
-                r"meta\.img|blockmap|packs/[0-9a-f]{64}", title
+                r"(base/)?(meta\.img|blockmap)|(meta\.img|blockmap)\.patch|packs/[0-9a-f]{64}",
+                title,
             ):
                 raise ImageError(f"{text}: layer {layer.get('digest')}: unexpected title {title!r}")
+            if title.startswith(patch.BASE_DIR + "/") and not patches:
+                raise ImageError(f"{text}: layer {title!r} but {MANIFEST} has no patches")
             path = os.path.join(dest, title)
             if os.path.exists(path):
                 continue  # the same pack listed twice
             if layer.get("mediaType") == MT_META_ZSTD:
                 reg.get_blob(str(layer.get("digest")), path + ".zst", layer.get("size"))
-                _inflate(path + ".zst", path, int(files.get(META_IMG, {}).get("size", 0)))
+                _inflate(path + ".zst", path, int(sizes.get(title, 0)))
             else:
                 reg.get_blob(str(layer.get("digest")), path, layer.get("size"))
+        for name, p in patches.items():
+            _unpatch(dest, name, p, files.get(name, {}), text)
         for name in (META_IMG, BLOCKMAP):
             want = files.get(name, {}).get("sha256")
             path = os.path.join(dest, name)
@@ -393,6 +405,24 @@ def pull_bundle(
     finally:
         reg.close()
     return image_id
+
+
+def _unpatch(dest: str, name: str, entry: dict[str, Any], want: dict[str, Any], text: str) -> None:
+    """``name`` made from its patch base and patch in ``dest``, each checked against the
+    manifest first (the result is checked by the caller)."""
+    from btrfs_ublk_image.bundle import file_sha256, read_bundle_file
+
+    for rel, e in ((patch.base_path(name), entry["base"]), (patch.patch_path(name), entry)):
+        path = os.path.join(dest, rel)
+        if not os.path.exists(path) or file_sha256(path) != e["sha256"]:
+            raise ImageError(f"{text}: {rel} is missing or differs from manifest.json")
+    data = patch.apply(
+        read_bundle_file(os.path.join(dest, patch.base_path(name))),
+        read_bundle_file(os.path.join(dest, patch.patch_path(name))),
+        int(want.get("size", 0)),
+        f"{text}: {patch.patch_path(name)}",
+    )
+    write_atomic(Path(dest) / name, data)
 
 
 def _inflate(src: str, dest: str, limit: int) -> None:
