@@ -176,6 +176,7 @@ def _delta_summary(old: str, new: str, lines: list[str]) -> str:
         "push_bytes": t.push_bytes,
         "push_packs": t.push_packs,
         "image_bytes": t.new_bytes,
+        "meta_bytes": t.meta_bytes,
     }
     return "".join(f"{k}: {v}\n" for k, v in rows.items())
 

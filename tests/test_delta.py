@@ -95,6 +95,10 @@ def delta(old: Path, new: Path) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split(": ") for line in out.splitlines())}
 
 
+def patches_of(bundle: Path) -> list[str]:
+    return ["meta.img.patch", "blockmap.patch"] if (bundle / "base").is_dir() else []
+
+
 @pytest.fixture
 def trees(tmp_path: Path) -> tuple[Path, Path, int]:
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
@@ -162,6 +166,13 @@ def test_v2_reuses_v1_packs_byte_identical_and_diff_counts(
     assert d["fetch_bytes"] <= new_bytes * 1.1
     w = delta(b1, whole)
     assert w["fetch_bytes"] == w["push_bytes"] == w["image_bytes"] > 50 * d["fetch_bytes"]
+    # metadata: v2's manifest and patches (v1 holds their base); without a base the files
+    size = {p: os.path.getsize(p) for p in (*b2.iterdir(), *whole.iterdir()) if p.is_file()}
+    assert d["meta_bytes"] == sum(size[b2 / n] for n in ("manifest.json", *patches_of(b2)))
+    assert w["meta_bytes"] == sum(
+        size[whole / n] for n in ("manifest.json", "meta.img", "blockmap")
+    )
+    assert d["fetch_bytes"] + d["meta_bytes"] <= new_bytes * 1.1
     assert (w["changed"], w["added"], w["removed"]) == (2, 1, 1)
     # the plain forms of diff still list the differences
     rc, out, _ = run("diff", b1, tmp_path / "v2.bundle")

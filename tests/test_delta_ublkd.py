@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -111,13 +113,20 @@ def test_v2_after_v1_over_http_fetches_only_new_chunks(no_leftovers: Path, cache
             st = settled_status(mnt)
         finally:
             ublkd("umount", mnt)
-        fetched = pack_bytes(web.requests())
+        reqs = web.requests()
+        fetched = pack_bytes(reqs)
     # v2's new pack is one chunk: its new content and device 2's superblock
     assert new_bytes < fetched <= new_bytes * 1.1, (fetched, new_bytes)
     assert v1_fetched > 50 * fetched
     shared = st["disk_cache_shared_bytes"]
     assert isinstance(shared, int) and shared > v1_fetched * 0.9, (shared, v1_fetched)
-    assert st["fetch_bytes"] == fetched
+    # metadata: the manifest and the two patches; the patch base is v1's meta.img and
+    # blockmap, found in v1's image directory. Everything together within the bound.
+    paths = sorted(r.path.removeprefix("/v2.bundle/") for r in reqs if "/packs/" not in r.path)
+    assert paths == ["blockmap.patch", "manifest.json", "meta.img.patch", "prefetch.trace"], paths
+    total = sum(r.bytes_sent for r in reqs if r.status in (200, 206))
+    assert total <= new_bytes * 1.1, (total, fetched, new_bytes)
+    assert st["fetch_bytes"] == fetched  # the server's; the mount fetched the metadata
 
 
 def test_base_pack_missing_on_the_server_fails_only_reused_files(
@@ -151,3 +160,18 @@ def test_base_pack_missing_on_the_server_fails_only_reused_files(
             assert read_file(mnt / "etc/hostname") == b"v1\n"  # inline in meta.img
         finally:
             ublkd("umount", mnt)
+        # a host without v1: meta.img and blockmap made from the patch base and patches
+        meta = sorted(r.path for r in web.requests() if "/packs/" not in r.path)
+        assert [p.removeprefix("/v2.bundle/") for p in meta if "manifest" not in p] == [
+            "base/blockmap", "base/meta.img", "blockmap.patch", "meta.img.patch",
+            "prefetch.trace"]  # fmt: skip
+        # a damaged patch (the server's copy) is refused, naming it; nothing is mounted
+        shutil.rmtree(cache_dir)
+        patch = b2 / "meta.img.patch"
+        data = bytearray(patch.read_bytes())
+        data[-1] ^= 1
+        patch.write_bytes(data)
+        r = ublkd("mount", f"{web.url}/v2.bundle/manifest.json", mnt, "--frontend", "fuse",
+                  check=False)  # fmt: skip
+        assert r.returncode != 0 and "meta.img.patch" in r.stderr, r.stderr
+        assert not os.path.ismount(mnt)
