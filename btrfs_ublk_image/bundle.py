@@ -40,6 +40,8 @@ MANIFEST = "manifest.json"
 META_IMG = "meta.img"
 BLOCKMAP = "blockmap"
 PACKS = "packs"
+# bases that build pulls into a temporary directory first (the rest are bundle directories)
+REMOTE_BASES = ("oci://", "http://", "https://")
 # in a build's temporary directory while it is written: "PID BOOT_ID" of the build
 BUILDING = ".building"
 
@@ -200,7 +202,8 @@ def build_spec(
     """Build ``spec`` (its paths relative to ``spec_path``'s directory) into the bundle
     directory ``out``: every layer's sources, then the writer (``write_bundle``). ``base``
     (else the spec's ``base``, relative to its directory): a bundle whose packs to reuse,
-    or an ``oci://`` reference to one (pulled into a temporary directory beside ``out``,
+    an ``oci://`` reference to one or the http(s) URL of its manifest.json (pulled into a
+    temporary directory beside ``out``,
     removed after the build: the new bundle holds the base packs it uses)."""
     from btrfs_ublk_image.sources import build_sources
 
@@ -217,9 +220,9 @@ def build_spec(
 
     base = base if base is not None else spec_base(spec, spec_path)
     pulled = None
-    if base is not None and base.startswith("oci://"):
+    if base is not None and base.startswith(REMOTE_BASES):
         base_ref = base
-        from btrfs_ublk_image.pull import pull_bundle
+        from btrfs_ublk_image.pull import pull_bundle, pull_http_bundle
 
         # an existing output fails before the pull; a killed build's pulled base goes like
         # its temporary bundle (the same marker)
@@ -229,7 +232,10 @@ def build_spec(
             if progress is not None:
                 progress.phase("pulling the base image")
             base = os.path.join(pulled, "bundle")
-            pull_bundle(base_ref, base, plain_http=plain_http, auth=auth, progress=progress)
+            if base_ref.startswith("oci://"):
+                pull_bundle(base_ref, base, plain_http=plain_http, auth=auth, progress=progress)
+            else:
+                pull_http_bundle(base_ref, base, progress=progress)
         except BaseException:
             shutil.rmtree(pulled, ignore_errors=True)
             raise
@@ -253,7 +259,7 @@ def build_spec(
 
 def spec_base(spec: Spec, spec_path: Path) -> str | None:
     """The spec's ``base`` bundle, relative to the spec's directory."""
-    if spec.base is None or spec.base.startswith("oci://"):
+    if spec.base is None or spec.base.startswith(REMOTE_BASES):
         return spec.base
     return os.path.join(os.path.dirname(os.path.abspath(spec_path)), spec.base)
 

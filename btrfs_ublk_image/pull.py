@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -336,14 +337,7 @@ def pull_bundle(
     (the config blob), meta.img (inflated from its zstd frame), the blockmap and the packs,
     each blob checked against its digest and meta.img and the blockmap against manifest.json
     (a pack's chunks are checked whenever they are read). Returns the image id."""
-    from btrfs_ublk_image.bundle import (
-        BLOCKMAP,
-        MANIFEST,
-        META_IMG,
-        file_sha256,
-        parse_manifest,
-        read_bundle_file,
-    )
+    from btrfs_ublk_image.bundle import MANIFEST, META_IMG, parse_manifest, read_bundle_file
     from btrfs_ublk_image.push import ARTIFACT_BUNDLE, MT_META_ZSTD
     from btrfs_ublk_image.registry import ANNOTATION_TITLE
 
@@ -394,17 +388,80 @@ def pull_bundle(
                 reg.get_blob(str(layer.get("digest")), path, layer.get("size"))
         for name, p in patches.items():
             _unpatch(dest, name, p, files.get(name, {}), text)
-        for name in (META_IMG, BLOCKMAP):
-            want = files.get(name, {}).get("sha256")
-            path = os.path.join(dest, name)
-            if not os.path.exists(path) or file_sha256(path) != want:
-                raise ImageError(f"{text}: {name} is missing or differs from {MANIFEST}")
+        _check_files(dest, files, text)
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise
     finally:
         reg.close()
     return image_id
+
+
+def pull_http_bundle(url: str, dest: str, *, progress: Progress | None = None) -> str:
+    """The bundle whose manifest.json is at ``url`` (``http(s)://HOST/PATH/manifest.json``, a
+    bundle directory on a web server, as ``ublkd mount`` takes it, docs/remote.md)
+    downloaded into the new directory ``dest``, its files found relative to the manifest's
+    URL: manifest.json, meta.img and the blockmap (a bundle with patches: their patch base
+    and patches, meta.img and the blockmap made from them), each checked against
+    manifest.json, and the packs, whose chunks are checked whenever they are read. The
+    client is the registry's (registry.Registry, its requests and checked downloads).
+    Returns the image id."""
+    from btrfs_ublk_image.bundle import MANIFEST, PACKS, parse_manifest, read_bundle_file
+
+    parts = urllib.parse.urlsplit(url)
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.path.endswith("/" + MANIFEST)
+        or parts.query
+        or parts.fragment
+    ):
+        raise ImageError(f"{url}: expected the URL of a bundle's {MANIFEST} (http or https)")
+    directory = parts.path.rsplit("/", 1)[0]
+    at = f"{parts.scheme}://{parts.netloc}{directory}/"
+    ref = Reference(parts.netloc, directory.strip("/"), "")
+    reg = Registry(ref, plain_http=parts.scheme == "http", progress=progress, actions="pull")
+    os.mkdir(dest)
+    try:
+        mpath = os.path.join(dest, MANIFEST)
+        reg.get_file(url, mpath, None, None)
+        manifest, image_id = parse_manifest(read_bundle_file(mpath), url)
+        files: dict[str, Any] = manifest.get("files") or {}
+        patches = patch.entries(manifest, url)
+        wanted = {patch.base_path(n): p["base"] for n, p in patches.items()}
+        wanted |= {patch.patch_path(n): p for n, p in patches.items()}
+        if patches:
+            os.mkdir(os.path.join(dest, patch.BASE_DIR))
+        else:
+            wanted = {n: files.get(n, {}) for n in files}
+        for rel, e in wanted.items():
+            reg.get_file(at + rel, os.path.join(dest, rel), e.get("sha256"), e.get("size"))
+        for name, p in patches.items():
+            _unpatch(dest, name, p, files.get(name, {}), url)
+        _check_files(dest, files, url)
+        os.mkdir(os.path.join(dest, PACKS))
+        for i, pack in enumerate(manifest.get("packs") or []):
+            ppath = pack.get("path") if isinstance(pack, dict) else None
+            if not isinstance(ppath, str) or not re.fullmatch(PACKS + r"/[0-9a-f]{64}", ppath):
+                raise ImageError(f"{url}: pack {i}: path {ppath!r} is not packs/<hex>")
+            if not os.path.exists(os.path.join(dest, ppath)):  # the same pack listed twice
+                reg.get_file(at + ppath, os.path.join(dest, ppath), None, pack.get("size"))
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    finally:
+        reg.close()
+    return image_id
+
+
+def _check_files(dest: str, files: dict[str, Any], text: str) -> None:
+    """meta.img and the blockmap in ``dest`` are the files manifest.json names."""
+    from btrfs_ublk_image.bundle import BLOCKMAP, MANIFEST, META_IMG, file_sha256
+
+    for name in (META_IMG, BLOCKMAP):
+        want = files.get(name, {}).get("sha256")
+        path = os.path.join(dest, name)
+        if not os.path.exists(path) or file_sha256(path) != want:
+            raise ImageError(f"{text}: {name} is missing or differs from {MANIFEST}")
 
 
 def _unpatch(dest: str, name: str, entry: dict[str, Any], want: dict[str, Any], text: str) -> None:

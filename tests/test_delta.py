@@ -21,7 +21,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from servers import Registry, docker_registry
+from servers import Registry, docker_registry, nginx_serving
 
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.bundle import BLOCKMAP, read_manifest
@@ -399,3 +399,44 @@ def test_bad_patches_are_refused_naming_the_file(
     rc, _, err = run("build", tmp_path / "v2.yaml", "-o", tmp_path / "v3.bundle", "--base", b2)
     assert rc != 0 and f"{b2}/base/blockmap: differs from {b2}/manifest.json" in err, err
     assert not (tmp_path / "v3.bundle").exists()
+
+
+def test_base_from_a_web_server_gives_the_same_bundle(
+    tmp_path: Path, trees: tuple[Path, Path, int]
+) -> None:
+    """`--base http://.../manifest.json` (nginx serving bundle directories): pulled into a
+    temporary directory, the same bundle as from the directory; a base with patches
+    (format_version 2) is pulled as its patch base and patches. A missing base fails
+    naming the URL and leaves nothing."""
+    v1, v2, _ = trees
+    www = tmp_path / "www"
+    www.mkdir()
+    b1, b2 = www / "v1.bundle", www / "v2.bundle"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
+    build(write_spec(tmp_path / "v3.yaml", v1), tmp_path / "v3.bundle", "--base", b2)
+    with nginx_serving(www, tmp_path / "nginx") as web:
+        out = tmp_path / "out"
+        out.mkdir()
+        build(write_spec(tmp_path / "v2.yaml", v2), out / "v2.bundle", "--base",
+              f"{web.url}/v1.bundle/manifest.json")  # fmt: skip
+        build(write_spec(tmp_path / "v3.yaml", v1), out / "v3.bundle", "--base",
+              f"{web.url}/v2.bundle/manifest.json")  # fmt: skip
+        got = [r.path for r in web.requests()]
+        rc, _, err = run("build", tmp_path / "v2.yaml", "-o", out / "x.bundle", "--base",
+                         f"{web.url}/nope.bundle/manifest.json")  # fmt: skip
+    assert rc != 0 and "/nope.bundle/manifest.json: HTTP 404" in err, err
+    for name in ("v2.bundle", "v3.bundle"):
+        mine, theirs = out / name, (b2 if name == "v2.bundle" else tmp_path / name)
+        for f in ("manifest.json", "meta.img", "blockmap", "meta.img.patch", "blockmap.patch"):
+            assert (mine / f).read_bytes() == (theirs / f).read_bytes(), (name, f)
+    # v2 as a base: its patch base and patches moved, not its meta.img and blockmap
+    v2_files = sorted(p.removeprefix("/v2.bundle/") for p in got if "/v2.bundle/" in p)
+    assert [p for p in v2_files if not p.startswith("packs/")] == [
+        "base/blockmap",
+        "base/meta.img",
+        "blockmap.patch",
+        "manifest.json",
+        "meta.img.patch",
+    ], v2_files
+    assert sorted(p.name for p in out.iterdir()) == ["v2.bundle", "v3.bundle"]
