@@ -12,12 +12,13 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from servers import nginx_serving
+from servers import docker_registry, nginx_serving
 from test_delta import build, make_v1, make_v2, write_spec
-from test_remote import cache_dir, pack_bytes, settled_status
+from test_remote import cache_dir, image_hex, pack_bytes, settled_status
 from test_ublkd import CHUNK, fresh_seed, no_leftovers, read_file, status_of, ublkd
 
 __all__ = ["cache_dir", "no_leftovers"]  # the fixture, used by name
@@ -175,3 +176,56 @@ def test_base_pack_missing_on_the_server_fails_only_reused_files(
                   check=False)  # fmt: skip
         assert r.returncode != 0 and "meta.img.patch" in r.stderr, r.stderr
         assert not os.path.ismount(mnt)
+
+
+def test_v2_after_v1_from_a_registry_moves_only_patches_and_new_chunks(
+    no_leftovers: Path, cache_dir: Path
+) -> None:
+    """oci://: v1 and v2 pushed; a host that read v1 mounts v2 with GETs of v2's manifests,
+    its two patches and its new chunk (within changed bytes + 10 %); a host that holds
+    nothing gets the patch base (v1's meta.img blob, zstd) and the patches, and reads v2
+    right. The registry's access log is the oracle."""
+    tmp = no_leftovers
+    v1, v2 = tmp / "v1", tmp / "v2"
+    make_v1(v1, seed=fresh_seed())
+    new_bytes = make_v2(v1, v2)
+    b1, b2 = tmp / "v1.bundle", tmp / "v2.bundle"
+    build(write_spec(tmp / "v1.yaml", v1), b1)
+    m2 = build(write_spec(tmp / "v2.yaml", v2), b2, "--base", b1)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    with docker_registry(tmp / "registry") as reg:
+        for name, b in (("v1", b1), ("v2", b2)):
+            subprocess.run([sys.executable, "-m", "btrfs_ublk_image", "push", b,
+                            f"{reg.address}/img:{name}"], check=True, capture_output=True)  # fmt: skip
+        blobs = {}
+        for path in (*b1.rglob("*"), *b2.rglob("*")):
+            if path.is_file():
+                blobs["sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()] = path.name
+
+        def moved(name: str, cache: Path) -> list[tuple[str, int]]:
+            before = len(reg.requests())
+            ublkd("mount", f"oci://{reg.address}/img:{name}", mnt, "--frontend", "fuse",
+                  "--cache-dir", cache)  # fmt: skip
+            try:
+                read_all(mnt, tree_files(v1 if name == "v1" else v2))
+            finally:
+                ublkd("umount", mnt)
+            return [
+                (blobs.get(r.path.rsplit("/", 1)[1], r.path.rsplit("/", 1)[1]), r.bytes_sent)
+                for r in reg.requests()[before:]
+                if r.method == "GET" and "/blobs/" in r.path
+            ]
+
+        moved("v1", cache_dir)
+        warm = moved("v2", cache_dir)
+        cold = moved("v2", tmp / "cache-cold")
+    new_pack = m2["packs"][0]["path"].rsplit("/", 1)[1]  # type: ignore[index]
+    assert {n for n, _ in warm} == {"blockmap.patch", "manifest.json", "meta.img.patch", new_pack}
+    assert sum(n for _, n in warm) <= new_bytes * 1.1, warm
+    # cold: v1's meta.img as its zstd blob (named by no bundle file) and blockmap, too
+    cold_names = {n for n, _ in cold}
+    assert {"blockmap", "blockmap.patch", "meta.img.patch", new_pack} <= cold_names, cold
+    assert (tmp / "cache-cold" / image_hex(b2) / "base" / "meta.img").read_bytes() == (
+        b1 / "meta.img"
+    ).read_bytes()
