@@ -29,12 +29,14 @@ image. ``build --update-lock`` resolves every ref again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -349,8 +351,7 @@ def pull_bundle(
         progress=progress,
         actions="pull",
     )
-    os.mkdir(dest)
-    try:
+    with _pulling_into(dest, reg):
         data, _ = reg.pull_manifest(ref.reference)
         doc = _json(data, text)
         if doc.get("artifactType") != ARTIFACT_BUNDLE:
@@ -389,11 +390,6 @@ def pull_bundle(
         for name, p in patches.items():
             _unpatch(dest, name, p, files.get(name, {}), text)
         _check_files(dest, files, text)
-    except BaseException:
-        shutil.rmtree(dest, ignore_errors=True)
-        raise
-    finally:
-        reg.close()
     return image_id
 
 
@@ -420,8 +416,7 @@ def pull_http_bundle(url: str, dest: str, *, progress: Progress | None = None) -
     at = f"{parts.scheme}://{parts.netloc}{directory}/"
     ref = Reference(parts.netloc, directory.strip("/"), "")
     reg = Registry(ref, plain_http=parts.scheme == "http", progress=progress, actions="pull")
-    os.mkdir(dest)
-    try:
+    with _pulling_into(dest, reg):
         mpath = os.path.join(dest, MANIFEST)
         reg.get_file(url, mpath, None, None)
         manifest, image_id = parse_manifest(read_bundle_file(mpath), url)
@@ -445,12 +440,20 @@ def pull_http_bundle(url: str, dest: str, *, progress: Progress | None = None) -
                 raise ImageError(f"{url}: pack {i}: path {ppath!r} is not packs/<hex>")
             if not os.path.exists(os.path.join(dest, ppath)):  # the same pack listed twice
                 reg.get_file(at + ppath, os.path.join(dest, ppath), None, pack.get("size"))
+    return image_id
+
+
+@contextlib.contextmanager
+def _pulling_into(dest: str, reg: Registry) -> Iterator[None]:
+    """A pull into the new directory ``dest``: removed if the pull fails; ``reg`` closed."""
+    os.mkdir(dest)
+    try:
+        yield
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise
     finally:
         reg.close()
-    return image_id
 
 
 def _check_files(dest: str, files: dict[str, Any], text: str) -> None:
