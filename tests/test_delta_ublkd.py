@@ -229,3 +229,46 @@ def test_v2_after_v1_from_a_registry_moves_only_patches_and_new_chunks(
     assert (tmp / "cache-cold" / image_hex(b2) / "base" / "meta.img").read_bytes() == (
         b1 / "meta.img"
     ).read_bytes()
+
+
+def test_one_cache_bound_for_every_image_least_recently_used_first(
+    no_leftovers: Path, cache_dir: Path
+) -> None:
+    """--cache-size bounds the chunk files of every image in the cache dir together: two
+    unrelated images read whole through a 6 MiB bound leave at most 6 MiB (+5 % per
+    server) of chunk files, the second image's reads having evicted the first's oldest
+    chunks; the files on disk (each inode once) are the oracle."""
+    tmp = no_leftovers
+    www = tmp / "www"
+    www.mkdir()
+    trees = {}
+    for name in ("a", "b"):
+        trees[name] = tmp / name
+        make_v1(trees[name], seed=fresh_seed())
+        build(write_spec(tmp / f"{name}.yaml", trees[name]), www / f"{name}.bundle")
+    limit = 6 << 20
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+
+    def chunk_bytes(image: str | None = None) -> int:
+        seen = {}
+        for p in cache_dir.glob(f"{image or '*'}/chunks/??/*"):
+            st = p.stat()
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+        return sum(seen.values())
+
+    with nginx_serving(www, tmp / "nginx") as web:
+        for name in ("a", "b"):
+            ublkd("mount", f"{web.url}/{name}.bundle/manifest.json", mnt, "--frontend", "fuse",
+                  "--cache-size", str(limit))  # fmt: skip
+            try:
+                read_all(mnt, tree_files(trees[name]))
+            finally:
+                ublkd("umount", mnt)
+            assert chunk_bytes() <= limit * 1.05, (name, chunk_bytes())
+    # both images' packs are larger than the bound: b's reads evicted a's chunks
+    a, b = image_hex(www / "a.bundle"), image_hex(www / "b.bundle")
+    assert chunk_bytes(b) > limit / 2 and chunk_bytes(a) < limit / 2, (
+        chunk_bytes(a),
+        chunk_bytes(b),
+    )

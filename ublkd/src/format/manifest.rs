@@ -98,3 +98,34 @@ impl Manifest {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(version: u32, patches: &str) -> Manifest {
+        serde_json::from_str(&format!(
+            "{{\"format\":\"{FORMAT}\",\"format_version\":{version},\"fsid\":\"x\",\
+             \"devices\":[],\"files\":{{}},\"packs\":[],\"chunk_size\":1048576{patches}}}"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn versions_1_and_2_and_their_patches() {
+        let p = "{\"sha256\":\"sha256:00\",\"size\":1,\"base\":{\"sha256\":\"sha256:00\",\"size\":1}}";
+        let both = format!(",\"patches\":{{\"meta.img\":{p},\"blockmap\":{p}}}");
+        manifest(1, "").check_format("m").unwrap();
+        manifest(2, &both).check_format("m").unwrap();
+        for (v, patches, want) in [
+            (1, both.as_str(), "format_version 1 must have patches for []"),
+            (2, "", "format_version 2 must have patches"),
+            (3, "", "format_version 3 is not supported (this ublkd reads 1 to 2)"),
+        ] {
+            let err = manifest(v, patches).check_format("m").unwrap_err().to_string();
+            assert!(err.starts_with("m: ") && err.contains(want), "{err}");
+        }
+        let one = format!(",\"patches\":{{\"meta.img\":{p}}}");
+        assert!(manifest(2, &one).check_format("m").is_err());
+    }
+}

@@ -403,6 +403,42 @@ mod tests {
     }
 
     #[test]
+    fn a_patch_applies_to_its_base_only() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let base: Vec<u8> = (0..200_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let mut new = base.clone();
+        new[1000..1010].copy_from_slice(b"0123456789");
+        // what `zstd --patch-from` (patch.py) writes: the base as a raw-content dictionary
+        let patch = zstd::bulk::Compressor::with_dictionary(19, &base)
+            .unwrap()
+            .compress(&new)
+            .unwrap();
+        assert!(patch.len() < 1000, "{}", patch.len());
+        let info = FileInfo {
+            sha256: format!("sha256:{}", sha256_hex(&new)),
+            size: new.len() as u64,
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        apply_patch(&base, &patch, &info, &out).unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), new);
+        // another base: other bytes (or no frame at all), refused by the digest
+        let other: Vec<u8> = base.iter().map(|b| !b).collect();
+        let err = format!("{:#}", apply_patch(&other, &patch, &info, &out).unwrap_err());
+        assert!(err.contains("the manifest says") || err.contains("zstd"), "{err}");
+        let short = FileInfo { size: 100, ..info };
+        let err = format!("{:#}", apply_patch(&base, &patch, &short, &out).unwrap_err());
+        assert!(err.contains("makes 101 bytes"), "{err}");
+    }
+
+    #[test]
     fn a_silent_server_fails_the_read_at_the_deadline() {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
