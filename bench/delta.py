@@ -11,9 +11,11 @@ v1 is the Debian minbase tarball; v2 is v1 with every 100th regular file larger 
   v1's layer plus a layer holding the changed files.
 
 Pushed bytes: the sizes of the blobs that appeared in the registry's storage during v2's
-push (the same count for both). Fetched bytes: ours from nginx's access log (pack
-bytes); an OCI pull of v2 onto a host holding v1 moves the layers it lacks (the same
-blobs the push uploaded, minus config and manifest).
+push (the same count for both). Fetched bytes, v2 after v1 on one host: ours from
+nginx's access log (``ublkd mount`` of the HTTP bundle) and from the registry's log
+(``ublkd mount oci://``), packs and metadata; OCI from the registry's log while ``skopeo
+copy`` pulls v2 into an OCI layout that already holds v1 (skopeo skips the blobs the
+layout has).
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ def measure_delta(v1_tar: Path, work: Path, ublkd: Ublkd) -> dict[str, Any]:
         "changed_bytes": changed_bytes,
         "diff_delta": predicted,
     }
+    mnt = work / "mnt"
+    mnt.mkdir()
     with docker_registry(work / "registry") as reg:
         a = reg.address
         out["ours_push_v1"] = _pushed(reg, _bui("push", b1, f"{a}/ours:v1"))
@@ -144,43 +148,65 @@ def measure_delta(v1_tar: Path, work: Path, ublkd: Ublkd) -> dict[str, Any]:
             out[f"oci_push_{name}"] = _pushed(
                 reg, [*sk, f"oci:{layouts[name]}:{REF}", f"docker://{a}/oci:{name}"]
             )
-    mnt = work / "mnt"
-    mnt.mkdir()
-    cache = work / "cache"
+        # pulls of v2 by a host that holds v1: skopeo into one OCI layout, ours mounted
+        pulled = work / "oci-pulled"
+        for name in ("v1", "v2", "v2-layered"):
+            out[f"oci_pull_{name}"] = _registry_get_bytes(reg, [
+                "skopeo", "copy", "-q", "--src-tls-verify=false",
+                f"docker://{a}/oci:{name}", f"oci:{pulled}:{name}"])  # fmt: skip
+        for name in ("v1", "v2"):
+            before = len(reg.requests())
+            _mount_read(ublkd, f"oci://{a}/ours:{name}", mnt, work / "cache-oci")
+            reqs = reg.requests()[before:]
+            out[f"ours_oci_fetch_{name}_all"] = sum(r.bytes_sent for r in reqs if r.method == "GET")
     with nginx_serving(site, work / "nginx") as web:
         for name in ("v1", "v2"):
             web.clear_log()
-            ublkd.run(
-                ["mount", f"{web.url}/{name}.bundle/manifest.json", str(mnt), "--frontend",
-                 "fuse", "--cache-dir", str(cache)]
-            )  # fmt: skip
-            try:
-                _read_all(mnt)
-                st = ublkd.settled_status(mnt)
-            finally:
-                ublkd.umount(mnt)
+            st = _mount_read(ublkd, f"{web.url}/{name}.bundle/manifest.json", mnt, work / "cache")
             reqs = web.requests()
             out[f"ours_fetch_{name}"] = sum(r.bytes_sent for r in reqs if "/packs/" in r.path)
-            out[f"ours_fetch_{name}_all"] = sum(r.bytes_sent for r in reqs)
+            # bodies of answered requests (a 404 for an absent prefetch.trace has a body)
+            out[f"ours_fetch_{name}_all"] = sum(
+                r.bytes_sent for r in reqs if r.status in (200, 206)
+            )
             out[f"ours_shared_{name}"] = int(st.get("disk_cache_shared_bytes", 0))
     remove(work)
     return out
 
 
+def _mount_read(ublkd: Ublkd, location: str, mnt: Path, cache: Path) -> dict[str, Any]:
+    """Mount ``location``, read every file, unmount; -> the mount's settled status."""
+    ublkd.run(["mount", location, str(mnt), "--frontend", "fuse", "--cache-dir", str(cache)])
+    try:
+        _read_all(mnt)
+        return ublkd.settled_status(mnt)
+    finally:
+        ublkd.umount(mnt)
+
+
+def _registry_get_bytes(reg: Registry, cmd: list[str]) -> int:
+    """Body bytes the registry sent for GETs while ``cmd`` ran (its access log)."""
+    before = len(reg.requests())
+    subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
+    return sum(r.bytes_sent for r in reg.requests()[before:] if r.method == "GET")
+
+
 def delta_table(d: dict[str, Any]) -> str:
     from bench.report import human
 
+    push = f"{human(d['ours_push_v1'])} | {human(d['ours_push_v2'])}"
     rows = [
         "| how | push of v1 | push of v2 after v1 | fetch of v2 on a host that read v1 |",
         "|---|---:|---:|---:|",
-        f"| ours: `build --base`, `push`, `ublkd mount` over HTTP | {human(d['ours_push_v1'])}"
-        f" | {human(d['ours_push_v2'])} | {human(d['ours_fetch_v2'])} packs"
-        f" ({human(d['ours_fetch_v2_all'])} with manifest, meta.img, blockmap) |",
-        f"| OCI, one layer, `skopeo copy --dest-compress` | {human(d['oci_push_v1'])}"
-        f" | {human(d['oci_push_v2'])} | ~{human(d['oci_push_v2'])} (the new layer) |",
+        f"| ours: `build --base`, `push`, `ublkd mount` over HTTP (nginx) | {push}"
+        f" | {human(d['ours_fetch_v2_all'])} ({human(d['ours_fetch_v2'])} of packs) |",
+        f"| ours: the same, `ublkd mount oci://` (registry) | {push}"
+        f" | {human(d['ours_oci_fetch_v2_all'])} |",
+        f"| OCI, one layer, `skopeo copy --dest-compress`; pulled with `skopeo copy` into"
+        f" a layout holding v1 | {human(d['oci_push_v1'])} | {human(d['oci_push_v2'])}"
+        f" | {human(d['oci_pull_v2'])} |",
         f"| OCI, v1's layer + a layer of the changed files | {human(d['oci_push_v1'])}"
-        f" | {human(d['oci_push_v2-layered'])} | ~{human(d['oci_push_v2-layered'])}"
-        " (the added layer) |",
+        f" | {human(d['oci_push_v2-layered'])} | {human(d['oci_pull_v2-layered'])} |",
     ]
     return "\n".join(rows) + "\n"
 
@@ -190,13 +216,21 @@ def delta_section(doc: dict[str, Any]) -> str:
 
     d = doc["delta"]
     p = d["diff_delta"]
+    bound = d["changed_bytes"] * 11 // 10
     return (
         f"Run `{doc.get('command', 'bench/run')}` on {machine_line(doc['machine'])}.\n\n"
         f"v1: the Debian minbase tarball ({d['files']:,} regular files); v2: v1 with"
         f" {d['changed_files']} of its files larger than 4 KiB rewritten (every 100th,"
-        f" {human(d['changed_bytes'])}). `diff --delta v1 v2`: {p['changed']} changed,"
-        f" fetch {human(p['fetch_bytes'])} in {p['fetch_chunks']} chunks, push"
-        f" {human(p['push_bytes'])}. Pushed: blobs the registry gained during v2's push;"
-        " fetched: nginx's access log, v2 read whole after v1 on the same host"
-        f" ({human(d['ours_shared_v2'])} found in v1's chunk cache).\n\n" + delta_table(d)
+        f" {d['changed_bytes']:,} bytes). `diff --delta v1 v2`: {p['changed']} changed,"
+        f" fetch {p['fetch_bytes']:,} bytes in {p['fetch_chunks']} chunks plus"
+        f" {p['meta_bytes']:,} of metadata (manifest.json and the meta.img and blockmap"
+        f" patches), push {p['push_bytes']:,}. The bound (changed bytes + 10 %):"
+        f" {bound:,} bytes; ours pushed {d['ours_push_v2']:,} and fetched"
+        f" {d['ours_fetch_v2_all']:,} (HTTP) and {d['ours_oci_fetch_v2_all']:,} (OCI)."
+        " Pushed: blobs the registry gained during v2's push; fetched: nginx's and the"
+        " registry's access logs (bodies of GETs), v2 read whole after v1 on the same host"
+        f" ({human(d['ours_shared_v2'])} of pack chunks found in v1's chunk cache, v1's"
+        " meta.img and blockmap found as v2's patch base); v1 for reference: pushed"
+        f" {human(d['ours_push_v1'])}, fetched {human(d['ours_fetch_v1_all'])}.\n\n"
+        + delta_table(d)
     )

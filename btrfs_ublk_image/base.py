@@ -163,6 +163,9 @@ class Transfer:
     push_bytes: int  # stored bytes of NEW's packs whose id is not among OLD's
     push_packs: int
     new_bytes: int  # stored bytes of every chunk NEW maps (what a host holding nothing fetches)
+    # manifest.json, and NEW's patches when OLD holds their patch base, else NEW's meta.img
+    # and blockmap: the metadata a host (or registry) holding OLD gets for NEW
+    meta_bytes: int
 
 
 def mapped_chunks(bundle: str) -> dict[bytes, int]:
@@ -184,12 +187,23 @@ def mapped_chunks(bundle: str) -> dict[bytes, int]:
 def transfer(old: str, new: str) -> Transfer:
     """The bytes a host holding every chunk of ``old`` fetches to read all of ``new``, and
     the bytes a push of ``new`` uploads to a registry holding ``old``."""
-    from btrfs_ublk_image.bundle import read_manifest
+    from btrfs_ublk_image import patch
+    from btrfs_ublk_image.bundle import MANIFEST, read_manifest
 
     have = mapped_chunks(old)
     want = mapped_chunks(new)
     missing = [n for dg, n in want.items() if dg not in have]
-    old_packs = {p["id"] for p in read_manifest(old)[0]["packs"]}
-    new_packs = {p["id"]: p["size"] for p in read_manifest(new)[0]["packs"]}
+    old_m, new_m = read_manifest(old)[0], read_manifest(new)[0]
+    old_packs = {p["id"] for p in old_m["packs"]}
+    new_packs = {p["id"]: p["size"] for p in new_m["packs"]}
     push = [size for pid, size in new_packs.items() if pid not in old_packs]
-    return Transfer(sum(missing), len(missing), sum(push), len(push), sum(want.values()))
+    # what OLD holds of metadata: its files and its patch base
+    held = {e["sha256"] for e in old_m["files"].values()}
+    held |= {p["base"]["sha256"] for p in patch.entries(old_m, old).values()}
+    patches = patch.entries(new_m, new)
+    meta = os.path.getsize(os.path.join(new, MANIFEST)) + sum(
+        patches[name]["size"] if name in patches and patches[name]["base"]["sha256"] in held
+        else e["size"]
+        for name, e in new_m["files"].items()
+    )  # fmt: skip
+    return Transfer(sum(missing), len(missing), sum(push), len(push), sum(want.values()), meta)

@@ -33,10 +33,15 @@ if TYPE_CHECKING:
 
 FORMAT = "btrfs-ublk-image.bundle"
 FORMAT_VERSION = 1
+# a bundle built with a base: version 1 plus `patches` (meta.img and blockmap as patches
+# against the lineage's first meta.img and blockmap, patch.py); all others stay version 1
+FORMAT_VERSION_PATCHES = 2
 MANIFEST = "manifest.json"
 META_IMG = "meta.img"
 BLOCKMAP = "blockmap"
 PACKS = "packs"
+# bases that build pulls into a temporary directory first (the rest are bundle directories)
+REMOTE_BASES = ("oci://", "http://", "https://")
 # in a build's temporary directory while it is written: "PID BOOT_ID" of the build
 BUILDING = ".building"
 
@@ -197,7 +202,8 @@ def build_spec(
     """Build ``spec`` (its paths relative to ``spec_path``'s directory) into the bundle
     directory ``out``: every layer's sources, then the writer (``write_bundle``). ``base``
     (else the spec's ``base``, relative to its directory): a bundle whose packs to reuse,
-    or an ``oci://`` reference to one (pulled into a temporary directory beside ``out``,
+    an ``oci://`` reference to one or the http(s) URL of its manifest.json (pulled into a
+    temporary directory beside ``out``,
     removed after the build: the new bundle holds the base packs it uses)."""
     from btrfs_ublk_image.sources import build_sources
 
@@ -214,9 +220,9 @@ def build_spec(
 
     base = base if base is not None else spec_base(spec, spec_path)
     pulled = None
-    if base is not None and base.startswith("oci://"):
+    if base is not None and base.startswith(REMOTE_BASES):
         base_ref = base
-        from btrfs_ublk_image.pull import pull_bundle
+        from btrfs_ublk_image.pull import pull_bundle, pull_http_bundle
 
         # an existing output fails before the pull; a killed build's pulled base goes like
         # its temporary bundle (the same marker)
@@ -226,7 +232,10 @@ def build_spec(
             if progress is not None:
                 progress.phase("pulling the base image")
             base = os.path.join(pulled, "bundle")
-            pull_bundle(base_ref, base, plain_http=plain_http, auth=auth, progress=progress)
+            if base_ref.startswith("oci://"):
+                pull_bundle(base_ref, base, plain_http=plain_http, auth=auth, progress=progress)
+            else:
+                pull_http_bundle(base_ref, base, progress=progress)
         except BaseException:
             shutil.rmtree(pulled, ignore_errors=True)
             raise
@@ -250,7 +259,7 @@ def build_spec(
 
 def spec_base(spec: Spec, spec_path: Path) -> str | None:
     """The spec's ``base`` bundle, relative to the spec's directory."""
-    if spec.base is None or spec.base.startswith("oci://"):
+    if spec.base is None or spec.base.startswith(REMOTE_BASES):
         return spec.base
     return os.path.join(os.path.dirname(os.path.abspath(spec_path)), spec.base)
 
@@ -386,6 +395,8 @@ def _write_into(
     }
     if base is not None:  # only then: the manifests (ids) of other builds are unchanged
         manifest["base"] = base.image_id
+        manifest["format_version"] = FORMAT_VERSION_PATCHES
+        manifest["patches"] = _write_patches(tmp, base.bundle)
     data = encode_manifest(manifest)
     with open(os.path.join(tmp, MANIFEST), "wb") as f:
         f.write(data)
@@ -419,6 +430,47 @@ def _link_base_pack(info: PackInfo, packs_dir: str) -> None:
         raise ImageError(f"{info.path}: cannot link or copy into {packs_dir}: {e}") from None
 
 
+def _write_patches(tmp: str, base_bundle: str) -> dict[str, dict[str, Any]]:
+    """meta.img and blockmap as patches against the lineage's patch base: the base's own
+    patch base when it has one (so every version patches against the files that the
+    registry and hosts already hold), else the base's files. The patch base goes into
+    ``base/`` (a hard link, else a reflink, else a copy), checked against the base's
+    manifest; -> the manifest's ``patches``."""
+    from btrfs_ublk_image import patch
+
+    base_manifest, _ = read_manifest(base_bundle)
+    base_where = os.path.join(base_bundle, MANIFEST)
+    base_patches = patch.entries(base_manifest, base_where)
+    os.mkdir(os.path.join(tmp, patch.BASE_DIR))
+    out: dict[str, dict[str, Any]] = {}
+    for name in (META_IMG, BLOCKMAP):
+        if base_patches:
+            src, want = patch.base_path(name), base_patches[name]["base"]
+        else:
+            src, want = name, (base_manifest.get("files") or {}).get(name)
+        src_path = os.path.join(base_bundle, src)
+        dst = os.path.join(tmp, patch.base_path(name))
+        try:
+            link_or_copy(src_path, dst)
+        except OSError as e:
+            raise ImageError(f"{src_path}: cannot link or copy into {tmp}: {e}") from None
+        ref = read_bundle_file(dst)
+        got = {"sha256": "sha256:" + hashlib.sha256(ref).hexdigest(), "size": len(ref)}
+        if not isinstance(want, dict) or got != {k: want.get(k) for k in got}:
+            raise ImageError(f"{src_path}: differs from {base_where} (a corrupt base)")
+        data = patch.make(ref, read_bundle_file(os.path.join(tmp, name)))
+        with open(os.path.join(tmp, patch.patch_path(name)), "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        out[name] = {
+            "sha256": "sha256:" + hashlib.sha256(data).hexdigest(),
+            "size": len(data),
+            "base": got,
+        }
+    return out
+
+
 def read_bundle_file(path: str) -> bytes:
     """A whole (small) bundle file; a clear error naming it when it cannot be read."""
     try:
@@ -442,6 +494,9 @@ def parse_manifest(data: bytes, path: str) -> tuple[dict[str, Any], str]:
         raise ImageError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ImageError(f"{path}: not a btrfs-ublk-image bundle manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in (FORMAT_VERSION, FORMAT_VERSION_PATCHES):
         raise ImageError(f"{path}: unsupported format_version {manifest.get('format_version')}")
+    from btrfs_ublk_image import patch
+
+    patch.entries(manifest, path)  # their shape: readers may rely on it
     return manifest, image_id(data)

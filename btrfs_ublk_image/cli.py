@@ -176,6 +176,7 @@ def _delta_summary(old: str, new: str, lines: list[str]) -> str:
         "push_bytes": t.push_bytes,
         "push_packs": t.push_packs,
         "image_bytes": t.new_bytes,
+        "meta_bytes": t.meta_bytes,
     }
     return "".join(f"{k}: {v}\n" for k, v in rows.items())
 
@@ -333,9 +334,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--base",
         metavar="BUNDLE",
-        help="an earlier bundle (a directory, or oci://REGISTRY/REPO:TAG as push made it)"
-        " whose packs to reuse: content already there is not written again, and push and lazy"
-        " fetch move only the new packs (overrides the spec's base)",
+        help="an earlier bundle (a directory, oci://REGISTRY/REPO:TAG as push made it, or"
+        " http(s)://HOST/PATH/manifest.json of a bundle on a web server) whose packs to reuse:"
+        " content already there is not written again, and push and lazy fetch move only the"
+        " new packs and metadata patches (overrides the spec's base)",
     )
     _registry_options(b)
     b.set_defaults(func=cmd_build)

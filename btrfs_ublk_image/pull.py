@@ -29,15 +29,19 @@ image. ``build --update-lock`` resolves every ref again.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import urllib.parse
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from btrfs_ublk_image import patch
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.files import write_atomic
 from btrfs_ublk_image.progress import Progress
@@ -335,14 +339,7 @@ def pull_bundle(
     (the config blob), meta.img (inflated from its zstd frame), the blockmap and the packs,
     each blob checked against its digest and meta.img and the blockmap against manifest.json
     (a pack's chunks are checked whenever they are read). Returns the image id."""
-    from btrfs_ublk_image.bundle import (
-        BLOCKMAP,
-        MANIFEST,
-        META_IMG,
-        file_sha256,
-        parse_manifest,
-        read_bundle_file,
-    )
+    from btrfs_ublk_image.bundle import MANIFEST, META_IMG, parse_manifest, read_bundle_file
     from btrfs_ublk_image.push import ARTIFACT_BUNDLE, MT_META_ZSTD
     from btrfs_ublk_image.registry import ANNOTATION_TITLE
 
@@ -354,8 +351,7 @@ def pull_bundle(
         progress=progress,
         actions="pull",
     )
-    os.mkdir(dest)
-    try:
+    with _pulling_into(dest, reg):
         data, _ = reg.pull_manifest(ref.reference)
         doc = _json(data, text)
         if doc.get("artifactType") != ARTIFACT_BUNDLE:
@@ -367,32 +363,126 @@ def pull_bundle(
         reg.get_blob(str(config.get("digest")), mpath, config.get("size"))
         manifest, image_id = parse_manifest(read_bundle_file(mpath), f"{text}: {MANIFEST}")
         files: dict[str, Any] = manifest.get("files") or {}
+        patches = patch.entries(manifest, f"{text}: {MANIFEST}")
+        # a bundle with patches travels as its patch base and its patches (docs/remote.md)
+        sizes = {patch.base_path(n): p["base"]["size"] for n, p in patches.items()}
+        sizes[META_IMG] = files.get(META_IMG, {}).get("size", 0)
         os.mkdir(os.path.join(dest, "packs"))
+        if patches:
+            os.mkdir(os.path.join(dest, patch.BASE_DIR))
         for layer in layers:
             title = (layer.get("annotations") or {}).get(ANNOTATION_TITLE)
             if not isinstance(title, str) or not re.fullmatch(
-                r"meta\.img|blockmap|packs/[0-9a-f]{64}", title
+                r"(base/)?(meta\.img|blockmap)|(meta\.img|blockmap)\.patch|packs/[0-9a-f]{64}",
+                title,
             ):
                 raise ImageError(f"{text}: layer {layer.get('digest')}: unexpected title {title!r}")
+            if title.startswith(patch.BASE_DIR + "/") and not patches:
+                raise ImageError(f"{text}: layer {title!r} but {MANIFEST} has no patches")
             path = os.path.join(dest, title)
             if os.path.exists(path):
                 continue  # the same pack listed twice
             if layer.get("mediaType") == MT_META_ZSTD:
                 reg.get_blob(str(layer.get("digest")), path + ".zst", layer.get("size"))
-                _inflate(path + ".zst", path, int(files.get(META_IMG, {}).get("size", 0)))
+                _inflate(path + ".zst", path, int(sizes.get(title, 0)))
             else:
                 reg.get_blob(str(layer.get("digest")), path, layer.get("size"))
-        for name in (META_IMG, BLOCKMAP):
-            want = files.get(name, {}).get("sha256")
-            path = os.path.join(dest, name)
-            if not os.path.exists(path) or file_sha256(path) != want:
-                raise ImageError(f"{text}: {name} is missing or differs from {MANIFEST}")
+        for name, p in patches.items():
+            _unpatch(dest, name, p, files.get(name, {}), text)
+        _check_files(dest, files, text)
+    return image_id
+
+
+def pull_http_bundle(url: str, dest: str, *, progress: Progress | None = None) -> str:
+    """The bundle whose manifest.json is at ``url`` (``http(s)://HOST/PATH/manifest.json``, a
+    bundle directory on a web server, as ``ublkd mount`` takes it, docs/remote.md)
+    downloaded into the new directory ``dest``, its files found relative to the manifest's
+    URL: manifest.json, meta.img and the blockmap (a bundle with patches: their patch base
+    and patches, meta.img and the blockmap made from them), each checked against
+    manifest.json, and the packs, whose chunks are checked whenever they are read. The
+    client is the registry's (registry.Registry, its requests and checked downloads).
+    Returns the image id."""
+    from btrfs_ublk_image.bundle import MANIFEST, PACKS, parse_manifest, read_bundle_file
+
+    parts = urllib.parse.urlsplit(url)
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.path.endswith("/" + MANIFEST)
+        or parts.query
+        or parts.fragment
+    ):
+        raise ImageError(f"{url}: expected the URL of a bundle's {MANIFEST} (http or https)")
+    directory = parts.path.rsplit("/", 1)[0]
+    at = f"{parts.scheme}://{parts.netloc}{directory}/"
+    ref = Reference(parts.netloc, directory.strip("/"), "")
+    reg = Registry(ref, plain_http=parts.scheme == "http", progress=progress, actions="pull")
+    with _pulling_into(dest, reg):
+        mpath = os.path.join(dest, MANIFEST)
+        reg.get_file(url, mpath, None, None)
+        manifest, image_id = parse_manifest(read_bundle_file(mpath), url)
+        files: dict[str, Any] = manifest.get("files") or {}
+        patches = patch.entries(manifest, url)
+        wanted = {patch.base_path(n): p["base"] for n, p in patches.items()}
+        wanted |= {patch.patch_path(n): p for n, p in patches.items()}
+        if patches:
+            os.mkdir(os.path.join(dest, patch.BASE_DIR))
+        else:
+            wanted = {n: files.get(n, {}) for n in files}
+        for rel, e in wanted.items():
+            reg.get_file(at + rel, os.path.join(dest, rel), e.get("sha256"), e.get("size"))
+        for name, p in patches.items():
+            _unpatch(dest, name, p, files.get(name, {}), url)
+        _check_files(dest, files, url)
+        os.mkdir(os.path.join(dest, PACKS))
+        for i, pack in enumerate(manifest.get("packs") or []):
+            ppath = pack.get("path") if isinstance(pack, dict) else None
+            if not isinstance(ppath, str) or not re.fullmatch(PACKS + r"/[0-9a-f]{64}", ppath):
+                raise ImageError(f"{url}: pack {i}: path {ppath!r} is not packs/<hex>")
+            if not os.path.exists(os.path.join(dest, ppath)):  # the same pack listed twice
+                reg.get_file(at + ppath, os.path.join(dest, ppath), None, pack.get("size"))
+    return image_id
+
+
+@contextlib.contextmanager
+def _pulling_into(dest: str, reg: Registry) -> Iterator[None]:
+    """A pull into the new directory ``dest``: removed if the pull fails; ``reg`` closed."""
+    os.mkdir(dest)
+    try:
+        yield
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise
     finally:
         reg.close()
-    return image_id
+
+
+def _check_files(dest: str, files: dict[str, Any], text: str) -> None:
+    """meta.img and the blockmap in ``dest`` are the files manifest.json names."""
+    from btrfs_ublk_image.bundle import BLOCKMAP, MANIFEST, META_IMG, file_sha256
+
+    for name in (META_IMG, BLOCKMAP):
+        want = files.get(name, {}).get("sha256")
+        path = os.path.join(dest, name)
+        if not os.path.exists(path) or file_sha256(path) != want:
+            raise ImageError(f"{text}: {name} is missing or differs from {MANIFEST}")
+
+
+def _unpatch(dest: str, name: str, entry: dict[str, Any], want: dict[str, Any], text: str) -> None:
+    """``name`` made from its patch base and patch in ``dest``, each checked against the
+    manifest first (the result is checked by the caller)."""
+    from btrfs_ublk_image.bundle import file_sha256, read_bundle_file
+
+    for rel, e in ((patch.base_path(name), entry["base"]), (patch.patch_path(name), entry)):
+        path = os.path.join(dest, rel)
+        if not os.path.exists(path) or file_sha256(path) != e["sha256"]:
+            raise ImageError(f"{text}: {rel} is missing or differs from manifest.json")
+    data = patch.apply(
+        read_bundle_file(os.path.join(dest, patch.base_path(name))),
+        read_bundle_file(os.path.join(dest, patch.patch_path(name))),
+        int(want.get("size", 0)),
+        f"{text}: {patch.patch_path(name)}",
+    )
+    write_atomic(Path(dest) / name, data)
 
 
 def _inflate(src: str, dest: str, limit: int) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from btrfs_ublk_image import blockmap as bmap
+from btrfs_ublk_image import patch
 from btrfs_ublk_image import trace as trace_format
 from btrfs_ublk_image.bundle import (
     BLOCKMAP,
@@ -69,6 +70,8 @@ MT_META_ZSTD = MT_META + "+zstd"  # what push uploads; ublkd reads both
 META_ZSTD_LEVEL = 3
 _META_BLOCK = 1 << 20  # meta.img is read and compressed this much at a time
 MT_BLOCKMAP = "application/vnd.btrfs-ublk-image.blockmap.v1"
+# meta.img or blockmap as a zstd patch against the layer titled base/<name> (patch.py)
+MT_PATCH = "application/vnd.btrfs-ublk-image.patch.v1"
 MT_PACK = "application/vnd.btrfs-ublk-image.pack.v1"
 MT_TRACE = "application/vnd.btrfs-ublk-image.trace.v1+json"
 ANNOTATION_IMAGE_ID = "dev.btrfs-ublk-image.image-id"
@@ -86,8 +89,9 @@ class VerifiedBundle:
     layers: list[Blob]  # meta.img, blockmap, packs in manifest order
 
 
-def _checked_file(bundle: str, rel: str, entry: Any) -> Blob:
-    """meta.img or blockmap, checked against the manifest's `files` entry."""
+def _checked_file(bundle: str, rel: str, entry: Any, media_type: str) -> Blob:
+    """A bundle file (meta.img, blockmap, a patch or a patch base), checked against its
+    manifest entry (`files`, `patches`)."""
     path = os.path.join(bundle, rel)
     if not isinstance(entry, dict) or "sha256" not in entry or "size" not in entry:
         raise ImageError(f"{os.path.join(bundle, MANIFEST)}: no files entry for {rel}")
@@ -100,20 +104,20 @@ def _checked_file(bundle: str, rel: str, entry: Any) -> Blob:
     digest = file_sha256(path)
     if digest != entry["sha256"]:
         raise ImageError(f"{path}: sha256 {digest} differs from the manifest's {entry['sha256']}")
-    return Blob(path, None, MT_META if rel == META_IMG else MT_BLOCKMAP, digest, size, rel)
+    return Blob(path, None, media_type, digest, size, rel)
 
 
-def _compressed_meta(bundle: str, entry: Any, workdir: str) -> Blob:
-    """meta.img checked against the manifest's `files` entry and, in the same pass (so what
+def _compressed_meta(bundle: str, rel: str, entry: Any, workdir: str) -> Blob:
+    """meta.img (or the patch base's, ``rel``) checked against the manifest's `files` entry and, in the same pass (so what
     is compressed is what was checked), streamed into ``workdir`` as one zstd frame: fixed
     level, content size in the frame header, no checksum, no dictionary, one thread, so the
     same bytes give the same blob."""
     import zstandard
 
-    path = os.path.join(bundle, META_IMG)
+    path = os.path.join(bundle, rel)
     if not isinstance(entry, dict) or "sha256" not in entry or "size" not in entry:
-        raise ImageError(f"{os.path.join(bundle, MANIFEST)}: no files entry for {META_IMG}")
-    out_path = os.path.join(workdir, META_IMG + ".zst")
+        raise ImageError(f"{os.path.join(bundle, MANIFEST)}: no files entry for {rel}")
+    out_path = os.path.join(workdir, rel.replace("/", "-") + ".zst")
     cctx = zstandard.ZstdCompressor(
         level=META_ZSTD_LEVEL, write_content_size=True, write_checksum=False, threads=0
     )
@@ -145,7 +149,7 @@ def _compressed_meta(bundle: str, entry: Any, workdir: str) -> Blob:
         raise ImageError(f"{path}: changed while being read")
     if digest != entry["sha256"]:
         raise ImageError(f"{path}: sha256 {digest} differs from the manifest's {entry['sha256']}")
-    return Blob(out_path, None, MT_META_ZSTD, "sha256:" + blob.hexdigest(), blob_size, META_IMG)
+    return Blob(out_path, None, MT_META_ZSTD, "sha256:" + blob.hexdigest(), blob_size, rel)
 
 
 def _checked_pack(
@@ -206,10 +210,10 @@ def verify_bundle(
     manifest, image_id = parse_manifest(data, manifest_path)
     files = manifest.get("files") or {}
     if workdir is None:
-        meta = _checked_file(bundle, META_IMG, files.get(META_IMG))
+        meta = _checked_file(bundle, META_IMG, files.get(META_IMG), MT_META)
     else:
-        meta = _compressed_meta(bundle, files.get(META_IMG), workdir)
-    bm_blob = _checked_file(bundle, BLOCKMAP, files.get(BLOCKMAP))
+        meta = _compressed_meta(bundle, META_IMG, files.get(META_IMG), workdir)
+    bm_blob = _checked_file(bundle, BLOCKMAP, files.get(BLOCKMAP), MT_BLOCKMAP)
     assert bm_blob.path is not None
     bm = bmap.decode(read_bundle_file(bm_blob.path), bm_blob.path)
     if file_sha256(bm_blob.path) != bm_blob.digest:  # changed between the two reads
@@ -217,7 +221,8 @@ def verify_bundle(
     packs = manifest.get("packs")
     if not isinstance(packs, list) or len(packs) != len(bm.packs):
         raise ImageError(f"{manifest_path}: its packs do not match the blockmap's")
-    layers = [meta, bm_blob]
+    patches = patch.entries(manifest, manifest_path)
+    layers = _patch_layers(bundle, patches, files, workdir) if patches else [meta, bm_blob]
     for pack, entry in zip(packs, bm.packs, strict=True):
         rel = pack.get("path") if isinstance(pack, dict) else None
         if not isinstance(rel, str) or not re.fullmatch(PACKS + r"/[0-9a-f]{64}", rel):
@@ -226,6 +231,41 @@ def verify_bundle(
     config = bytes_blob(data, MT_CONFIG)
     assert config.digest == image_id
     return VerifiedBundle(bundle, image_id, config, layers)
+
+
+def _patch_layers(
+    bundle: str, patches: dict[str, Any], files: dict[str, Any], workdir: str | None
+) -> list[Blob]:
+    """A bundle with patches (format_version 2) travels as its patch base and its patches,
+    not as its meta.img and blockmap: the patch base is the lineage's first meta.img and
+    blockmap, whose blobs (meta.img as the same zstd frame) the registry holds from that
+    version's push, so a later version uploads only its patches. Each is checked against
+    the manifest, and each patch applied to its base must give the file `files` names."""
+    base_meta = patch.base_path(META_IMG)
+    if workdir is None:
+        base_blob = _checked_file(bundle, base_meta, patches[META_IMG]["base"], MT_META)
+    else:
+        base_blob = _compressed_meta(bundle, base_meta, patches[META_IMG]["base"], workdir)
+    bases = {
+        META_IMG: base_blob,
+        BLOCKMAP: _checked_file(
+            bundle, patch.base_path(BLOCKMAP), patches[BLOCKMAP]["base"], MT_BLOCKMAP
+        ),
+    }
+    out = []
+    for name in (META_IMG, BLOCKMAP):
+        rel = patch.patch_path(name)
+        blob = _checked_file(bundle, rel, patches[name], MT_PATCH)
+        base = read_bundle_file(os.path.join(bundle, patch.base_path(name)))
+        data = patch.apply(
+            base, read_bundle_file(os.path.join(bundle, rel)), files[name]["size"], rel
+        )
+        if "sha256:" + hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
+            raise ImageError(
+                f"{os.path.join(bundle, rel)}: patches its base to other bytes than {name}"
+            )
+        out.append(blob)
+    return [bases[META_IMG], bases[BLOCKMAP], *out]
 
 
 def bundle_manifest(b: VerifiedBundle) -> bytes:

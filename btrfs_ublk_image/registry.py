@@ -503,7 +503,14 @@ class Registry:
         ``size``, when given) match; otherwise nothing is left. Returns its size."""
         if not _DIGEST_RE.fullmatch(digest):
             raise ImageError(f"{self.where}: unsupported or invalid blob digest {digest!r}")
+        return self.get_file(f"/v2/{self.ref.repo}/blobs/{digest}", dest, digest, size)
+
+    def get_file(self, path: str, dest: str, digest: str | None, size: int | None) -> int:
+        """The body of GET ``path`` (under the registry, or an absolute URL) streamed into
+        ``dest`` as ``get_blob`` does, checked against ``digest`` and ``size`` where given.
+        Returns its size."""
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(dest) or ".")
+        blob = path.endswith(f"/blobs/{digest}")
         h = hashlib.sha256()
         got_size = 0
         try:
@@ -517,17 +524,22 @@ class Registry:
                     if self.progress is not None:
                         self.progress.add_bytes(len(block))
 
-                self.request("GET", f"/v2/{self.ref.repo}/blobs/{digest}", sink=sink)
+                self.request("GET", path, sink=sink)
                 got = "sha256:" + h.hexdigest()
-                if got != digest:
+                where = f"{self.where}: " + (
+                    f"blob {digest}" if blob else urllib.parse.urlsplit(path).path
+                )
+                if digest is not None and got != digest:
                     raise ImageError(
-                        f"{self.where}: blob {digest}: the registry sent {got_size} bytes whose"
-                        f" sha256 is {got} (refused, not cached)"
+                        f"{where}: the registry sent {got_size} bytes whose sha256 is {got}"
+                        " (refused, not cached)"
+                        if blob
+                        else f"{where}: {got_size} bytes whose sha256 is {got}, expected"
+                        f" {digest} (refused, not kept)"
                     )
                 if size is not None and got_size != size:
-                    raise ImageError(
-                        f"{self.where}: blob {digest}: {got_size} bytes, its descriptor says {size}"
-                    )
+                    what = "its descriptor says" if blob else "expected"
+                    raise ImageError(f"{where}: {got_size} bytes, {what} {size}")
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(tmp, dest)

@@ -477,8 +477,9 @@ class Spec(_Model):
     base: str | None = Field(
         default=None,
         min_length=1,
-        description="An earlier bundle: a directory, relative to the spec file, or"
-        " oci://REGISTRY/REPO:TAG as push made it (build --base overrides it): content"
+        description="An earlier bundle: a directory, relative to the spec file,"
+        " oci://REGISTRY/REPO:TAG as push made it, or http(s)://HOST/PATH/manifest.json of a"
+        " bundle on a web server (build --base overrides it): content"
         " already in its packs is mapped where it lies there, not written again, and the packs it is in are linked into the new bundle under the same"
         " ids, so push and lazy fetch move only the new packs (docs/bundle-format.md)",
     )

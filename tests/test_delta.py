@@ -16,11 +16,12 @@ import json
 import os
 import random
 import shutil
+import subprocess
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
-from servers import Registry, docker_registry
+from servers import Registry, docker_registry, nginx_serving
 
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.bundle import BLOCKMAP, read_manifest
@@ -94,6 +95,10 @@ def delta(old: Path, new: Path) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split(": ") for line in out.splitlines())}
 
 
+def patches_of(bundle: Path) -> list[str]:
+    return ["meta.img.patch", "blockmap.patch"] if (bundle / "base").is_dir() else []
+
+
 @pytest.fixture
 def trees(tmp_path: Path) -> tuple[Path, Path, int]:
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
@@ -116,6 +121,20 @@ def test_v2_reuses_v1_packs_byte_identical_and_diff_counts(
             tmp_path / "v2b.bundle" / name
         ).read_bytes(), name
     assert m2["base"] == read_manifest(str(b1))[1]
+    # meta.img and blockmap as patches against v1's (zstd's own CLI as the oracle), small
+    assert m2["format_version"] == 2 and m1["format_version"] == 1 and "patches" not in m1
+    b2 = tmp_path / "v2.bundle"
+    for name in ("meta.img", "blockmap"):
+        assert (b2 / "base" / name).read_bytes() == (b1 / name).read_bytes()
+        assert os.stat(b2 / "base" / name).st_ino == os.stat(b1 / name).st_ino
+        got = subprocess.run(
+            ["zstd", "-d", "-c", f"--patch-from={b2 / 'base' / name}", b2 / f"{name}.patch"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        assert got == (b2 / name).read_bytes(), name
+    patches = m2["patches"]
+    assert isinstance(patches, dict) and patches["meta.img"]["size"] < 20_000, patches
     packs1 = m1["packs"]
     assert isinstance(packs1, list) and len(packs1) == 1
     p1 = packs1[0]
@@ -147,6 +166,13 @@ def test_v2_reuses_v1_packs_byte_identical_and_diff_counts(
     assert d["fetch_bytes"] <= new_bytes * 1.1
     w = delta(b1, whole)
     assert w["fetch_bytes"] == w["push_bytes"] == w["image_bytes"] > 50 * d["fetch_bytes"]
+    # metadata: v2's manifest and patches (v1 holds their base); without a base the files
+    size = {p: os.path.getsize(p) for p in (*b2.iterdir(), *whole.iterdir()) if p.is_file()}
+    assert d["meta_bytes"] == sum(size[b2 / n] for n in ("manifest.json", *patches_of(b2)))
+    assert w["meta_bytes"] == sum(
+        size[whole / n] for n in ("manifest.json", "meta.img", "blockmap")
+    )
+    assert d["fetch_bytes"] + d["meta_bytes"] <= new_bytes * 1.1
     assert (w["changed"], w["added"], w["removed"]) == (2, 1, 1)
     # the plain forms of diff still list the differences
     rc, out, _ = run("diff", b1, tmp_path / "v2.bundle")
@@ -250,6 +276,8 @@ def test_manifest_without_base_has_no_base_key(tmp_path: Path) -> None:
     make_v1(src)
     m = build(write_spec(tmp_path / "s.yaml", src), tmp_path / "s.bundle")
     assert "base" not in m and "base_reused_bytes" not in json.dumps(m["stats"])
+    assert m["format_version"] == 1 and "patches" not in m
+    assert not (tmp_path / "s.bundle" / "base").exists()
 
 
 def sha256_file(path: Path) -> str:
@@ -292,16 +320,32 @@ def test_push_v2_after_v1_uploads_only_the_new_pack(
         assert base_pack in first and new_pack in second, (first, second)
         pack_bytes = second.pop(new_pack)
         assert pack_bytes == packs[0]["size"] <= new_bytes * 1.1
-        # the rest: manifest.json (the config), meta.img (zstd), the blockmap
-        assert len(second) == 3, second
-        meta_bytes = sum(second.values())
-        # content and metadata together: v1 pushed whole is ~10 MiB
-        assert pack_bytes + meta_bytes <= sum(first.values()) / 20, (pack_bytes, second)
-        # a base given by its registry reference gives the same bundle
+        # the rest: manifest.json (the config) and the two patches; v1's meta.img (as the
+        # same zstd frame) and blockmap, v2's patch base, were there
+        patches = m2["patches"]
+        assert isinstance(patches, dict)
+        assert second == {
+            sha256_file(b2 / "manifest.json"): (b2 / "manifest.json").stat().st_size,
+            **{p["sha256"]: p["size"] for p in patches.values()},
+        }
+        # the issue's bound: changed bytes + 10 %, content and metadata together
+        assert pack_bytes + sum(second.values()) <= new_bytes * 1.1, (pack_bytes, second)
+        # a base given by its registry reference gives the same bundle; pulled, the base
+        # bundle (v1) and v2 lay out whole (meta.img made from its patch base and patch)
         b3 = tmp_path / "v2-from-registry.bundle"
         build(write_spec(tmp_path / "v2.yaml", v2), b3, "--base", f"oci://{reg.address}/img:v1")
-        for name in ("manifest.json", "meta.img", "blockmap", *(p["path"] for p in packs)):
+        rels = ["meta.img", "blockmap", "base/meta.img", "base/blockmap", "meta.img.patch"]
+        for name in ("manifest.json", *rels, "blockmap.patch", *(p["path"] for p in packs)):
             assert (b3 / name).read_bytes() == (b2 / name).read_bytes(), name
+        # v3 on v2 patches against v1's files too: its push uploads its manifest and patches
+        b4 = tmp_path / "v3.bundle"
+        build(write_spec(tmp_path / "v3.yaml", v2), b4, "--base", f"oci://{reg.address}/img:v2")
+        assert (b4 / "base/meta.img").read_bytes() == (b1 / "meta.img").read_bytes()
+        before = uploaded_blobs(reg)
+        rc, _, err = run("push", b4, f"{reg.address}/img:v3")
+        assert rc == 0, err
+        third = {d: n for d, n in uploaded_blobs(reg).items() if d not in before}
+        assert sum(third.values()) < 20_000, third
         assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
         rc, _, err = run("build", tmp_path / "v2.yaml", "-o", tmp_path / "x.bundle", "--base",
                          f"oci://{reg.address}/img:nope")  # fmt: skip
@@ -309,3 +353,90 @@ def test_push_v2_after_v1_uploads_only_the_new_pack(
         # the registry serves v2 whole: its manifest lists both packs
         rc, _, err = run("push", b2, f"{reg.address}/img:v2-again")
         assert rc == 0 and "0 blobs uploaded" in err, err
+
+
+def test_bad_patches_are_refused_naming_the_file(
+    tmp_path: Path, trees: tuple[Path, Path, int]
+) -> None:
+    """A patch base or patch that does not match the manifest, or a patch that does not
+    make meta.img, stops push before any request, naming the file; so does a base whose
+    patch base differs from its manifest, at build."""
+    from btrfs_ublk_image.push import verify_bundle
+
+    v1, v2, _ = trees
+    b1, b2 = tmp_path / "v1.bundle", tmp_path / "v2.bundle"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
+    verify_bundle(str(b2), workdir=str(tmp_path))
+    for rel, what in (
+        ("base/meta.img", "differs from the manifest"),
+        ("blockmap.patch", "differs from the manifest"),
+    ):
+        bad = tmp_path / f"bad-{rel.replace('/', '-')}"
+        shutil.copytree(b2, bad)
+        path = bad / rel
+        path.unlink()  # a hard link to v1's file: a copy
+        data = bytearray((b2 / rel).read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(data)
+        with pytest.raises(ImageError, match=f"{path}: sha256 .* {what}"):
+            verify_bundle(str(bad), workdir=str(tmp_path))
+    # a patch that the manifest names but that makes other bytes (manifest edited to match)
+    from btrfs_ublk_image import patch
+
+    m, _ = read_manifest(str(b2))
+    bad = tmp_path / "bad-meta-patch"
+    shutil.copytree(b2, bad)
+    other = patch.make((b2 / "base/meta.img").read_bytes(), bytes(m["files"]["meta.img"]["size"]))
+    (bad / "meta.img.patch").write_bytes(other)
+    m["patches"]["meta.img"] |= {"sha256": sha256_file(bad / "meta.img.patch"), "size": len(other)}
+    (bad / "manifest.json").write_text(json.dumps(m, sort_keys=True, indent=2) + "\n")
+    with pytest.raises(ImageError, match="meta.img.patch: patches its base to other bytes"):
+        verify_bundle(str(bad), workdir=str(tmp_path))
+    # a base whose patch base was damaged is refused by the next build
+    (b2 / "base/blockmap").unlink()
+    (b2 / "base/blockmap").write_bytes(b"x")
+    rc, _, err = run("build", tmp_path / "v2.yaml", "-o", tmp_path / "v3.bundle", "--base", b2)
+    assert rc != 0 and f"{b2}/base/blockmap: differs from {b2}/manifest.json" in err, err
+    assert not (tmp_path / "v3.bundle").exists()
+
+
+def test_base_from_a_web_server_gives_the_same_bundle(
+    tmp_path: Path, trees: tuple[Path, Path, int]
+) -> None:
+    """`--base http://.../manifest.json` (nginx serving bundle directories): pulled into a
+    temporary directory, the same bundle as from the directory; a base with patches
+    (format_version 2) is pulled as its patch base and patches. A missing base fails
+    naming the URL and leaves nothing."""
+    v1, v2, _ = trees
+    www = tmp_path / "www"
+    www.mkdir()
+    b1, b2 = www / "v1.bundle", www / "v2.bundle"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
+    build(write_spec(tmp_path / "v3.yaml", v1), tmp_path / "v3.bundle", "--base", b2)
+    with nginx_serving(www, tmp_path / "nginx") as web:
+        out = tmp_path / "out"
+        out.mkdir()
+        build(write_spec(tmp_path / "v2.yaml", v2), out / "v2.bundle", "--base",
+              f"{web.url}/v1.bundle/manifest.json")  # fmt: skip
+        build(write_spec(tmp_path / "v3.yaml", v1), out / "v3.bundle", "--base",
+              f"{web.url}/v2.bundle/manifest.json")  # fmt: skip
+        got = [r.path for r in web.requests()]
+        rc, _, err = run("build", tmp_path / "v2.yaml", "-o", out / "x.bundle", "--base",
+                         f"{web.url}/nope.bundle/manifest.json")  # fmt: skip
+    assert rc != 0 and "/nope.bundle/manifest.json: HTTP 404" in err, err
+    for name in ("v2.bundle", "v3.bundle"):
+        mine, theirs = out / name, (b2 if name == "v2.bundle" else tmp_path / name)
+        for f in ("manifest.json", "meta.img", "blockmap", "meta.img.patch", "blockmap.patch"):
+            assert (mine / f).read_bytes() == (theirs / f).read_bytes(), (name, f)
+    # v2 as a base: its patch base and patches moved, not its meta.img and blockmap
+    v2_files = sorted(p.removeprefix("/v2.bundle/") for p in got if "/v2.bundle/" in p)
+    assert [p for p in v2_files if not p.startswith("packs/")] == [
+        "base/blockmap",
+        "base/meta.img",
+        "blockmap.patch",
+        "manifest.json",
+        "meta.img.patch",
+    ], v2_files
+    assert sorted(p.name for p in out.iterdir()) == ["v2.bundle", "v3.bundle"]

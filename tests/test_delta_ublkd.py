@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from servers import nginx_serving
+from servers import docker_registry, nginx_serving
 from test_delta import build, make_v1, make_v2, write_spec
-from test_remote import cache_dir, pack_bytes, settled_status
+from test_remote import cache_dir, image_hex, pack_bytes, settled_status
 from test_ublkd import CHUNK, fresh_seed, no_leftovers, read_file, status_of, ublkd
 
 __all__ = ["cache_dir", "no_leftovers"]  # the fixture, used by name
@@ -111,13 +114,20 @@ def test_v2_after_v1_over_http_fetches_only_new_chunks(no_leftovers: Path, cache
             st = settled_status(mnt)
         finally:
             ublkd("umount", mnt)
-        fetched = pack_bytes(web.requests())
+        reqs = web.requests()
+        fetched = pack_bytes(reqs)
     # v2's new pack is one chunk: its new content and device 2's superblock
     assert new_bytes < fetched <= new_bytes * 1.1, (fetched, new_bytes)
     assert v1_fetched > 50 * fetched
     shared = st["disk_cache_shared_bytes"]
     assert isinstance(shared, int) and shared > v1_fetched * 0.9, (shared, v1_fetched)
-    assert st["fetch_bytes"] == fetched
+    # metadata: the manifest and the two patches; the patch base is v1's meta.img and
+    # blockmap, found in v1's image directory. Everything together within the bound.
+    paths = sorted(r.path.removeprefix("/v2.bundle/") for r in reqs if "/packs/" not in r.path)
+    assert paths == ["blockmap.patch", "manifest.json", "meta.img.patch", "prefetch.trace"], paths
+    total = sum(r.bytes_sent for r in reqs if r.status in (200, 206))
+    assert total <= new_bytes * 1.1, (total, fetched, new_bytes)
+    assert st["fetch_bytes"] == fetched  # the server's; the mount fetched the metadata
 
 
 def test_base_pack_missing_on_the_server_fails_only_reused_files(
@@ -151,3 +161,114 @@ def test_base_pack_missing_on_the_server_fails_only_reused_files(
             assert read_file(mnt / "etc/hostname") == b"v1\n"  # inline in meta.img
         finally:
             ublkd("umount", mnt)
+        # a host without v1: meta.img and blockmap made from the patch base and patches
+        meta = sorted(r.path for r in web.requests() if "/packs/" not in r.path)
+        assert [p.removeprefix("/v2.bundle/") for p in meta if "manifest" not in p] == [
+            "base/blockmap", "base/meta.img", "blockmap.patch", "meta.img.patch",
+            "prefetch.trace"]  # fmt: skip
+        # a damaged patch (the server's copy) is refused, naming it; nothing is mounted
+        shutil.rmtree(cache_dir)
+        patch = b2 / "meta.img.patch"
+        data = bytearray(patch.read_bytes())
+        data[-1] ^= 1
+        patch.write_bytes(data)
+        r = ublkd("mount", f"{web.url}/v2.bundle/manifest.json", mnt, "--frontend", "fuse",
+                  check=False)  # fmt: skip
+        assert r.returncode != 0 and "meta.img.patch" in r.stderr, r.stderr
+        assert not os.path.ismount(mnt)
+
+
+def test_v2_after_v1_from_a_registry_moves_only_patches_and_new_chunks(
+    no_leftovers: Path, cache_dir: Path
+) -> None:
+    """oci://: v1 and v2 pushed; a host that read v1 mounts v2 with GETs of v2's manifests,
+    its two patches and its new chunk (within changed bytes + 10 %); a host that holds
+    nothing gets the patch base (v1's meta.img blob, zstd) and the patches, and reads v2
+    right. The registry's access log is the oracle."""
+    tmp = no_leftovers
+    v1, v2 = tmp / "v1", tmp / "v2"
+    make_v1(v1, seed=fresh_seed())
+    new_bytes = make_v2(v1, v2)
+    b1, b2 = tmp / "v1.bundle", tmp / "v2.bundle"
+    build(write_spec(tmp / "v1.yaml", v1), b1)
+    m2 = build(write_spec(tmp / "v2.yaml", v2), b2, "--base", b1)
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+    with docker_registry(tmp / "registry") as reg:
+        for name, b in (("v1", b1), ("v2", b2)):
+            subprocess.run([sys.executable, "-m", "btrfs_ublk_image", "push", b,
+                            f"{reg.address}/img:{name}"], check=True, capture_output=True)  # fmt: skip
+        blobs = {}
+        for path in (*b1.rglob("*"), *b2.rglob("*")):
+            if path.is_file():
+                blobs["sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()] = path.name
+
+        def moved(name: str, cache: Path) -> list[tuple[str, int]]:
+            before = len(reg.requests())
+            ublkd("mount", f"oci://{reg.address}/img:{name}", mnt, "--frontend", "fuse",
+                  "--cache-dir", cache)  # fmt: skip
+            try:
+                read_all(mnt, tree_files(v1 if name == "v1" else v2))
+            finally:
+                ublkd("umount", mnt)
+            return [
+                (blobs.get(r.path.rsplit("/", 1)[1], r.path.rsplit("/", 1)[1]), r.bytes_sent)
+                for r in reg.requests()[before:]
+                if r.method == "GET" and "/blobs/" in r.path
+            ]
+
+        moved("v1", cache_dir)
+        warm = moved("v2", cache_dir)
+        cold = moved("v2", tmp / "cache-cold")
+    new_pack = m2["packs"][0]["path"].rsplit("/", 1)[1]  # type: ignore[index]
+    assert {n for n, _ in warm} == {"blockmap.patch", "manifest.json", "meta.img.patch", new_pack}
+    assert sum(n for _, n in warm) <= new_bytes * 1.1, warm
+    # cold: v1's meta.img as its zstd blob (named by no bundle file) and blockmap, too
+    cold_names = {n for n, _ in cold}
+    assert {"blockmap", "blockmap.patch", "meta.img.patch", new_pack} <= cold_names, cold
+    assert (tmp / "cache-cold" / image_hex(b2) / "base" / "meta.img").read_bytes() == (
+        b1 / "meta.img"
+    ).read_bytes()
+
+
+def test_one_cache_bound_for_every_image_least_recently_used_first(
+    no_leftovers: Path, cache_dir: Path
+) -> None:
+    """--cache-size bounds the chunk files of every image in the cache dir together: two
+    unrelated images read whole through a 6 MiB bound leave at most 6 MiB (+5 % per
+    server) of chunk files, the second image's reads having evicted the first's oldest
+    chunks; the files on disk (each inode once) are the oracle."""
+    tmp = no_leftovers
+    www = tmp / "www"
+    www.mkdir()
+    trees = {}
+    for name in ("a", "b"):
+        trees[name] = tmp / name
+        make_v1(trees[name], seed=fresh_seed())
+        build(write_spec(tmp / f"{name}.yaml", trees[name]), www / f"{name}.bundle")
+    limit = 6 << 20
+    mnt = tmp / "mnt"
+    mnt.mkdir()
+
+    def chunk_bytes(image: str | None = None) -> int:
+        seen = {}
+        for p in cache_dir.glob(f"{image or '*'}/chunks/??/*"):
+            st = p.stat()
+            seen[(st.st_dev, st.st_ino)] = st.st_size
+        return sum(seen.values())
+
+    with nginx_serving(www, tmp / "nginx") as web:
+        for name in ("a", "b"):
+            ublkd("mount", f"{web.url}/{name}.bundle/manifest.json", mnt, "--frontend", "fuse",
+                  "--cache-size", str(limit))  # fmt: skip
+            try:
+                read_all(mnt, tree_files(trees[name]))
+            finally:
+                ublkd("umount", mnt)
+            assert chunk_bytes() <= limit * 1.05, (name, chunk_bytes())
+    # both images' packs are larger than the bound: b's reads evicted a's chunks
+    a, b = image_hex(www / "a.bundle"), image_hex(www / "b.bundle")
+    assert chunk_bytes(b) > limit / 2 and chunk_bytes(a) < limit / 2, (
+        chunk_bytes(a),
+        chunk_bytes(b),
+    )

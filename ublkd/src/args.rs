@@ -186,7 +186,8 @@ pub struct RemoteArgs {
     /// Persistent cache of remote images [default: $UBLKD_CACHE_DIR, else /var/cache/ublkd].
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
-    /// Bound of one image's chunk cache (K, M, G, T suffixes).
+    /// Bound of the chunk files of every image in the cache dir, least recently used
+    /// evicted first across images (K, M, G, T suffixes).
     #[arg(long, default_value = "4G", value_parser = parse_size)]
     pub cache_size: u64,
     /// Seconds a remote fetch may take, retries included, before the read fails with EIO.

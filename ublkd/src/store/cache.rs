@@ -5,16 +5,22 @@
 //!   `chunks/tmp/` and renamed into place: a torn write never has an entry's name.
 //! * Every load re-checks the digest (a crash can leave a renamed file whose data never
 //!   reached the disk); a bad entry is removed, counted, and the chunk fetched again.
-//! * Bounded: when the entries exceed the limit, the least recently used go (the order
-//!   survives restarts through the files' mtimes, which a hit refreshes).
+//! * One bound for the whole cache dir, least recently used first across images: the
+//!   limit bounds the chunk files of every image under the cache dir (a chunk shared
+//!   by hard links counts once). A server adds up what it wrote since it last looked;
+//!   when that and the total it last saw pass the limit, or it wrote 5 % of the limit,
+//!   it scans every image's `chunks/` and, over the limit, removes the least recently
+//!   used chunks (every name of each: space is freed only when the last link goes) down
+//!   to 90 %. So the cache dir exceeds the limit by at most 5 % per running server. The order is the files'
+//!   mtimes, which a hit refreshes, so it holds across images and restarts. Servers
+//!   of other images notice a removed chunk when they next read it (a miss).
 //!
 //! One server per image uses the directory (the bundle lock is keyed by image id).
 //!
 //! Chunks are shared across images by digest: a chunk missing here that another image's
 //! cache beside this one (`<cache dir>/<image id>/chunks/`) holds is verified and hard
 //! linked in (a copy where links fail), not fetched: a host that read v1 of an image
-//! fetches only v2's new chunks (`build --base`). Each image's bound counts the chunks it
-//! holds, shared or not; evicting one removes only its own name.
+//! fetches only v2's new chunks (`build --base`).
 
 use crate::stats::Counters;
 use anyhow::{Context, Result};
@@ -26,9 +32,12 @@ use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 struct Index {
-    entries: HashMap<[u8; 32], (u64, u64)>, // digest -> (size, last use tick)
+    /// this image's chunks: digest -> size (the LRU order is the files' mtimes)
+    entries: HashMap<[u8; 32], u64>,
     total: u64,
-    tick: u64,
+    /// the cache dir's chunk bytes at the last scan, and what this cache wrote since
+    seen_total: u64,
+    written_since: u64,
 }
 
 pub struct DiskCache {
@@ -51,32 +60,18 @@ impl DiskCache {
         let tmp = dir.join("tmp");
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).with_context(|| format!("{}: mkdir", tmp.display()))?;
-        let mut found: Vec<([u8; 32], u64, SystemTime)> = Vec::new();
-        for sub in std::fs::read_dir(dir).with_context(|| format!("{}: read", dir.display()))? {
-            let sub = sub?;
-            if sub.file_name().len() != 2 || !sub.path().is_dir() {
-                continue;
-            }
-            for e in std::fs::read_dir(sub.path())? {
-                let e = e?;
-                let Some(d) = parse_digest(&e.file_name().to_string_lossy()) else {
-                    continue;
-                };
-                if let Ok(m) = e.metadata() {
-                    found.push((d, m.len(), m.modified().unwrap_or(SystemTime::UNIX_EPOCH)));
-                }
-            }
-        }
-        found.sort_by_key(|f| f.2);
         let mut index = Index {
             entries: HashMap::new(),
             total: 0,
-            tick: 0,
+            seen_total: 0,
+            written_since: 0,
         };
-        for (d, size, _) in found {
-            index.tick += 1;
-            index.entries.insert(d, (size, index.tick));
-            index.total += size;
+        for path in chunk_files(dir) {
+            let digest = path.file_name().and_then(|n| parse_digest(&n.to_string_lossy()));
+            if let (Some(d), Ok(md)) = (digest, std::fs::metadata(&path)) {
+                index.entries.insert(d, md.len());
+                index.total += md.len();
+            }
         }
         let c = DiskCache {
             dir: dir.to_path_buf(),
@@ -85,7 +80,7 @@ impl DiskCache {
             counters,
             tmp_seq: AtomicU64::new(0),
         };
-        c.trim();
+        c.trim_all();
         Ok(c)
     }
 
@@ -105,7 +100,7 @@ impl DiskCache {
 
     fn remove(&self, digest: &[u8; 32]) {
         let mut ix = self.index.lock().unwrap();
-        if let Some((size, _)) = ix.entries.remove(digest) {
+        if let Some(size) = ix.entries.remove(digest) {
             ix.total -= size;
         }
         let _ = std::fs::remove_file(self.path(digest));
@@ -120,21 +115,12 @@ impl DiskCache {
 
     /// The verified bytes of a cached chunk, or None (not cached, unreadable or bad).
     pub fn get(&self, digest: &[u8; 32]) -> Option<Vec<u8>> {
-        {
-            let mut ix = self.index.lock().unwrap();
-            ix.tick += 1;
-            let tick = ix.tick;
-            match ix.entries.get_mut(digest) {
-                Some(e) => e.1 = tick,
-                None => {
-                    drop(ix);
-                    let found = self.take_from_other_images(digest);
-                    if found.is_none() {
-                        Counters::add(&self.counters.disk_cache_misses, 1);
-                    }
-                    return found;
-                }
+        if !self.contains(digest) {
+            let found = self.take_from_other_images(digest);
+            if found.is_none() {
+                Counters::add(&self.counters.disk_cache_misses, 1);
             }
+            return found;
         }
         let path = self.path(digest);
         let data = match std::fs::read(&path) {
@@ -197,14 +183,17 @@ impl DiskCache {
             let linked = path.parent().is_some_and(|p| std::fs::create_dir_all(p).is_ok())
                 && std::fs::hard_link(&src, &path).is_ok();
             if linked {
+                // another name of a file the cache dir holds: no bytes added to the bound
                 let mut ix = self.index.lock().unwrap();
-                ix.tick += 1;
-                let tick = ix.tick;
-                if ix.entries.insert(*digest, (data.len() as u64, tick)).is_none() {
+                if ix.entries.insert(*digest, data.len() as u64).is_none() {
                     ix.total += data.len() as u64;
                 }
+                self.publish(&ix);
                 drop(ix);
-                self.trim();
+                // the LRU order is the file's mtime, shared by its names
+                if let Ok(f) = std::fs::File::options().write(true).open(&path) {
+                    let _ = f.set_modified(SystemTime::now());
+                }
             } else {
                 self.put(digest, &data);
             }
@@ -236,36 +225,85 @@ impl DiskCache {
             log::warn!("chunk cache {}: {e}; not cached", path.display());
             return;
         }
-        {
+        let over = {
             let mut ix = self.index.lock().unwrap();
-            ix.tick += 1;
-            let tick = ix.tick;
-            if ix.entries.insert(*digest, (data.len() as u64, tick)).is_none() {
+            if ix.entries.insert(*digest, data.len() as u64).is_none() {
                 ix.total += data.len() as u64;
+                ix.written_since += data.len() as u64;
             }
+            self.publish(&ix);
+            // others write too: look again after every 5 % of the bound written here
+            ix.seen_total + ix.written_since > self.limit || ix.written_since > self.limit / 20
+        };
+        if over {
+            self.trim_all();
         }
-        self.trim();
     }
 
-    /// Remove least recently used entries until the cache holds at most `limit` bytes.
-    fn trim(&self) {
+    /// Scan every image's chunk cache under the cache dir and, when their files (each
+    /// inode once) pass `limit` bytes, remove the least recently used (by mtime) down to
+    /// 90 % of it: every name of each, so that its space is freed. Removal by another
+    /// server at the same time is harmless (a missing file is skipped).
+    fn trim_all(&self) {
+        use std::os::unix::fs::MetadataExt;
         let mut ix = self.index.lock().unwrap();
-        if ix.total > self.limit {
-            let mut by_age: Vec<([u8; 32], u64, u64)> = ix.entries.iter().map(|(d, (s, t))| (*d, *s, *t)).collect();
-            by_age.sort_by_key(|e| e.2);
-            // down to 90 %: an eviction scan per insert would be wasteful once full
-            let target = self.limit - self.limit / 10;
-            for (d, size, _) in by_age {
-                if ix.total <= target {
-                    break;
-                }
-                ix.entries.remove(&d);
-                ix.total -= size;
-                let _ = std::fs::remove_file(self.path(&d));
+        // inode -> (size, mtime, names)
+        let mut files: HashMap<(u64, u64), (u64, SystemTime, Vec<PathBuf>)> = HashMap::new();
+        for chunks in std::iter::once(self.dir.clone()).chain(self.other_images()) {
+            for path in chunk_files(&chunks) {
+                let Ok(md) = std::fs::metadata(&path) else {
+                    continue;
+                };
+                let mtime = md.modified().unwrap_or(SystemTime::UNIX_EPOCH);
+                let e = files
+                    .entry((md.dev(), md.ino()))
+                    .or_insert_with(|| (md.len(), mtime, Vec::new()));
+                e.2.push(path);
             }
         }
+        let mut total: u64 = files.values().map(|f| f.0).sum();
+        if total > self.limit {
+            let mut by_age: Vec<_> = files.into_values().collect();
+            by_age.sort_by_key(|f| f.1);
+            // down to 90 %: an eviction scan per insert would be wasteful once full
+            let target = self.limit - self.limit / 10;
+            for (size, _, names) in by_age {
+                if total <= target {
+                    break;
+                }
+                for name in names {
+                    let _ = std::fs::remove_file(&name);
+                    let own = name.parent().and_then(Path::parent) == Some(self.dir.as_path());
+                    let digest = name.file_name().and_then(|n| parse_digest(&n.to_string_lossy()));
+                    if let (true, Some(d)) = (own, digest) {
+                        if let Some(s) = ix.entries.remove(&d) {
+                            ix.total -= s;
+                        }
+                    }
+                }
+                total -= size;
+            }
+        }
+        ix.seen_total = total;
+        ix.written_since = 0;
         self.publish(&ix);
     }
+}
+
+/// The chunk files of one image's cache (`chunks/<hh>/<64 hex>`).
+fn chunk_files(chunks: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for sub in std::fs::read_dir(chunks).into_iter().flatten().flatten() {
+        if sub.file_name().len() != 2 {
+            continue;
+        }
+        for e in std::fs::read_dir(sub.path()).into_iter().flatten().flatten() {
+            if parse_digest(&e.file_name().to_string_lossy()).is_some() {
+                out.push(e.path());
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -286,8 +324,10 @@ mod tests {
         let chunks: Vec<_> = (0..5u8).map(chunk).collect();
         for (data, d) in &chunks[..3] {
             c.put(d, data);
+            tick();
         }
         assert_eq!(c.get(&chunks[0].1).as_deref(), Some(&chunks[0].0[..]));
+        tick();
         // a fourth entry exceeds 3500 bytes: the least recently used (chunk 1) goes
         c.put(&chunks[3].1, &chunks[3].0);
         assert!(!c.contains(&chunks[1].1) && !c.path(&chunks[1].1).exists());
@@ -309,6 +349,47 @@ mod tests {
         drop(c);
         let _c = DiskCache::open(tmp.path(), 3500, counters).unwrap();
         assert_eq!(std::fs::read_dir(tmp.path().join("tmp")).unwrap().count(), 0);
+    }
+
+    /// Past the file timestamps' granularity (a kernel tick), so that mtimes order uses.
+    fn tick() {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+
+    #[test]
+    fn one_bound_for_the_cache_dir_least_recently_used_across_images() {
+        let tmp = tempfile::tempdir().unwrap();
+        let image = |c: char| tmp.path().join(c.to_string().repeat(64)).join("chunks");
+        let ca = Arc::new(Counters::default());
+        let a = DiskCache::open(&image('a'), 3500, ca.clone()).unwrap();
+        let b = DiskCache::open(&image('b'), 3500, Arc::new(Counters::default())).unwrap();
+        let c: Vec<_> = (0..5u8).map(chunk).collect();
+        a.put(&c[0].1, &c[0].0);
+        tick();
+        a.put(&c[1].1, &c[1].0);
+        tick();
+        b.put(&c[2].1, &c[2].0);
+        tick();
+        // shared by a hard link: no bytes added, and it is now the most recently used
+        assert!(b.get(&c[0].1).is_some());
+        tick();
+        // 4000 bytes in the cache dir: a's chunk 1, the least recently used of all, goes
+        b.put(&c[3].1, &c[3].0);
+        assert!(!a.path(&c[1].1).exists());
+        for (cache, i) in [(&a, 0), (&b, 0), (&b, 2), (&b, 3)] {
+            assert!(cache.path(&c[i].1).exists(), "chunk {i}");
+        }
+        // a's server learns it when it reads it: a miss, fetched again
+        let misses = ca.snapshot().disk_cache_misses;
+        assert_eq!(a.get(&c[1].1), None);
+        assert_eq!(ca.snapshot().disk_cache_misses, misses + 1);
+        assert!(!a.contains(&c[1].1));
+        // a shared chunk that is the oldest goes under both names (its space is freed)
+        let old = std::fs::File::options().write(true).open(a.path(&c[0].1)).unwrap();
+        old.set_modified(SystemTime::UNIX_EPOCH).unwrap();
+        a.put(&c[4].1, &c[4].0);
+        assert!(!a.path(&c[0].1).exists() && !b.path(&c[0].1).exists());
+        assert!(a.path(&c[4].1).exists() && b.path(&c[2].1).exists() && b.path(&c[3].1).exists());
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use crate::format::blockmap::{chunks_in, Blockmap};
 use crate::format::digest::{sha256_hex, Sha256Digest};
-use crate::format::manifest::{Manifest, BLOCKMAP, FORMAT, FORMAT_VERSION, MANIFEST, META_IMG};
+use crate::format::manifest::{Manifest, BLOCKMAP, MANIFEST, META_IMG};
 use crate::util::write_atomic;
 use anyhow::{bail, ensure, Context, Result};
 use sha2::{Digest as _, Sha256};
@@ -43,18 +43,7 @@ impl Bundle {
         }
         let manifest: Manifest =
             serde_json::from_slice(&mbytes).with_context(|| format!("{}: not a valid manifest", mpath.display()))?;
-        ensure!(
-            manifest.format == FORMAT,
-            "{}: format is {:?}, not \"{FORMAT}\"",
-            mpath.display(),
-            manifest.format
-        );
-        ensure!(
-            manifest.format_version == FORMAT_VERSION,
-            "{}: format_version {} is not supported (this ublkd reads {FORMAT_VERSION})",
-            mpath.display(),
-            manifest.format_version
-        );
+        manifest.check_format(&mpath.display().to_string())?;
         ensure!(
             manifest.devices.len() == 2 && manifest.devices[0].devid == 1 && manifest.devices[1].devid == 2,
             "{}: devices must list devid 1 and 2",

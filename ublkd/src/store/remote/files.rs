@@ -1,16 +1,16 @@
 //! Where the files of a remote bundle are ([`Store`]: relative to a manifest's URL, or
 //! an OCI artifact's layers by title), its packs read by range requests
-//! ([`RemotePacks`]), and meta.img and blockmap fetched whole into the image directory
-//! ([`ensure_file`]).
+//! ([`RemotePacks`]), and meta.img and blockmap fetched whole (or made from a patch
+//! base and a patch) into the image directory ([`ensure_file`]).
 
 use super::http::{self, range_body, range_header, Failure, Http};
 use super::oci::Registry;
 use crate::format::digest::{sha256_hex, Sha256Digest};
-use crate::format::manifest::{Manifest, META_IMG};
+use crate::format::manifest::{FileInfo, Manifest, PatchInfo, META_IMG, PATCH_BASE_DIR, PATCH_SUFFIX};
 use crate::stats::Counters;
 use crate::store::local::open_checked_meta;
 use crate::store::source::PackSource;
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, ensure, Context, Result};
 use sha2::{Digest as _, Sha256};
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -110,8 +110,9 @@ impl PackSource for RemotePacks {
 }
 
 /// meta.img or blockmap in the image directory: kept if its size (and with `verify`, its
-/// sha256) match the manifest, else downloaded to a temporary file, checked, renamed into
-/// place. (`serve` does not hash a cached meta.img: it never reads it.)
+/// sha256) match the manifest, else downloaded (format_version 2: made from its patch
+/// base and patch, [`patched`]) to a temporary file, checked, renamed into place.
+/// (`serve` does not hash a cached meta.img: it never reads it.)
 pub fn ensure_file(
     store: &Store,
     location: &str,
@@ -146,14 +147,41 @@ pub fn ensure_file(
             path.display()
         );
     }
-    let url = store.url(name).map_err(|f| anyhow!("{f:?}"))?;
-    let tmp = dir.join(format!("{name}.tmp.{}", std::process::id()));
+    match m.patches.get(name) {
+        Some(p) => patched(store, location, dir, name, info, p, timeout)?,
+        None => fetch_checked(store, location, name, info, &path, timeout)?,
+    }
+    if !verify {
+        return Ok(None);
+    }
+    // hashed as it arrived (or was made); this is the file the loop device gets
+    Ok(Some(
+        std::fs::File::open(&path).with_context(|| format!("{}: open", path.display()))?,
+    ))
+}
+
+/// The store's file `rel` downloaded to `path` through a temporary file beside it,
+/// checked against `info` (size and sha256; a `+zstd` layer after decompression) before
+/// it is renamed into place.
+fn fetch_checked(
+    store: &Store,
+    location: &str,
+    rel: &str,
+    info: &FileInfo,
+    path: &Path,
+    timeout: Duration,
+) -> Result<()> {
+    let want = Sha256Digest::parse(&info.sha256)
+        .with_context(|| format!("{location}: the sha256 of {rel} is not sha256:<hex>"))?
+        .hex();
+    let url = store.url(rel).map_err(|f| anyhow!("{f:?}"))?;
+    let tmp = temp_beside(path);
     let http = store.http();
-    let zstd_size = store.zstd_size(name);
+    let zstd_size = store.zstd_size(rel);
     let res = http.retry(&url, Instant::now() + timeout, |_| {
         // no overall deadline for a whole file: a stalled transfer fails after the
         // read timeout (= the fetch timeout) and is retried
-        let resp = store.get(name, &[], None)?;
+        let resp = store.get(rel, &[], None)?;
         let mut f = std::fs::File::create(&tmp).map_err(|e| Failure::Permanent(format!("{}: {e}", tmp.display())))?;
         // what came over the wire (counted in fetch_bytes), and whether reading it failed
         let seen = WireState::default();
@@ -219,16 +247,116 @@ pub fn ensure_file(
     });
     if let Err(m) = res {
         let _ = std::fs::remove_file(&tmp);
-        bail!("{location}: fetching {name}: {m}");
+        bail!("{location}: fetching {rel}: {m}");
     }
-    std::fs::rename(&tmp, &path).with_context(|| format!("{}: rename", path.display()))?;
-    if !verify {
-        return Ok(None);
+    std::fs::rename(&tmp, path).with_context(|| format!("{}: rename", path.display()))?;
+    Ok(())
+}
+
+fn temp_beside(path: &Path) -> std::path::PathBuf {
+    let name = path.file_name().map_or_else(Default::default, |n| n.to_string_lossy());
+    path.with_file_name(format!("{name}.tmp.{}", std::process::id()))
+}
+
+/// `name` (meta.img or blockmap, format_version 2) made from its patch base and its patch
+/// (docs/bundle-format.md). The patch base is this image's copy, else another image's
+/// under the cache dir (a host that ran an earlier version of the lineage holds it: only
+/// the patch moves), else it is fetched into `base/`. What is used is checked: the patch
+/// base and the patch against their sha256 in the manifest, the file they make against
+/// `files` before it is renamed into place.
+fn patched(
+    store: &Store,
+    location: &str,
+    dir: &Path,
+    name: &str,
+    info: &FileInfo,
+    p: &PatchInfo,
+    timeout: Duration,
+) -> Result<()> {
+    let base_rel = format!("{PATCH_BASE_DIR}/{name}");
+    let base = match find_patch_base(dir, name, &p.base) {
+        Some(bytes) => bytes,
+        None => {
+            let path = dir.join(&base_rel);
+            let parent = dir.join(PATCH_BASE_DIR);
+            std::fs::create_dir_all(&parent).with_context(|| format!("{}: mkdir", parent.display()))?;
+            fetch_checked(store, location, &base_rel, &p.base, &path, timeout)?;
+            std::fs::read(&path).with_context(|| format!("{}: read", path.display()))?
+        }
+    };
+    let patch_rel = format!("{name}{PATCH_SUFFIX}");
+    let patch_path = dir.join(&patch_rel);
+    let patch_info = FileInfo {
+        sha256: p.sha256.clone(),
+        size: p.size,
+    };
+    fetch_checked(store, location, &patch_rel, &patch_info, &patch_path, timeout)?;
+    let patch = std::fs::read(&patch_path).with_context(|| format!("{}: read", patch_path.display()))?;
+    let _ = std::fs::remove_file(&patch_path); // used once: the file it makes is kept
+    let path = dir.join(name);
+    let tmp = temp_beside(&path);
+    let res = apply_patch(&base, &patch, info, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, &path).with_context(|| format!("{}: rename", path.display())));
+    if res.is_err() {
+        let _ = std::fs::remove_file(&tmp);
     }
-    // hashed as it arrived; this is the file the loop device gets
-    Ok(Some(
-        std::fs::File::open(&path).with_context(|| format!("{}: open", path.display()))?,
-    ))
+    res.with_context(|| format!("{location}: {patch_rel} against {base_rel}"))
+}
+
+/// The bytes of `name`'s patch base if this host holds it: `dir/base/<name>`, else a file
+/// `<name>` or `base/<name>` of another image directory under the cache dir (`dir`'s
+/// parent) with its size and sha256. The bytes returned are the bytes hashed.
+fn find_patch_base(dir: &Path, name: &str, want: &FileInfo) -> Option<Vec<u8>> {
+    let want_hex = Sha256Digest::parse(&want.sha256).ok()?.hex();
+    let own = dir.join(PATCH_BASE_DIR).join(name);
+    let others = std::fs::read_dir(dir.parent()?)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|d| d != dir)
+        .flat_map(|d| [d.join(name), d.join(PATCH_BASE_DIR).join(name)]);
+    std::iter::once(own)
+        .chain(others)
+        .filter(|c| std::fs::metadata(c).is_ok_and(|md| md.is_file() && md.len() == want.size))
+        .find_map(|c| {
+            let bytes = std::fs::read(&c).ok()?;
+            (sha256_hex(&bytes) == want_hex).then(|| {
+                log::info!("{}: patch base found in {}", dir.display(), c.display());
+                bytes
+            })
+        })
+}
+
+/// The file `patch` makes of `base` (a zstd frame with `base` as its raw-content
+/// dictionary, `zstd --patch-from`), written to `tmp` and checked against `info`.
+fn apply_patch(base: &[u8], patch: &[u8], info: &FileInfo, tmp: &Path) -> Result<()> {
+    let want = Sha256Digest::parse(&info.sha256)?.hex();
+    let mut d = zstd::stream::read::Decoder::with_dictionary(patch, base).context("zstd")?;
+    // the writer sizes the window to span the patch base (up to zstd's maximum)
+    d.window_log_max(31).context("zstd")?;
+    let mut r = d.take(info.size + 1);
+    let mut f = std::fs::File::create(tmp).with_context(|| format!("{}: create", tmp.display()))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = r.read(&mut buf).context("not a zstd patch of its base")?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        f.write_all(&buf[..n])
+            .with_context(|| format!("{}: write", tmp.display()))?;
+        total += n as u64;
+    }
+    let got = hex::encode(h.finalize());
+    ensure!(
+        total == info.size && got == want,
+        "makes {total} bytes with sha256 {got}, the manifest says {} bytes with {want}",
+        info.size
+    );
+    f.sync_all().with_context(|| format!("{}: fsync", tmp.display()))
 }
 
 /// A response body, its bytes counted in `fetch_bytes` as they arrive.
@@ -272,6 +400,42 @@ mod tests {
             timeout,
         };
         (packs, counters)
+    }
+
+    #[test]
+    fn a_patch_applies_to_its_base_only() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let base: Vec<u8> = (0..200_000)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let mut new = base.clone();
+        new[1000..1010].copy_from_slice(b"0123456789");
+        // what `zstd --patch-from` (patch.py) writes: the base as a raw-content dictionary
+        let patch = zstd::bulk::Compressor::with_dictionary(19, &base)
+            .unwrap()
+            .compress(&new)
+            .unwrap();
+        assert!(patch.len() < 1000, "{}", patch.len());
+        let info = FileInfo {
+            sha256: format!("sha256:{}", sha256_hex(&new)),
+            size: new.len() as u64,
+        };
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        apply_patch(&base, &patch, &info, &out).unwrap();
+        assert_eq!(std::fs::read(&out).unwrap(), new);
+        // another base: other bytes (or no frame at all), refused by the digest
+        let other: Vec<u8> = base.iter().map(|b| !b).collect();
+        let err = format!("{:#}", apply_patch(&other, &patch, &info, &out).unwrap_err());
+        assert!(err.contains("the manifest says") || err.contains("zstd"), "{err}");
+        let short = FileInfo { size: 100, ..info };
+        let err = format!("{:#}", apply_patch(&base, &patch, &short, &out).unwrap_err());
+        assert!(err.contains("makes 101 bytes"), "{err}");
     }
 
     #[test]

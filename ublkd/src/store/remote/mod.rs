@@ -8,8 +8,12 @@
 //! zstd stream, decompressed as it arrives; the decompressed file is what is checked
 //! against manifest.json and cached.
 //!
+//! A bundle with patches (format_version 2) gets its meta.img and blockmap from its patch
+//! base (found in any image directory of the cache dir, else fetched into `base/`) and
+//! the small patches ([`files::ensure_file`]).
+//!
 //! Image directory: `<cache dir>/<image id hex>/` = `manifest.json`, `meta.img`,
-//! `blockmap`, `oci-manifest.json` (oci), `chunks/`.
+//! `blockmap`, `oci-manifest.json` (oci), `chunks/`, `base/` (a patch base it fetched).
 //!
 //! * [`http`]: the HTTP client (retries, deadlines, bodies);
 //! * [`oci`]: the OCI distribution client (references, auth);
@@ -233,6 +237,7 @@ fn resolve(
     };
     let manifest: Manifest = serde_json::from_slice(&std::fs::read(dir.join(MANIFEST))?)
         .with_context(|| format!("{location}: manifest.json is not a valid manifest"))?;
+    manifest.check_format(&format!("{location}: manifest.json"))?;
     let mut meta = None;
     for name in [META_IMG, BLOCKMAP] {
         let checked = ensure_file(&store, location, &dir, name, &manifest, args.timeout(), verify_meta)?;

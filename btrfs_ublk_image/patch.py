@@ -1,0 +1,100 @@
+"""Metadata patches of a delta image (bundle format_version 2, docs/bundle-format.md).
+
+A bundle built with a base carries, beside its ``meta.img`` and ``blockmap``, each of them
+as a patch against the same file of its *patch base* (``base/meta.img``,
+``base/blockmap``): one zstd frame compressed with the patch base's bytes as a raw-content
+dictionary, what ``zstd --patch-from=BASE`` writes and ``zstd -d --patch-from=BASE``
+reads. Debian minbase with 18 of 5,231 files rewritten: meta.img's patch is 12.9 KB for
+8 MiB (its zstd frame alone: 1.45 MB). The patch base is the lineage's root (the base's
+own patch base when it has one), so every version of a lineage patches against one file
+that the registry and a host's cache already hold.
+
+The frame is deterministic (fixed level and window, content size in the header, no
+checksum, no dictionary id, one thread): same files, same patch, same image id. Level
+19: it takes Debian's patch from 1.5 MB (level 3, whose parameters barely use a
+dictionary this size) to 12.9 KB in 1.5 s; applying a patch costs the same at any level.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from btrfs_ublk_image.errors import ImageError
+
+LEVEL = 19
+# the largest window a reader must accept (zstd's maximum on 64-bit hosts)
+MAX_WINDOW_LOG = 31
+BASE_DIR = "base"
+SUFFIX = ".patch"
+
+
+def _window_log(*sizes: int) -> int:
+    """A window that spans the larger of the two files (the dictionary is referenced
+    through it), at least zstd's minimum of 2^10."""
+    return min(MAX_WINDOW_LOG, max(10, (max(sizes) - 1).bit_length()))
+
+
+def make(base: bytes, new: bytes) -> bytes:
+    """``new`` as one zstd frame against ``base`` (raw-content dictionary)."""
+    import zstandard  # its 11 MiB library is loaded only when patches are made or applied
+
+    params = zstandard.ZstdCompressionParameters.from_level(
+        LEVEL,
+        source_size=len(new),
+        dict_size=len(base),
+        window_log=_window_log(len(base), len(new)),
+        threads=0,
+        write_checksum=False,
+        write_content_size=True,
+        write_dict_id=False,
+    )
+    d = zstandard.ZstdCompressionDict(base, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+    return bytes(zstandard.ZstdCompressor(dict_data=d, compression_params=params).compress(new))
+
+
+def apply(base: bytes, patch: bytes, size: int, where: str) -> bytes:
+    """The file ``patch`` (named ``where``) makes of ``base``: exactly ``size`` bytes, or a
+    clear error. The caller checks the result's digest."""
+    import zstandard
+
+    d = zstandard.ZstdCompressionDict(base, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+    try:
+        out = zstandard.ZstdDecompressor(
+            dict_data=d, max_window_size=1 << MAX_WINDOW_LOG
+        ).decompress(patch, max_output_size=size + 1)
+    except zstandard.ZstdError as e:
+        raise ImageError(f"{where}: not a zstd patch of its base: {e}") from None
+    if len(out) != size:
+        raise ImageError(f"{where}: patches its base to {len(out)} bytes, expected {size}")
+    return bytes(out)
+
+
+def base_path(name: str) -> str:
+    """The bundle-relative path of ``name``'s patch base."""
+    return f"{BASE_DIR}/{name}"
+
+
+def patch_path(name: str) -> str:
+    return name + SUFFIX
+
+
+def entries(manifest: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    """The manifest's ``patches`` (format_version 2), checked for shape: name ->
+    ``{sha256, size, base: {sha256, size}}``; ``{}`` for format_version 1."""
+    patches = manifest.get("patches")
+    if manifest.get("format_version") == 1:
+        if patches is not None:
+            raise ImageError(f"{where}: format_version 1 has no patches")
+        return {}
+    if not isinstance(patches, dict) or set(patches) != {"meta.img", "blockmap"}:
+        raise ImageError(f"{where}: patches must name meta.img and blockmap")
+    for name, p in patches.items():
+        base = p.get("base") if isinstance(p, dict) else None
+        for e in (p, base):
+            if (
+                not isinstance(e, dict)
+                or not isinstance(e.get("sha256"), str)
+                or not isinstance(e.get("size"), int)
+            ):
+                raise ImageError(f"{where}: patches.{name}: expected sha256, size and base")
+    return patches
