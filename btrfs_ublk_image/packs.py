@@ -491,6 +491,9 @@ class PackWriter:
     def abort(self) -> None:
         if self.core is not None:
             self.core.abort()
+            # dropped here, on the thread that made it (the extension's Pack is unsendable:
+            # a traceback's cycle collected later on a worker thread could not free it)
+            self.core = None
         self._hasher.stop()
         self._flusher.stop()
         if not self._file.closed:
