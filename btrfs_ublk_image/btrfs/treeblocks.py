@@ -7,18 +7,21 @@ a tree takes; ``serialize`` takes the addresses and emits the blocks.
 
 Leaves are packed once into ``Leaf`` payloads (the block minus its header,
 which holds the address). The fs tree, by far the largest, is packed while its
-items are generated (``LeafPacker``), so its items never sit in memory as a list,
+items are generated (``leaf_packer``), so its items never sit in memory as a list,
 and its payloads wait in a spill file (not in memory) until their addresses and
-the fsid are known.
+the fsid are known. That packer is the native extension's (``native/src/leaves.rs``,
+the same bytes, one call per item) when it is built, else ``LeafPacker``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Protocol
 
+from btrfs_ublk_image import native
 from btrfs_ublk_image.btrfs import ondisk as d
 
 EMPTY_KEY: d.Key = (0, 0, 0)
@@ -68,15 +71,24 @@ class Leaf:
     spilled_at: int = -1  # offset of the payload in the packer's spill file
 
 
+class Packer(Protocol):
+    """Sorted items in (``add``), leaves out (``finish``: the leaves and, when asked for,
+    the sha256 of every item's disk key and data, in order)."""
+
+    def add(self, key: d.Key, data: bytes, /) -> None: ...
+
+    def finish(self) -> tuple[list[Leaf], bytes | None]: ...
+
+
 class LeafPacker:
     """Packs sorted items into leaves as they arrive (same split as ``split_leaves``);
     with ``spill``, the payloads go to that file (see ``unspill``); with ``digest``, every
-    item's disk key and data go to it, in order."""
+    item's disk key and data are hashed, in order."""
 
-    def __init__(self, spill: IO[bytes] | None = None, digest: d.Digest | None = None) -> None:
+    def __init__(self, spill: IO[bytes] | None = None, digest: bool = False) -> None:
         self.leaves: list[Leaf] = []
         self.spill = spill
-        self.digest = digest
+        self.digest = hashlib.sha256() if digest else None
         self._spill_pos = 0
         self._items: list[tuple[d.Key, bytes]] = []
         self._used = 0
@@ -104,10 +116,43 @@ class LeafPacker:
             self._spill_pos += len(payload)
         self._items, self._used = [], 0
 
-    def finish(self) -> list[Leaf]:
+    def finish(self) -> tuple[list[Leaf], bytes | None]:
         if self._items or not self.leaves:
             self._flush()
-        return self.leaves
+        return self.leaves, None if self.digest is None else self.digest.digest()
+
+
+class _NativeLeafPacker:
+    """``LeafPacker`` in the native extension: the same leaves and digest."""
+
+    def __init__(
+        self,
+        packer_class: Callable[[int | None, bool], object],
+        spill: IO[bytes] | None,
+        digest: bool,
+    ) -> None:
+        fd = None
+        if spill is not None:
+            spill.flush()
+            if spill.tell() != 0:
+                raise AssertionError("the leaf spill file must be empty")
+            fd = spill.fileno()
+        self._packer = packer_class(fd, digest)
+        self.add: Callable[[d.Key, bytes], None] = self._packer.add  # type: ignore[attr-defined]
+
+    def finish(self) -> tuple[list[Leaf], bytes | None]:
+        raw, digest = self._packer.finish()  # type: ignore[attr-defined]
+        return [Leaf(key, n, payload, at) for key, n, payload, at in raw], digest
+
+
+def leaf_packer(spill: IO[bytes] | None = None, digest: bool = False) -> Packer:
+    """The native packer when the extension is built (and ``BUI_NATIVE`` is not 0), else
+    ``LeafPacker``."""
+    nat = native.module()
+    packer_class = getattr(nat, "LeafPacker", None)  # None too for an extension built before it
+    if packer_class is None:
+        return LeafPacker(spill, digest)
+    return _NativeLeafPacker(packer_class, spill, digest)
 
 
 def unspill(leaves: Sequence[Leaf], spill: IO[bytes]) -> Iterator[Leaf]:

@@ -40,10 +40,10 @@ from btrfs_ublk_image.btrfs.layout import (
 from btrfs_ublk_image.btrfs.superblock import SuperFields, TreeRoot, pack_super
 from btrfs_ublk_image.btrfs.treeblocks import (
     Leaf,
-    LeafPacker,
     TreeInfo,
     block_levels,
     iter_leaves,
+    leaf_packer,
     levels_for_leaves,
     pack_leaves,
     serialize,
@@ -416,8 +416,8 @@ def _fs_tree_items(
     num: _Numbering, placer: _DataPlacer, imax: int, spill: IO[bytes] | None = None
 ) -> _FsTree:
     gen = GENERATION
-    items_hash = hashlib.sha256()  # over every item's disk key and data, in order
-    packer = LeafPacker(spill, items_hash)
+    # with the sha256 over every item's disk key and data, in order
+    packer = leaf_packer(spill, digest=True)
     add = packer.add
     ref_extent = array("Q")
     ref_ino = array("Q")
@@ -572,9 +572,9 @@ def _fs_tree_items(
         "inline_files": inline_files,
         "content_bytes": content_bytes,
     }
-    return _FsTree(
-        packer.finish(), items_hash.digest(), placer, ref_extent, ref_ino, ref_offset, stats
-    )
+    leaves, digest = packer.finish()
+    assert digest is not None
+    return _FsTree(leaves, digest, placer, ref_extent, ref_ino, ref_offset, stats)
 
 
 # the size of an EXTENT_ITEM with one flags word, of an inline data ref, of a keyed one

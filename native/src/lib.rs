@@ -4,6 +4,7 @@
 //! CRC-32C, deduplication, pack writes, pack chunk digests on their own threads) and hands
 //! back compact member records.
 
+mod leaves;
 mod pack;
 mod stream;
 mod tar;
@@ -377,10 +378,69 @@ fn run(core: &mut PackCore, layer: &Layer) -> Result<Done, Failure> {
     }
 }
 
+/// The fs tree's leaves packed as items are added (see leaves.rs): `treeblocks.LeafPacker`'s
+/// bytes, for the writer's hot loop.
+#[pyclass(unsendable)]
+struct LeafPacker {
+    inner: leaves::Packer,
+    done: bool,
+}
+
+#[pymethods]
+impl LeafPacker {
+    /// `spill_fd`: payloads go to this file (the caller's, kept open while packing) from
+    /// offset 0; `digest`: hash every item's disk key and data.
+    #[new]
+    #[pyo3(signature = (spill_fd, digest))]
+    fn new(spill_fd: Option<i32>, digest: bool) -> Self {
+        LeafPacker {
+            inner: leaves::Packer::new(spill_fd, digest),
+            done: false,
+        }
+    }
+
+    /// One item, in key order; ValueError for an item larger than a leaf holds.
+    fn add(&mut self, key: leaves::Key, data: &[u8]) -> PyResult<()> {
+        if self.done {
+            return Err(PyValueError::new_err("leaf packer is finished"));
+        }
+        self.inner.add(key, data).map_err(|e| match e.kind() {
+            std::io::ErrorKind::InvalidInput => PyValueError::new_err(e.to_string()),
+            _ => os_err(e),
+        })
+    }
+
+    /// The leaves, each (first key, item count, payload or b"" when spilled, spill offset
+    /// or -1), and the items' sha256 (None without `digest`).
+    #[allow(clippy::type_complexity)]
+    fn finish<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<(
+        Vec<(leaves::Key, u32, Bound<'py, PyBytes>, i64)>,
+        Option<Bound<'py, PyBytes>>,
+    )> {
+        if self.done {
+            return Err(PyValueError::new_err("leaf packer is finished"));
+        }
+        self.done = true;
+        let digest = self.inner.finish().map_err(os_err)?;
+        let leaves = std::mem::take(&mut self.inner.leaves)
+            .into_iter()
+            .map(|l| {
+                let payload = PyBytes::new(py, l.payload.as_deref().unwrap_or(b""));
+                (l.first_key, l.nritems, payload, l.spilled_at)
+            })
+            .collect();
+        Ok((leaves, digest.map(|d| PyBytes::new(py, &d))))
+    }
+}
+
 #[pymodule]
 fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pack>()?;
     m.add_class::<Members>()?;
+    m.add_class::<LeafPacker>()?;
     m.add_function(wrap_pyfunction!(read_tar, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;
     Ok(())
