@@ -19,7 +19,7 @@ import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from btrfs_ublk_image import native
 from btrfs_ublk_image.btrfs import ondisk as d
@@ -77,7 +77,39 @@ class Packer(Protocol):
 
     def add(self, key: d.Key, data: bytes, /) -> None: ...
 
+    def add_inode(
+        self,
+        ino: int,
+        generation: int,
+        size: int,
+        nbytes: int,
+        nlink: int,
+        uid: int,
+        gid: int,
+        mode: int,
+        rdev: int,
+        flags: int,
+        atime_ns: int,
+        ctime_ns: int,
+        mtime_ns: int,
+        otime_ns: int,
+        inode_ref: tuple[int, int, bytes] | None,
+        /,
+    ) -> None: ...
+
+    def add_dir(
+        self, ino: int, generation: int, names: list[bytes], inos: list[int], ftypes: bytes, /
+    ) -> None: ...
+
     def finish(self) -> tuple[list[Leaf], bytes | None]: ...
+
+
+def group_by_hash(entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """(hash, packed dir item) -> one item per hash, concatenated (name collisions share one item)."""
+    grouped: dict[int, bytes] = {}
+    for h, packed in entries:
+        grouped[h] = grouped.get(h, b"") + packed
+    return sorted(grouped.items())
 
 
 class LeafPacker:
@@ -103,6 +135,50 @@ class LeafPacker:
             used = d.ITEM_SIZE + size
         self._items.append((key, data))
         self._used = used
+
+    def add_inode(
+        self,
+        ino: int,
+        generation: int,
+        size: int,
+        nbytes: int,
+        nlink: int,
+        uid: int,
+        gid: int,
+        mode: int,
+        rdev: int,
+        flags: int,
+        atime_ns: int,
+        ctime_ns: int,
+        mtime_ns: int,
+        otime_ns: int,
+        inode_ref: tuple[int, int, bytes] | None,
+    ) -> None:
+        """INODE_ITEM and, for an inode of one name, its INODE_REF (parent, index, name)."""
+        item = d.pack_inode_item(
+            generation=generation, size=size, nbytes=nbytes, nlink=nlink, uid=uid, gid=gid,
+            mode=mode, rdev=rdev, flags=flags, atime_ns=atime_ns, ctime_ns=ctime_ns,
+            mtime_ns=mtime_ns, otime_ns=otime_ns,
+        )  # fmt: skip
+        self.add((ino, d.INODE_ITEM_KEY, 0), item)
+        if inode_ref is not None:
+            parent, index, name = inode_ref
+            self.add((ino, d.INODE_REF_KEY, parent), d.pack_inode_ref(index, name))
+
+    def add_dir(
+        self, ino: int, generation: int, names: list[bytes], inos: list[int], ftypes: bytes
+    ) -> None:
+        """A directory's entries (``names`` sorted): DIR_ITEMs by name hash, then DIR_INDEXes
+        from 2 in name order."""
+        packed = [
+            d.pack_dir_item((child, d.INODE_ITEM_KEY, 0), generation, ftype, name)
+            for name, child, ftype in zip(names, inos, ftypes, strict=True)
+        ]
+        by_hash = [(d.name_hash(name), item) for name, item in zip(names, packed, strict=True)]
+        for h, data in group_by_hash(by_hash):
+            self.add((ino, d.DIR_ITEM_KEY, h), data)
+        for index, data in enumerate(packed, start=2):
+            self.add((ino, d.DIR_INDEX_KEY, index), data)
 
     def _flush(self) -> None:
         items = self._items
@@ -137,11 +213,14 @@ class _NativeLeafPacker:
             if spill.tell() != 0:
                 raise AssertionError("the leaf spill file must be empty")
             fd = spill.fileno()
-        self._packer = packer_class(fd, digest)
-        self.add: Callable[[d.Key, bytes], None] = self._packer.add  # type: ignore[attr-defined]
+        packer: Any = packer_class(fd, digest)
+        self._packer = packer
+        self.add = packer.add
+        self.add_inode = packer.add_inode
+        self.add_dir = packer.add_dir
 
     def finish(self) -> tuple[list[Leaf], bytes | None]:
-        raw, digest = self._packer.finish()  # type: ignore[attr-defined]
+        raw, digest = self._packer.finish()
         return [Leaf(key, n, payload, at) for key, n, payload, at in raw], digest
 
 

@@ -23,6 +23,36 @@ const SPILL_BUFFER: usize = 1 << 20;
 
 pub type Key = (u64, u8, u64);
 
+const INODE_ITEM_KEY: u8 = 1;
+const INODE_REF_KEY: u8 = 12;
+const DIR_ITEM_KEY: u8 = 84;
+const DIR_INDEX_KEY: u8 = 96;
+const INODE_ITEM_SIZE: usize = 160;
+const DIR_ITEM_SIZE: usize = 30;
+const NS: i128 = 1_000_000_000;
+
+/// `btrfs_name_hash`: a DIR_ITEM's key offset (crc32c seeded with ~1, not inverted after).
+pub fn name_hash(name: &[u8]) -> u64 {
+    (crc32c::crc32c_append(1, name) ^ 0xFFFF_FFFF) as u64
+}
+
+/// An INODE_ITEM's fields (times in ns since the epoch, negative before it).
+pub struct InodeFields {
+    pub generation: u64,
+    pub size: u64,
+    pub nbytes: u64,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub mode: u32,
+    pub rdev: u64,
+    pub flags: u64,
+    pub atime_ns: i128,
+    pub ctime_ns: i128,
+    pub mtime_ns: i128,
+    pub otime_ns: i128,
+}
+
 /// A packed leaf: first key, item count, and its payload (kept) or where it was spilled.
 pub struct Leaf {
     pub first_key: Key,
@@ -91,6 +121,94 @@ impl Packer {
         self.data.extend_from_slice(data);
         self.ends.push(self.data.len());
         self.used = used;
+        Ok(())
+    }
+
+    /// INODE_ITEM (struct btrfs_inode_item, 160 bytes) and, for an inode of one name, its
+    /// INODE_REF (`inode_ref`: parent, index, name): `ondisk.pack_inode_item`'s bytes.
+    pub fn add_inode(&mut self, ino: u64, f: &InodeFields, inode_ref: Option<(u64, u64, &[u8])>) -> io::Result<()> {
+        let mut item = [0u8; INODE_ITEM_SIZE];
+        let mut at = 0;
+        let mut put = |b: &[u8]| {
+            item[at..at + b.len()].copy_from_slice(b);
+            at += b.len();
+        };
+        put(&f.generation.to_le_bytes()); // generation
+        put(&f.generation.to_le_bytes()); // transid
+        put(&f.size.to_le_bytes());
+        put(&f.nbytes.to_le_bytes());
+        put(&0u64.to_le_bytes()); // block_group
+        put(&f.nlink.to_le_bytes());
+        put(&f.uid.to_le_bytes());
+        put(&f.gid.to_le_bytes());
+        put(&f.mode.to_le_bytes());
+        put(&f.rdev.to_le_bytes());
+        put(&f.flags.to_le_bytes());
+        put(&0u64.to_le_bytes()); // sequence
+        put(&[0u8; 32]); // reserved
+        for ns in [f.atime_ns, f.ctime_ns, f.mtime_ns, f.otime_ns] {
+            // floor division, the seconds two's complement (Python's divmod and `& U64`)
+            put(&(ns.div_euclid(NS) as u64).to_le_bytes());
+            put(&(ns.rem_euclid(NS) as u32).to_le_bytes());
+        }
+        debug_assert_eq!(at, INODE_ITEM_SIZE);
+        self.add((ino, INODE_ITEM_KEY, 0), &item)?;
+        if let Some((parent, index, name)) = inode_ref {
+            let mut r = Vec::with_capacity(10 + name.len());
+            r.extend_from_slice(&index.to_le_bytes());
+            r.extend_from_slice(&(name.len() as u16).to_le_bytes());
+            r.extend_from_slice(name);
+            self.add((ino, INODE_REF_KEY, parent), &r)?;
+        }
+        Ok(())
+    }
+
+    /// A directory's entries, given in name order: DIR_ITEMs by name hash (names of one hash
+    /// in one item, in name order), then DIR_INDEXes from 2 in name order, each a struct
+    /// btrfs_dir_item with the child's INODE_ITEM key as its location.
+    pub fn add_dir(&mut self, ino: u64, generation: u64, entries: &[(&[u8], u64, u8)]) -> io::Result<()> {
+        let packed: Vec<Vec<u8>> = entries
+            .iter()
+            .map(|&(name, child, ftype)| {
+                let mut item = Vec::with_capacity(DIR_ITEM_SIZE + name.len());
+                item.extend_from_slice(&child.to_le_bytes());
+                item.push(INODE_ITEM_KEY);
+                item.extend_from_slice(&0u64.to_le_bytes());
+                item.extend_from_slice(&generation.to_le_bytes());
+                item.extend_from_slice(&0u16.to_le_bytes()); // data_len
+                item.extend_from_slice(&(name.len() as u16).to_le_bytes());
+                item.push(ftype);
+                item.extend_from_slice(name);
+                item
+            })
+            .collect();
+        let mut by_hash: Vec<(u64, usize)> = entries
+            .iter()
+            .enumerate()
+            .map(|(i, &(name, _, _))| (name_hash(name), i))
+            .collect();
+        by_hash.sort_by_key(|&(h, _)| h); // stable: one hash's names stay in name order
+        let mut i = 0;
+        while i < by_hash.len() {
+            let h = by_hash[i].0;
+            let mut j = i + 1;
+            while j < by_hash.len() && by_hash[j].0 == h {
+                j += 1;
+            }
+            if j == i + 1 {
+                self.add((ino, DIR_ITEM_KEY, h), &packed[by_hash[i].1])?;
+            } else {
+                let joined: Vec<u8> = by_hash[i..j]
+                    .iter()
+                    .flat_map(|&(_, k)| packed[k].iter().copied())
+                    .collect();
+                self.add((ino, DIR_ITEM_KEY, h), &joined)?;
+            }
+            i = j;
+        }
+        for (index, item) in packed.iter().enumerate() {
+            self.add((ino, DIR_INDEX_KEY, index as u64 + 2), item)?;
+        }
         Ok(())
     }
 
