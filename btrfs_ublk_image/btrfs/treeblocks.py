@@ -19,7 +19,7 @@ import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from btrfs_ublk_image import native
 from btrfs_ublk_image.btrfs import ondisk as d
@@ -69,39 +69,6 @@ class Leaf:
     nritems: int
     payload: bytes  # everything after the header (b"" while spilled)
     spilled_at: int = -1  # offset of the payload in the packer's spill file
-
-
-class Packer(Protocol):
-    """Sorted items in (``add``), leaves out (``finish``: the leaves and, when asked for,
-    the sha256 of every item's disk key and data, in order)."""
-
-    def add(self, key: d.Key, data: bytes, /) -> None: ...
-
-    def add_inode(
-        self,
-        ino: int,
-        generation: int,
-        size: int,
-        nbytes: int,
-        nlink: int,
-        uid: int,
-        gid: int,
-        mode: int,
-        rdev: int,
-        flags: int,
-        atime_ns: int,
-        ctime_ns: int,
-        mtime_ns: int,
-        otime_ns: int,
-        inode_ref: tuple[int, int, bytes] | None,
-        /,
-    ) -> None: ...
-
-    def add_dir(
-        self, ino: int, generation: int, names: list[bytes], inos: list[int], ftypes: bytes, /
-    ) -> None: ...
-
-    def finish(self) -> tuple[list[Leaf], bytes | None]: ...
 
 
 def group_by_hash(entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
@@ -199,7 +166,11 @@ class LeafPacker:
 
 
 class _NativeLeafPacker:
-    """``LeafPacker`` in the native extension: the same leaves and digest."""
+    """``LeafPacker`` in the native extension: the same methods, leaves and digest."""
+
+    add: Callable[[d.Key, bytes], None]
+    add_inode: Callable[..., None]  # LeafPacker.add_inode's arguments, positional
+    add_dir: Callable[[int, int, list[bytes], list[int], bytes], None]
 
     def __init__(
         self,
@@ -222,6 +193,11 @@ class _NativeLeafPacker:
     def finish(self) -> tuple[list[Leaf], bytes | None]:
         raw, digest = self._packer.finish()
         return [Leaf(key, n, payload, at) for key, n, payload, at in raw], digest
+
+
+# sorted items in (add, add_inode, add_dir), leaves out (finish: the leaves and, when asked
+# for, the sha256 of every item's disk key and data, in order)
+Packer = LeafPacker | _NativeLeafPacker
 
 
 def leaf_packer(spill: IO[bytes] | None = None, digest: bool = False) -> Packer:
