@@ -166,6 +166,8 @@ def _steps() -> list[Step]:
         Step("ours_warm", "**ours, warm**", "ours.bundle", _ours(TAR_SPEC)),
         Step("ours_baseline", "builder at the baseline commit (`--baseline-builder`)",
              "ours.bundle", _ours(TAR_SPEC, baseline=True), cold=True),
+        Step("ours_baseline_warm", "builder at the baseline commit, warm", "ours.bundle",
+             _ours(TAR_SPEC, baseline=True)),
         Step("ours_python", "ours, Python path (`BUI_NATIVE=0`)", "ours.bundle",
              _ours(TAR_SPEC, python_path=True), cold=True),
         Step("ours_python_warm", "ours, Python path, warm", "ours.bundle",
@@ -341,7 +343,7 @@ def _runnable(
         if s.needs and shutil.which(s.needs) is None:
             skipped[s.name] = f"{s.needs} not installed"
             continue
-        if s.name == "ours_baseline" and not BASELINE_BUILDER:
+        if s.name.startswith("ours_baseline") and not BASELINE_BUILDER:
             skipped[s.name] = "no --baseline-builder"
             continue
         if s.name == "mksquashfs_tar" and not _supports_squashfs_tar():

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import io
 import os
+import random
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from btrfs_ublk_image import blockmap, listing
-from btrfs_ublk_image.btrfs import ondisk
+from btrfs_ublk_image import blockmap, listing, native
+from btrfs_ublk_image.btrfs import ondisk, treeblocks
 from btrfs_ublk_image.btrfs.writer import WriterOptions
 from btrfs_ublk_image.bundle import BuildResult, read_manifest, write_bundle
 from btrfs_ublk_image.errors import ImageError
@@ -189,6 +191,100 @@ def test_name_hashes_match_the_kernel() -> None:
     assert ondisk.name_hash(b"default") == 2378154706
     assert ondisk.name_hash(b"user.k") == 170068536
     assert ondisk.name_hash(b"dir") == 481053471
+
+
+def _packed(
+    packer: treeblocks.Packer, items: list[tuple[ondisk.Key, bytes]], spill: Any
+) -> tuple[list[tuple[ondisk.Key, int, bytes]], bytes | None]:
+    for key, data in items:
+        packer.add(key, data)
+    leaves, digest = packer.finish()
+    if spill is not None:
+        leaves = list(treeblocks.unspill(leaves, spill))
+    return [(leaf.first_key, leaf.nritems, leaf.payload) for leaf in leaves], digest
+
+
+def _colliding_names() -> list[bytes]:
+    """Three names, two of them with the same ``btrfs_name_hash``."""
+    seen: dict[int, bytes] = {}
+    rng = random.Random(1)  # random names: CRC-32C never maps short differences together
+    for _ in range(1 << 20):
+        name = rng.randbytes(8)
+        other = seen.setdefault(ondisk.name_hash(name), name)
+        if other != name:
+            return [name, b"a", other]
+    raise AssertionError("no crc32c collision among the names tried")
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(native.module() is None, reason="native extension not built")
+@pytest.mark.parametrize("spilled", [False, True])
+def test_native_leaf_packer_packs_as_the_python_one(spilled: bool) -> None:
+    """The fs tree's native leaf packer (native/src/leaves.rs) against ``LeafPacker``: the
+    same leaf payloads, splits, spill offsets and item digest, for items of every size."""
+    rng = random.Random(5)
+    sizes = [0, 1, ondisk.MAX_ITEM_DATA, ondisk.MAX_ITEM_DATA - 1] + [
+        rng.choice((rng.randrange(200), rng.randrange(4000), rng.randrange(ondisk.MAX_ITEM_DATA)))
+        for _ in range(3000)
+    ]
+    items = [
+        ((256 + i // 5, rng.randrange(256), rng.randrange(1 << 64)), rng.randbytes(size))
+        for i, size in enumerate(sizes)
+    ]
+    for part in (items, items[:1], []):
+        with tempfile.TemporaryFile() as a, tempfile.TemporaryFile() as b:
+            ours = _packed(
+                treeblocks._NativeLeafPacker(
+                    native.module().LeafPacker,  # type: ignore[union-attr]
+                    a if spilled else None,
+                    True,
+                ),
+                part,
+                a if spilled else None,
+            )
+            ref = _packed(
+                treeblocks.LeafPacker(b if spilled else None, True), part, b if spilled else None
+            )
+            assert ours == ref
+            if spilled:
+                a.seek(0)
+                b.seek(0)
+                assert a.read() == b.read()
+    assert len(ref[0]) == 1 and ref[0][0][1] == 0  # the empty tree: one empty leaf
+    # inode items (times before the epoch and past 2**63 ns too) and directory entries
+    # (names of one hash share a DIR_ITEM: crc32c collisions found by search below)
+    packers = (
+        treeblocks._NativeLeafPacker(native.module().LeafPacker, None, True),  # type: ignore[union-attr]
+        treeblocks.LeafPacker(None, True),
+    )
+    times = (0, -1, -(10**18) - 7, 1_700_000_000_123_456_789, 2**70 + 5, -(2**70) - 3)
+    for packer in packers:
+        rng = random.Random(5)  # the same items for both
+        for i in range(300):
+            ino = 256 + i
+            ref = (255 + i // 3, i + 2, rng.randbytes(rng.randrange(1, 256))) if i % 4 else None
+            packer.add_inode(
+                ino, 1, rng.randrange(1 << 64), rng.randrange(1 << 64), rng.randrange(1, 65536),
+                rng.randrange(1 << 32), rng.randrange(1 << 32), rng.randrange(1 << 32),
+                rng.randrange(1 << 64), rng.randrange(1 << 64), times[i % 6], times[(i + 1) % 6],
+                times[(i + 2) % 6], times[(i + 3) % 6], ref,
+            )  # fmt: skip
+            names = sorted({rng.randbytes(rng.randrange(1, 256)) for _ in range(i % 40)})
+            if i == 7:
+                names = sorted(_colliding_names())
+            packer.add_dir(
+                ino, 1, names, [rng.randrange(1 << 64) for _ in names],
+                bytes(rng.randrange(1, 8) for _ in names),
+            )  # fmt: skip
+    got, want = (p.finish() for p in packers)
+    assert [(leaf.first_key, leaf.payload) for leaf in got[0]] == [
+        (leaf.first_key, leaf.payload) for leaf in want[0]
+    ]
+    assert got[1] == want[1]
+    too_big = bytes(ondisk.MAX_ITEM_DATA + 1)
+    for packer in (treeblocks.LeafPacker(), treeblocks.leaf_packer()):
+        with pytest.raises(ValueError, match="item of 16259 bytes does not fit in a 16384-byte"):
+            packer.add((256, 1, 0), too_big)
 
 
 @pytest.mark.root

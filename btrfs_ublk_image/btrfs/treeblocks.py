@@ -7,18 +7,21 @@ a tree takes; ``serialize`` takes the addresses and emits the blocks.
 
 Leaves are packed once into ``Leaf`` payloads (the block minus its header,
 which holds the address). The fs tree, by far the largest, is packed while its
-items are generated (``LeafPacker``), so its items never sit in memory as a list,
+items are generated (``leaf_packer``), so its items never sit in memory as a list,
 and its payloads wait in a spill file (not in memory) until their addresses and
-the fsid are known.
+the fsid are known. That packer is the native extension's (``native/src/leaves.rs``,
+the same bytes, one call per item) when it is built, else ``LeafPacker``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
+from btrfs_ublk_image import native
 from btrfs_ublk_image.btrfs import ondisk as d
 
 EMPTY_KEY: d.Key = (0, 0, 0)
@@ -68,15 +71,23 @@ class Leaf:
     spilled_at: int = -1  # offset of the payload in the packer's spill file
 
 
+def group_by_hash(entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """(hash, packed dir item) -> one item per hash, concatenated (name collisions share one item)."""
+    grouped: dict[int, bytes] = {}
+    for h, packed in entries:
+        grouped[h] = grouped.get(h, b"") + packed
+    return sorted(grouped.items())
+
+
 class LeafPacker:
     """Packs sorted items into leaves as they arrive (same split as ``split_leaves``);
     with ``spill``, the payloads go to that file (see ``unspill``); with ``digest``, every
-    item's disk key and data go to it, in order."""
+    item's disk key and data are hashed, in order."""
 
-    def __init__(self, spill: IO[bytes] | None = None, digest: d.Digest | None = None) -> None:
+    def __init__(self, spill: IO[bytes] | None = None, digest: bool = False) -> None:
         self.leaves: list[Leaf] = []
         self.spill = spill
-        self.digest = digest
+        self.digest = hashlib.sha256() if digest else None
         self._spill_pos = 0
         self._items: list[tuple[d.Key, bytes]] = []
         self._used = 0
@@ -92,6 +103,50 @@ class LeafPacker:
         self._items.append((key, data))
         self._used = used
 
+    def add_inode(
+        self,
+        ino: int,
+        generation: int,
+        size: int,
+        nbytes: int,
+        nlink: int,
+        uid: int,
+        gid: int,
+        mode: int,
+        rdev: int,
+        flags: int,
+        atime_ns: int,
+        ctime_ns: int,
+        mtime_ns: int,
+        otime_ns: int,
+        inode_ref: tuple[int, int, bytes] | None,
+    ) -> None:
+        """INODE_ITEM and, for an inode of one name, its INODE_REF (parent, index, name)."""
+        item = d.pack_inode_item(
+            generation=generation, size=size, nbytes=nbytes, nlink=nlink, uid=uid, gid=gid,
+            mode=mode, rdev=rdev, flags=flags, atime_ns=atime_ns, ctime_ns=ctime_ns,
+            mtime_ns=mtime_ns, otime_ns=otime_ns,
+        )  # fmt: skip
+        self.add((ino, d.INODE_ITEM_KEY, 0), item)
+        if inode_ref is not None:
+            parent, index, name = inode_ref
+            self.add((ino, d.INODE_REF_KEY, parent), d.pack_inode_ref(index, name))
+
+    def add_dir(
+        self, ino: int, generation: int, names: list[bytes], inos: list[int], ftypes: bytes
+    ) -> None:
+        """A directory's entries (``names`` sorted): DIR_ITEMs by name hash, then DIR_INDEXes
+        from 2 in name order."""
+        packed = [
+            d.pack_dir_item((child, d.INODE_ITEM_KEY, 0), generation, ftype, name)
+            for name, child, ftype in zip(names, inos, ftypes, strict=True)
+        ]
+        by_hash = [(d.name_hash(name), item) for name, item in zip(names, packed, strict=True)]
+        for h, data in group_by_hash(by_hash):
+            self.add((ino, d.DIR_ITEM_KEY, h), data)
+        for index, data in enumerate(packed, start=2):
+            self.add((ino, d.DIR_INDEX_KEY, index), data)
+
     def _flush(self) -> None:
         items = self._items
         first = items[0][0] if items else EMPTY_KEY
@@ -104,10 +159,55 @@ class LeafPacker:
             self._spill_pos += len(payload)
         self._items, self._used = [], 0
 
-    def finish(self) -> list[Leaf]:
+    def finish(self) -> tuple[list[Leaf], bytes | None]:
         if self._items or not self.leaves:
             self._flush()
-        return self.leaves
+        return self.leaves, None if self.digest is None else self.digest.digest()
+
+
+class _NativeLeafPacker:
+    """``LeafPacker`` in the native extension: the same methods, leaves and digest."""
+
+    add: Callable[[d.Key, bytes], None]
+    add_inode: Callable[..., None]  # LeafPacker.add_inode's arguments, positional
+    add_dir: Callable[[int, int, list[bytes], list[int], bytes], None]
+
+    def __init__(
+        self,
+        packer_class: Callable[[int | None, bool], object],
+        spill: IO[bytes] | None,
+        digest: bool,
+    ) -> None:
+        fd = None
+        if spill is not None:
+            spill.flush()
+            if spill.tell() != 0:
+                raise AssertionError("the leaf spill file must be empty")
+            fd = spill.fileno()
+        packer: Any = packer_class(fd, digest)
+        self._packer = packer
+        self.add = packer.add
+        self.add_inode = packer.add_inode
+        self.add_dir = packer.add_dir
+
+    def finish(self) -> tuple[list[Leaf], bytes | None]:
+        raw, digest = self._packer.finish()
+        return [Leaf(key, n, payload, at) for key, n, payload, at in raw], digest
+
+
+# sorted items in (add, add_inode, add_dir), leaves out (finish: the leaves and, when asked
+# for, the sha256 of every item's disk key and data, in order)
+Packer = LeafPacker | _NativeLeafPacker
+
+
+def leaf_packer(spill: IO[bytes] | None = None, digest: bool = False) -> Packer:
+    """The native packer when the extension is built (and ``BUI_NATIVE`` is not 0), else
+    ``LeafPacker``."""
+    nat = native.module()
+    packer_class = getattr(nat, "LeafPacker", None)  # None too for an extension built before it
+    if packer_class is None:
+        return LeafPacker(spill, digest)
+    return _NativeLeafPacker(packer_class, spill, digest)
 
 
 def unspill(leaves: Sequence[Leaf], spill: IO[bytes]) -> Iterator[Leaf]:

@@ -40,10 +40,11 @@ from btrfs_ublk_image.btrfs.layout import (
 from btrfs_ublk_image.btrfs.superblock import SuperFields, TreeRoot, pack_super
 from btrfs_ublk_image.btrfs.treeblocks import (
     Leaf,
-    LeafPacker,
     TreeInfo,
     block_levels,
+    group_by_hash,
     iter_leaves,
+    leaf_packer,
     levels_for_leaves,
     pack_leaves,
     serialize,
@@ -391,14 +392,6 @@ class _RangeColumns:
     pack_offset: array[int]
 
 
-def _group_by_hash(entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
-    """(hash, packed dir item) -> one item per hash, concatenated (name collisions share one item)."""
-    grouped: dict[int, bytes] = {}
-    for h, packed in entries:
-        grouped[h] = grouped.get(h, b"") + packed
-    return sorted(grouped.items())
-
-
 @dataclass(slots=True)
 class _FsTree:
     leaves: list[Leaf]  # packed as generated: the items never sit in memory as a list
@@ -416,9 +409,9 @@ def _fs_tree_items(
     num: _Numbering, placer: _DataPlacer, imax: int, spill: IO[bytes] | None = None
 ) -> _FsTree:
     gen = GENERATION
-    items_hash = hashlib.sha256()  # over every item's disk key and data, in order
-    packer = LeafPacker(spill, items_hash)
-    add = packer.add
+    # with the sha256 over every item's disk key and data, in order
+    packer = leaf_packer(spill, digest=True)
+    add, add_inode, add_dir = packer.add, packer.add_inode, packer.add_dir
     ref_extent = array("Q")
     ref_ino = array("Q")
     ref_offset = array("Q")
@@ -426,7 +419,7 @@ def _fs_tree_items(
     ext_logical, ext_disk, ext_offset = placer.logical, placer.disk_bytes, placer.file_offset
     more_refs = num.more_refs
     reg, dir_, symlink = FileType.REG, FileType.DIR, FileType.SYMLINK
-    extent_data_key, inode_item_key = d.EXTENT_DATA_KEY, d.INODE_ITEM_KEY
+    extent_data_key = d.EXTENT_DATA_KEY
     # btrfs-zstd: datasum inodes (compressed extents need checksums), extents of their own
     encoded = placer.encoded is not None
     ext_num, ext_comp = placer.num_bytes, placer.compression
@@ -493,31 +486,14 @@ def _fs_tree_items(
         if nlink > LINK_MAX:
             raise ImageError(f"inode {ino} has {nlink} hardlinks; btrfs allows {LINK_MAX}")
         mtime, atime, ctime = node.times()
-        add(
-            (ino, inode_item_key, 0),
-            d.pack_inode_item(
-                generation=gen,
-                size=size,
-                nbytes=nbytes,
-                nlink=1 if ftype is dir_ else nlink,
-                uid=uid,
-                gid=gid,
-                mode=int(ftype) | (perm & 0o7777),
-                rdev=rdev,
-                flags=flags,
-                atime_ns=mtime if atime is None else atime,
-                ctime_ns=mtime if ctime is None else ctime,
-                mtime_ns=mtime,
-                otime_ns=mtime,
-            ),
-        )
-        if nlink == 1:
-            n = ino - d.FIRST_FREE_OBJECTID
-            add(
-                (ino, d.INODE_REF_KEY, num.parent[n]),
-                d.pack_inode_ref(num.index[n], num.name[n]),
-            )
-        else:
+        n = ino - d.FIRST_FREE_OBJECTID
+        add_inode(
+            ino, gen, size, nbytes, 1 if ftype is dir_ else nlink, uid, gid,
+            int(ftype) | (perm & 0o7777), rdev, flags, mtime if atime is None else atime,
+            mtime if ctime is None else ctime, mtime, mtime,
+            (num.parent[n], num.index[n], num.name[n]) if nlink == 1 else None,
+        )  # fmt: skip
+        if nlink != 1:
             # names per parent dir in one INODE_REF item while it fits in a leaf, the rest in
             # INODE_EXTREF items (EXTENDED_IREF), as the kernel does when a ref item is full
             by_parent: dict[int, bytes] = {}
@@ -542,25 +518,18 @@ def _fs_tree_items(
                 xattr_items.append(
                     (d.name_hash(name), d.pack_dir_item((0, 0, 0), gen, d.FT_XATTR, name, value))
                 )
-            for h, data in _group_by_hash(xattr_items):
+            for h, data in group_by_hash(xattr_items):
                 add((ino, d.XATTR_ITEM_KEY, h), data)
         if entries:
-            # DIR_INDEX in index (= sorted name) order, DIR_ITEM by name hash
             names = sorted(entries)
             children = [entries[name] for name in names]
-            packed = [
-                d.pack_dir_item((child_ino, d.INODE_ITEM_KEY, 0), gen, _FT[child.type], name)
-                for name, child, child_ino in zip(
-                    names, children, num.child_inos(ino, children), strict=True
-                )
-            ]
-            dir_items = [
-                (d.name_hash(name), item) for name, item in zip(names, packed, strict=True)
-            ]
-            for h, data in _group_by_hash(dir_items):
-                add((ino, d.DIR_ITEM_KEY, h), data)
-            for index, data in enumerate(packed, start=2):
-                add((ino, d.DIR_INDEX_KEY, index), data)
+            add_dir(
+                ino,
+                gen,
+                names,
+                list(num.child_inos(ino, children)),
+                bytes([_FT[child.type] for child in children]),
+            )
         for key, data in file_extents:
             add(key, data)
     stats = {
@@ -572,9 +541,9 @@ def _fs_tree_items(
         "inline_files": inline_files,
         "content_bytes": content_bytes,
     }
-    return _FsTree(
-        packer.finish(), items_hash.digest(), placer, ref_extent, ref_ino, ref_offset, stats
-    )
+    leaves, digest = packer.finish()
+    assert digest is not None
+    return _FsTree(leaves, digest, placer, ref_extent, ref_ino, ref_offset, stats)
 
 
 # the size of an EXTENT_ITEM with one flags word, of an inline data ref, of a keyed one

@@ -4,6 +4,7 @@
 //! CRC-32C, deduplication, pack writes, pack chunk digests on their own threads) and hands
 //! back compact member records.
 
+mod leaves;
 mod pack;
 mod stream;
 mod tar;
@@ -377,10 +378,146 @@ fn run(core: &mut PackCore, layer: &Layer) -> Result<Done, Failure> {
     }
 }
 
+/// An item too large for a leaf (ValueError, as `treeblocks.LeafPacker`), or the spill
+/// file's error.
+fn add_err(e: std::io::Error) -> PyErr {
+    match e.kind() {
+        std::io::ErrorKind::InvalidInput => PyValueError::new_err(e.to_string()),
+        _ => os_err(e),
+    }
+}
+
+/// The fs tree's leaves packed as items are added (see leaves.rs): `treeblocks.LeafPacker`'s
+/// bytes, for the writer's hot loop.
+#[pyclass(unsendable)]
+struct LeafPacker {
+    inner: leaves::Packer,
+    done: bool,
+}
+
+#[pymethods]
+impl LeafPacker {
+    /// `spill_fd`: payloads go to this file (the caller's, kept open while packing) from
+    /// offset 0; `digest`: hash every item's disk key and data.
+    #[new]
+    #[pyo3(signature = (spill_fd, digest))]
+    fn new(spill_fd: Option<i32>, digest: bool) -> Self {
+        LeafPacker {
+            inner: leaves::Packer::new(spill_fd, digest),
+            done: false,
+        }
+    }
+
+    /// One item, in key order; ValueError for an item larger than a leaf holds.
+    fn add(&mut self, key: leaves::Key, data: &[u8]) -> PyResult<()> {
+        if self.done {
+            return Err(PyValueError::new_err("leaf packer is finished"));
+        }
+        self.inner.add(key, data).map_err(add_err)
+    }
+
+    /// INODE_ITEM (times in ns) and, given `inode_ref` (parent, index, name), the INODE_REF
+    /// of an inode with one name: `ondisk.pack_inode_item` and `pack_inode_ref`'s bytes.
+    #[pyo3(signature = (ino, generation, size, nbytes, nlink, uid, gid, mode, rdev, flags, atime_ns, ctime_ns, mtime_ns, otime_ns, inode_ref))]
+    #[allow(clippy::too_many_arguments)]
+    fn add_inode(
+        &mut self,
+        ino: u64,
+        generation: u64,
+        size: u64,
+        nbytes: u64,
+        nlink: u32,
+        uid: u32,
+        gid: u32,
+        mode: u32,
+        rdev: u64,
+        flags: u64,
+        atime_ns: i128,
+        ctime_ns: i128,
+        mtime_ns: i128,
+        otime_ns: i128,
+        inode_ref: Option<(u64, u64, Bound<'_, PyBytes>)>,
+    ) -> PyResult<()> {
+        if self.done {
+            return Err(PyValueError::new_err("leaf packer is finished"));
+        }
+        let fields = leaves::InodeFields {
+            generation,
+            size,
+            nbytes,
+            nlink,
+            uid,
+            gid,
+            mode,
+            rdev,
+            flags,
+            atime_ns,
+            ctime_ns,
+            mtime_ns,
+            otime_ns,
+        };
+        let r = inode_ref.as_ref().map(|(p, i, n)| (*p, *i, n.as_bytes()));
+        self.inner.add_inode(ino, &fields, r).map_err(add_err)
+    }
+
+    /// A directory's DIR_ITEMs and DIR_INDEXes: `names` in sorted order, the children's
+    /// inode numbers and BTRFS_FT_* types.
+    fn add_dir(
+        &mut self,
+        ino: u64,
+        generation: u64,
+        names: Vec<Bound<'_, PyBytes>>,
+        inos: Vec<u64>,
+        ftypes: &[u8],
+    ) -> PyResult<()> {
+        if self.done {
+            return Err(PyValueError::new_err("leaf packer is finished"));
+        }
+        if inos.len() != names.len() || ftypes.len() != names.len() {
+            return Err(PyValueError::new_err(
+                "add_dir: names, inos and ftypes differ in length",
+            ));
+        }
+        let entries: Vec<(&[u8], u64, u8)> = names
+            .iter()
+            .zip(&inos)
+            .zip(ftypes)
+            .map(|((n, &i), &t)| (n.as_bytes(), i, t))
+            .collect();
+        self.inner.add_dir(ino, generation, &entries).map_err(add_err)
+    }
+
+    /// The leaves, each (first key, item count, payload or b"" when spilled, spill offset
+    /// or -1), and the items' sha256 (None without `digest`).
+    #[allow(clippy::type_complexity)]
+    fn finish<'py>(
+        &mut self,
+        py: Python<'py>,
+    ) -> PyResult<(
+        Vec<(leaves::Key, u32, Bound<'py, PyBytes>, i64)>,
+        Option<Bound<'py, PyBytes>>,
+    )> {
+        if self.done {
+            return Err(PyValueError::new_err("leaf packer is finished"));
+        }
+        self.done = true;
+        let digest = self.inner.finish().map_err(os_err)?;
+        let leaves = std::mem::take(&mut self.inner.leaves)
+            .into_iter()
+            .map(|l| {
+                let payload = PyBytes::new(py, l.payload.as_deref().unwrap_or(b""));
+                (l.first_key, l.nritems, payload, l.spilled_at)
+            })
+            .collect();
+        Ok((leaves, digest.map(|d| PyBytes::new(py, &d))))
+    }
+}
+
 #[pymodule]
 fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pack>()?;
     m.add_class::<Members>()?;
+    m.add_class::<LeafPacker>()?;
     m.add_function(wrap_pyfunction!(read_tar, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;
     Ok(())

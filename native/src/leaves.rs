@@ -1,0 +1,329 @@
+//! The fs tree's leaves, packed as its items arrive: the same bytes as `treeblocks.LeafPacker`
+//! (the Python one, kept as the reference and for `BUI_NATIVE=0`), one call per item and no
+//! Python object per item or leaf kept. A leaf is item headers from the front (disk key,
+//! data offset, data size), data from the back, zeros between; the sha256 of every item's
+//! disk key and data, in order, is the content the fsid derives from.
+
+use std::fs::File;
+use std::io;
+use std::mem::ManuallyDrop;
+use std::os::fd::FromRawFd;
+use std::os::unix::fs::FileExt;
+
+use sha2::{Digest, Sha256};
+
+pub const NODESIZE: usize = 16384;
+pub const HEADER_SIZE: usize = 101;
+pub const LEAF_DATA_SIZE: usize = NODESIZE - HEADER_SIZE;
+pub const ITEM_SIZE: usize = 25;
+pub const DISK_KEY_SIZE: usize = 17;
+pub const MAX_ITEM_DATA: usize = LEAF_DATA_SIZE - ITEM_SIZE;
+/// spilled payloads are written this many bytes at a time (`SPILL_BUFFER` of writer.py)
+const SPILL_BUFFER: usize = 1 << 20;
+
+pub type Key = (u64, u8, u64);
+
+const INODE_ITEM_KEY: u8 = 1;
+const INODE_REF_KEY: u8 = 12;
+const DIR_ITEM_KEY: u8 = 84;
+const DIR_INDEX_KEY: u8 = 96;
+const INODE_ITEM_SIZE: usize = 160;
+const DIR_ITEM_SIZE: usize = 30;
+const NS: i128 = 1_000_000_000;
+
+/// `btrfs_name_hash`: a DIR_ITEM's key offset (crc32c seeded with ~1, not inverted after).
+pub fn name_hash(name: &[u8]) -> u64 {
+    (crc32c::crc32c_append(1, name) ^ 0xFFFF_FFFF) as u64
+}
+
+/// An INODE_ITEM's fields (times in ns since the epoch, negative before it).
+pub struct InodeFields {
+    pub generation: u64,
+    pub size: u64,
+    pub nbytes: u64,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub mode: u32,
+    pub rdev: u64,
+    pub flags: u64,
+    pub atime_ns: i128,
+    pub ctime_ns: i128,
+    pub mtime_ns: i128,
+    pub otime_ns: i128,
+}
+
+/// A packed leaf: first key, item count, and its payload (kept) or where it was spilled.
+pub struct Leaf {
+    pub first_key: Key,
+    pub nritems: u32,
+    pub payload: Option<Vec<u8>>,
+    pub spilled_at: i64,
+}
+
+pub struct Packer {
+    keys: Vec<Key>,
+    ends: Vec<usize>, // end of each item's data in `data`
+    data: Vec<u8>,
+    used: usize,
+    pub leaves: Vec<Leaf>,
+    /// the spill file (the caller's fd, not closed here), where the next payload goes, and
+    /// the payloads not written yet
+    spill: Option<ManuallyDrop<File>>,
+    spill_pos: u64,
+    spill_buf: Vec<u8>,
+    digest: Option<Sha256>,
+}
+
+fn disk_key(key: Key) -> [u8; DISK_KEY_SIZE] {
+    let mut out = [0u8; DISK_KEY_SIZE];
+    out[..8].copy_from_slice(&key.0.to_le_bytes());
+    out[8] = key.1;
+    out[9..].copy_from_slice(&key.2.to_le_bytes());
+    out
+}
+
+impl Packer {
+    /// `spill_fd`: payloads go to this file (from offset 0) instead of memory; `digest`:
+    /// hash every item's disk key and data.
+    pub fn new(spill_fd: Option<i32>, digest: bool) -> Packer {
+        Packer {
+            keys: Vec::new(),
+            ends: Vec::new(),
+            data: Vec::with_capacity(LEAF_DATA_SIZE),
+            used: 0,
+            leaves: Vec::new(),
+            // SAFETY: the fd stays open for the packer's life (the caller's spill file);
+            // ManuallyDrop: never closed here
+            spill: spill_fd.map(|fd| ManuallyDrop::new(unsafe { File::from_raw_fd(fd) })),
+            spill_pos: 0,
+            spill_buf: Vec::new(),
+            digest: digest.then(Sha256::new),
+        }
+    }
+
+    /// One item, in key order: an InvalidInput error for one larger than a leaf holds, others
+    /// from writing the spill file.
+    pub fn add(&mut self, key: Key, data: &[u8]) -> io::Result<()> {
+        let size = data.len();
+        if size > MAX_ITEM_DATA {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("item of {size} bytes does not fit in a {NODESIZE}-byte leaf"),
+            ));
+        }
+        let mut used = self.used + ITEM_SIZE + size;
+        if used > LEAF_DATA_SIZE {
+            self.flush()?;
+            used = ITEM_SIZE + size;
+        }
+        self.keys.push(key);
+        self.data.extend_from_slice(data);
+        self.ends.push(self.data.len());
+        self.used = used;
+        Ok(())
+    }
+
+    /// INODE_ITEM (struct btrfs_inode_item, 160 bytes) and, for an inode of one name, its
+    /// INODE_REF (`inode_ref`: parent, index, name): `ondisk.pack_inode_item`'s bytes.
+    pub fn add_inode(&mut self, ino: u64, f: &InodeFields, inode_ref: Option<(u64, u64, &[u8])>) -> io::Result<()> {
+        let mut item = [0u8; INODE_ITEM_SIZE];
+        let mut at = 0;
+        let mut put = |b: &[u8]| {
+            item[at..at + b.len()].copy_from_slice(b);
+            at += b.len();
+        };
+        put(&f.generation.to_le_bytes()); // generation
+        put(&f.generation.to_le_bytes()); // transid
+        put(&f.size.to_le_bytes());
+        put(&f.nbytes.to_le_bytes());
+        put(&0u64.to_le_bytes()); // block_group
+        put(&f.nlink.to_le_bytes());
+        put(&f.uid.to_le_bytes());
+        put(&f.gid.to_le_bytes());
+        put(&f.mode.to_le_bytes());
+        put(&f.rdev.to_le_bytes());
+        put(&f.flags.to_le_bytes());
+        put(&0u64.to_le_bytes()); // sequence
+        put(&[0u8; 32]); // reserved
+        for ns in [f.atime_ns, f.ctime_ns, f.mtime_ns, f.otime_ns] {
+            // floor division, the seconds two's complement (Python's divmod and `& U64`)
+            put(&(ns.div_euclid(NS) as u64).to_le_bytes());
+            put(&(ns.rem_euclid(NS) as u32).to_le_bytes());
+        }
+        debug_assert_eq!(at, INODE_ITEM_SIZE);
+        self.add((ino, INODE_ITEM_KEY, 0), &item)?;
+        if let Some((parent, index, name)) = inode_ref {
+            let mut r = Vec::with_capacity(10 + name.len());
+            r.extend_from_slice(&index.to_le_bytes());
+            r.extend_from_slice(&(name.len() as u16).to_le_bytes());
+            r.extend_from_slice(name);
+            self.add((ino, INODE_REF_KEY, parent), &r)?;
+        }
+        Ok(())
+    }
+
+    /// A directory's entries, given in name order: DIR_ITEMs by name hash (names of one hash
+    /// in one item, in name order), then DIR_INDEXes from 2 in name order, each a struct
+    /// btrfs_dir_item with the child's INODE_ITEM key as its location.
+    pub fn add_dir(&mut self, ino: u64, generation: u64, entries: &[(&[u8], u64, u8)]) -> io::Result<()> {
+        let packed: Vec<Vec<u8>> = entries
+            .iter()
+            .map(|&(name, child, ftype)| {
+                let mut item = Vec::with_capacity(DIR_ITEM_SIZE + name.len());
+                item.extend_from_slice(&child.to_le_bytes());
+                item.push(INODE_ITEM_KEY);
+                item.extend_from_slice(&0u64.to_le_bytes());
+                item.extend_from_slice(&generation.to_le_bytes());
+                item.extend_from_slice(&0u16.to_le_bytes()); // data_len
+                item.extend_from_slice(&(name.len() as u16).to_le_bytes());
+                item.push(ftype);
+                item.extend_from_slice(name);
+                item
+            })
+            .collect();
+        let mut by_hash: Vec<(u64, usize)> = entries
+            .iter()
+            .enumerate()
+            .map(|(i, &(name, _, _))| (name_hash(name), i))
+            .collect();
+        by_hash.sort_by_key(|&(h, _)| h); // stable: one hash's names stay in name order
+        let mut i = 0;
+        while i < by_hash.len() {
+            let h = by_hash[i].0;
+            let mut j = i + 1;
+            while j < by_hash.len() && by_hash[j].0 == h {
+                j += 1;
+            }
+            if j == i + 1 {
+                self.add((ino, DIR_ITEM_KEY, h), &packed[by_hash[i].1])?;
+            } else {
+                let joined: Vec<u8> = by_hash[i..j]
+                    .iter()
+                    .flat_map(|&(_, k)| packed[k].iter().copied())
+                    .collect();
+                self.add((ino, DIR_ITEM_KEY, h), &joined)?;
+            }
+            i = j;
+        }
+        for (index, item) in packed.iter().enumerate() {
+            self.add((ino, DIR_INDEX_KEY, index as u64 + 2), item)?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        let mut payload = vec![0u8; LEAF_DATA_SIZE];
+        let mut end = LEAF_DATA_SIZE;
+        let mut start = 0usize;
+        for (i, (&key, &item_end)) in self.keys.iter().zip(&self.ends).enumerate() {
+            let item = &self.data[start..item_end];
+            start = item_end;
+            end -= item.len();
+            let dk = disk_key(key);
+            let head = &mut payload[i * ITEM_SIZE..(i + 1) * ITEM_SIZE];
+            head[..DISK_KEY_SIZE].copy_from_slice(&dk);
+            head[17..21].copy_from_slice(&(end as u32).to_le_bytes());
+            head[21..25].copy_from_slice(&(item.len() as u32).to_le_bytes());
+            payload[end..end + item.len()].copy_from_slice(item);
+            if let Some(h) = &mut self.digest {
+                h.update(dk);
+                h.update(item);
+            }
+        }
+        assert!(end >= self.keys.len() * ITEM_SIZE, "leaf overflow");
+        let first_key = self.keys.first().copied().unwrap_or((0, 0, 0));
+        let nritems = self.keys.len() as u32;
+        if self.spill.is_some() {
+            let at = self.spill_pos + self.spill_buf.len() as u64;
+            self.spill_buf.extend_from_slice(&payload);
+            if self.spill_buf.len() >= SPILL_BUFFER {
+                self.write_spill()?;
+            }
+            self.leaves.push(Leaf {
+                first_key,
+                nritems,
+                payload: None,
+                spilled_at: at as i64,
+            });
+        } else {
+            self.leaves.push(Leaf {
+                first_key,
+                nritems,
+                payload: Some(payload),
+                spilled_at: -1,
+            });
+        }
+        self.keys.clear();
+        self.ends.clear();
+        self.data.clear();
+        self.used = 0;
+        Ok(())
+    }
+
+    fn write_spill(&mut self) -> io::Result<()> {
+        if let Some(f) = &self.spill {
+            f.write_all_at(&self.spill_buf, self.spill_pos)?;
+            self.spill_pos += self.spill_buf.len() as u64;
+            self.spill_buf.clear();
+        }
+        Ok(())
+    }
+
+    /// The last leaf packed (an empty tree is one empty leaf), spilled payloads written:
+    /// the sha256 of the items (when asked for).
+    pub fn finish(&mut self) -> io::Result<Option<[u8; 32]>> {
+        if !self.keys.is_empty() || self.leaves.is_empty() {
+            self.flush()?;
+        }
+        self.write_spill()?;
+        Ok(self.digest.take().map(|h| h.finalize().into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_of_one_leaf() {
+        let mut p = Packer::new(None, true);
+        p.add((256, 1, 0), b"abc").unwrap();
+        p.add((256, 12, 256), b"de").unwrap();
+        let digest = p.finish().unwrap().unwrap();
+        assert_eq!(p.leaves.len(), 1);
+        let leaf = &p.leaves[0];
+        assert_eq!((leaf.first_key, leaf.nritems), ((256, 1, 0), 2));
+        let pl = leaf.payload.as_ref().unwrap();
+        assert_eq!(pl.len(), LEAF_DATA_SIZE);
+        // item 0: data at the very end, item 1 before it
+        assert_eq!(&pl[17..21], &((LEAF_DATA_SIZE - 3) as u32).to_le_bytes());
+        assert_eq!(&pl[LEAF_DATA_SIZE - 3..], b"abc");
+        assert_eq!(&pl[25 + 17..25 + 21], &((LEAF_DATA_SIZE - 5) as u32).to_le_bytes());
+        assert_eq!(&pl[LEAF_DATA_SIZE - 5..LEAF_DATA_SIZE - 3], b"de");
+        assert!(pl[50..LEAF_DATA_SIZE - 5].iter().all(|&b| b == 0));
+        let mut h = Sha256::new();
+        h.update(&pl[..17]);
+        h.update(b"abc");
+        h.update(&pl[25..42]);
+        h.update(b"de");
+        assert_eq!(digest, <[u8; 32]>::from(h.finalize()));
+    }
+
+    #[test]
+    fn leaves_split_when_full_and_empty_tree_is_one_leaf() {
+        let mut p = Packer::new(None, false);
+        for i in 0..3 {
+            p.add((i, 1, 0), &vec![7u8; MAX_ITEM_DATA / 2]).unwrap();
+        }
+        p.finish().unwrap();
+        assert_eq!(p.leaves.iter().map(|l| l.nritems).collect::<Vec<_>>(), vec![1, 1, 1]);
+        let mut empty = Packer::new(None, false);
+        empty.finish().unwrap();
+        assert_eq!(empty.leaves.len(), 1);
+        assert_eq!(empty.leaves[0].nritems, 0);
+        assert!(Packer::new(None, false)
+            .add((1, 1, 0), &vec![0u8; MAX_ITEM_DATA + 1])
+            .is_err());
+    }
+}
