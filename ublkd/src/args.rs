@@ -241,8 +241,9 @@ pub struct UblkArg {
     pub ublk_poll: Option<PollMode>,
     /// ublk frontend: the device's hw queues, each with its own server thread (1 to 4;
     /// the kernel makes at most one per CPU and pins each queue's thread to its CPUs).
-    /// Default: one when the thread polls (auto or US), --threads with off
-    /// (docs/ublkd.md, "Queues"). A property of the bundle's server, like --ublk-poll.
+    /// Default, for local and remote bundles alike: one when the thread polls (auto or
+    /// US), one per CPU (serve --threads, at most 4) with off (measured: docs/ublkd.md,
+    /// "Queues"). A property of the bundle's server, like --ublk-poll.
     #[arg(long = "ublk-queues", value_name = "N", require_equals = true,
           value_parser = clap::value_parser!(u16).range(1..=MAX_UBLK_QUEUES as i64))]
     pub ublk_queues: Option<u16>,
