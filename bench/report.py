@@ -568,8 +568,14 @@ def randread_section(doc: dict[str, Any]) -> str:
         lines += [
             "",
             f"Inside the VM harness (guest kernel {vm['kernel']}, QEMU"
-            f" `-accel {vm.get('accel', 'tcg,thread=single')}`: absolute figures"
-            " are meaningless, only the ratios within this one VM run count):"
+            f" `-accel {vm.get('accel', 'tcg,thread=single')}`"
+            + (
+                f" `-icount {vm['icount']}`, the guest's clock counting its instructions"
+                " (rates per guest instruction, not per host second)"
+                if vm.get("icount")
+                else ""
+            )
+            + ": absolute figures are meaningless, only the ratios within this one VM run count):"
             f" `/{vm['file']}` ({human(vm['file_bytes'])}) of a small synthetic image,"
             f" {vm['runtime_s']:g} s per job, best of {vm.get('rounds', 1)} rounds;"
             " ours through the ublk and the fuse frontend"

@@ -645,7 +645,7 @@ def measure_randread_vm(
     cf = fio_dir / "cpu.txt"
     server_cpu = parse_cpu(cf.read_text()) if cf.exists() else {}
     remove(work)
-    return {"kernel": res.kver, "accel": harness.accel(), "rc": res.rc, "results_dir": str(res.out), "file": file,
+    return {"kernel": res.kver, "accel": harness.accel(), "icount": harness.icount(), "rc": res.rc, "results_dir": str(res.out), "file": file,
             "file_bytes": VM_INPUT.large_bytes, "runtime_s": runtime_s, "rounds": VM_ROUNDS,
             "targets": targets, "queues": queues, "server_cpu": server_cpu, "errors": errors,
             "guest_log_tail": res.read("pytest.log")[-1500:]}  # fmt: skip

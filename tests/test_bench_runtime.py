@@ -186,6 +186,14 @@ def test_runtime_tables_and_sections() -> None:
     # loop, ours raw poll / loop, ours raw off / null; queue settings; the servers' CPU
     assert "| 0.75x | 0.90x | 0.60x | 0.30x | 0.80x | 0.40x |" in sec, sec
     assert "best of 2 rounds" in sec
+    assert "`-accel tcg,thread=single`: absolute figures" in sec and "icount" not in sec
+    doc["randread_vm"]["accel"], doc["randread_vm"]["icount"] = (
+        "tcg,thread=single",
+        "shift=3,sleep=off",
+    )
+    ic = randread_section(doc)
+    assert "`-icount shift=3,sleep=off`, the guest's clock counting its instructions" in ic
+    assert "per host second): absolute figures" in ic
     assert "null ublk: hw queues 2, scheduler none, nr_requests 64" in sec
     assert "null ublk poll psync-j1 0.42" in sec
     assert "ours ublk idle 0.00, sparse200 0.12" in sec

@@ -715,7 +715,7 @@ def test_ublk_poll_mount_read_recover_umount(no_leftovers: Path) -> None:
         kill_server(mnt, wait_s=10)
         ublkd("recover", mnt, timeout=120)
         st = status_of(mnt)
-        assert st["server_alive"] is True and st["ublk_poll"] == "300000"
+        assert st["server_alive"] is True and (st["ublk_poll"], st["ublk_queues"]) == ("300000", 1)
         old, pid = pid, st["server_pid"]
         assert isinstance(pid, int) and pid != old
         assert b"--ublk-poll=300000" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -802,7 +802,9 @@ def hw_queues(st: dict[str, object]) -> int:
 def test_ublk_poll_default_is_auto_and_off_sleeps(no_leftovers: Path) -> None:
     """Without `--ublk-poll` the server polls adaptively (`auto`: one queue; idle, its
     threads sleep); another mode is refused while it serves; `--ublk-poll=off` gets one
-    queue per CPU and never polls. Files read back right in both."""
+    queue per CPU and never polls; `--ublk-queues=2` gets two polling queues, and another
+    count is refused while it serves. `status` shows mode and queues. Files read back
+    right in each."""
     tmp = no_leftovers
     subprocess.run(["modprobe", "ublk_drv"], check=False)
     bundle, _, files = build_bundle(tmp, "vmpollauto", fresh_seed())
@@ -812,7 +814,7 @@ def test_ublk_poll_default_is_auto_and_off_sleeps(no_leftovers: Path) -> None:
     ublkd("mount", bundle, mnt, "--frontend", "ublk")
     try:
         st = status_of(mnt)
-        assert (st["frontend"], st["ublk_poll"]) == ("ublk", "auto")
+        assert (st["frontend"], st["ublk_poll"], st["ublk_queues"]) == ("ublk", "auto", 1)
         pid = st["server_pid"]
         assert isinstance(pid, int)
         assert b"--ublk-poll=auto" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -833,10 +835,29 @@ def test_ublk_poll_default_is_auto_and_off_sleeps(no_leftovers: Path) -> None:
     try:
         st = status_of(mnt)
         assert st["ublk_poll"] == "off"
-        assert hw_queues(st) == min(4, os.cpu_count() or 1)
+        assert hw_queues(st) == st["ublk_queues"] == min(4, os.cpu_count() or 1)
+        assert f"--ublk-poll=off, --ublk-queues={st['ublk_queues']}" in ublkd("status").stdout
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
         assert (mnt / "data" / "c.bin").read_bytes() == files["data/c.bin"]
         assert running_threads(serving_pid(mnt), settle_s=1.0) == []
+    finally:
+        ublkd("umount", mnt, timeout=120)
+    # --ublk-queues: that many queues while polling (the kernel caps them at one per CPU);
+    # a property of the server like --ublk-poll
+    ublkd("mount", bundle, mnt, "--frontend", "ublk", "--ublk-queues=2")
+    try:
+        st = status_of(mnt)
+        assert st["ublk_poll"] == "auto"
+        assert hw_queues(st) == st["ublk_queues"] == min(2, os.cpu_count() or 1)
+        pid = st["server_pid"]
+        assert isinstance(pid, int)
+        assert b"--ublk-queues=2" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        for name in ("data/a.bin", "data/b.bin", "data/c.bin"):
+            assert (mnt / name).read_bytes() == files[name], name
+        r = ublkd("mount", bundle, mnt2, "--ublk-queues=1", check=False)
+        assert r.returncode != 0 and "2 ublk queue(s)" in r.stderr, r.stderr
+        assert ublkd("mount", bundle, mnt2, "--ublk-queues=0", check=False).returncode != 0
     finally:
         ublkd("umount", mnt, timeout=120)
     assert status() == []

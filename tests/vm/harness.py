@@ -70,6 +70,14 @@ def accel() -> str:
     return os.environ.get("BUI_VM_ACCEL") or DEFAULT_ACCEL
 
 
+def icount() -> str | None:
+    """QEMU's ``-icount`` (``BUI_VM_ICOUNT``, e.g. ``shift=3,sleep=off``), else none: the
+    guest's clock then counts the instructions it executed instead of host time, so a
+    benchmark's rates no longer follow the host's load (one host thread: not with
+    ``thread=multi``)."""
+    return os.environ.get("BUI_VM_ICOUNT") or None
+
+
 class VMError(RuntimeError):
     """The VM could not be prepared or booted; the message says why."""
 
@@ -431,10 +439,12 @@ def qemu_command(assets: Assets, share: Path) -> list[str]:
     if khz:
         # microvm has no HPET/PM timer: a failed PIT calibration under TCG hangs ~4 boots in 10
         append.insert(4, f"tsc_early_khz={khz}")
+    ic = icount()
     return [
         "qemu-system-x86_64",
         "-accel",
         accel(),
+        *(["-icount", ic] if ic else []),
         "-cpu",
         "max",
         "-M",

@@ -44,6 +44,7 @@ def test_parse_junit(tmp_path: Path) -> None:
 
 def test_qemu_command_has_the_recipe_fixes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("BUI_VM_ACCEL", raising=False)
+    monkeypatch.delenv("BUI_VM_ICOUNT", raising=False)
     a = h.Assets("6.12.0-test", tmp_path / "vmlinuz", tmp_path / "modules", tmp_path / "i.gz")
     cmd = h.qemu_command(a, tmp_path / "share")
     line = " ".join(cmd)
@@ -62,6 +63,15 @@ def test_accel_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert cmd[cmd.index("-accel") + 1] == "tcg,thread=multi"
     monkeypatch.setenv("BUI_VM_ACCEL", "")  # set but empty: the default, not an empty flag
     assert h.qemu_command(a, tmp_path / "share")[cmd.index("-accel") + 1] == "tcg,thread=single"
+
+
+def test_icount_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = h.Assets("6.12.0-test", tmp_path / "vmlinuz", tmp_path / "modules", tmp_path / "i.gz")
+    monkeypatch.delenv("BUI_VM_ICOUNT", raising=False)
+    assert "-icount" not in h.qemu_command(a, tmp_path / "share")
+    monkeypatch.setenv("BUI_VM_ICOUNT", "shift=3,sleep=off")
+    cmd = h.qemu_command(a, tmp_path / "share")
+    assert cmd[cmd.index("-icount") + 1] == "shift=3,sleep=off"
 
 
 def test_summary_of_a_failed_run(tmp_path: Path) -> None:

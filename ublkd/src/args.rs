@@ -1,5 +1,5 @@
 //! The command line, in one place: every verb's arguments (clap derive), shared option
-//! groups ([`RemoteArgs`], [`PollArg`]) and their parsers.
+//! groups ([`RemoteArgs`], [`UblkArg`]) and their parsers.
 
 use crate::types::{Dev2Cache, Frontend, PollMode, DEFAULT_POLL_US};
 use clap::{Parser, Subcommand};
@@ -51,11 +51,11 @@ pub enum Cmd {
     UblkNull {
         #[arg(long)]
         size_mb: u64,
-        /// ublk queues (as `serve --threads`).
+        /// ublk queues with `--ublk-poll=off` (as `serve --threads`).
         #[arg(long, default_value_t = 4)]
         threads: usize,
         #[command(flatten)]
-        poll: PollArg,
+        ublk: UblkArg,
     },
 }
 
@@ -126,7 +126,7 @@ pub struct MountArgs {
     #[arg(long)]
     pub recheck: bool,
     #[command(flatten)]
-    pub poll: PollArg,
+    pub ublk: UblkArg,
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -175,7 +175,7 @@ pub struct ServeArgs {
     #[arg(long, hide = true, requires = "fuse_fd")]
     pub fuse_resume: bool,
     #[command(flatten)]
-    pub poll: PollArg,
+    pub ublk: UblkArg,
     #[command(flatten)]
     pub remote: RemoteArgs,
 }
@@ -233,9 +233,9 @@ impl RemoteArgs {
     }
 }
 
-/// `--ublk-poll`, one definition for `mount`, `serve` and `ublk-null`.
+/// `--ublk-poll` and `--ublk-queues`, one definition for `mount`, `serve` and `ublk-null`.
 #[derive(clap::Args, Debug, Clone, Default)]
-pub struct PollArg {
+pub struct UblkArg {
     /// ublk frontend: what the server's queue thread does between requests. auto (the
     /// default): after each request it busy-polls its ring for a window that grows while
     /// requests keep arriving close together (up to 2 ms) and shrinks to nothing when
@@ -245,9 +245,20 @@ pub struct PollArg {
     /// --threads. A property of the bundle's server, like --dev2-cache (docs/ublkd.md).
     #[arg(long = "ublk-poll", value_name = "MODE", num_args = 0..=1, require_equals = true, default_missing_value = DEFAULT_POLL_US)]
     pub ublk_poll: Option<PollMode>,
+    /// ublk frontend: the device's hw queues, each with its own server thread (1 to 4;
+    /// the kernel makes at most one per CPU and pins each queue's thread to its CPUs).
+    /// Default, for local and remote bundles alike: one when the thread polls (auto or
+    /// US), one per CPU (serve --threads, at most 4) with off (measured: docs/ublkd.md,
+    /// "Queues"). A property of the bundle's server, like --ublk-poll.
+    #[arg(long = "ublk-queues", value_name = "N", require_equals = true,
+          value_parser = clap::value_parser!(u16).range(1..=MAX_UBLK_QUEUES as i64))]
+    pub ublk_queues: Option<u16>,
 }
 
-impl PollArg {
+/// The most ublk queues a server makes (`--ublk-queues`, `--threads` with `--ublk-poll=off`).
+pub const MAX_UBLK_QUEUES: u16 = 4;
+
+impl UblkArg {
     /// The mode a new server runs with: the one given, else the default.
     pub fn mode(&self) -> PollMode {
         self.ublk_poll.unwrap_or_default()
@@ -287,9 +298,9 @@ mod tests {
     fn poll_of(args: &[&str]) -> Option<PollMode> {
         let cli = Cli::try_parse_from(args).unwrap();
         match cli.cmd {
-            Cmd::Mount(a) => a.poll.ublk_poll,
-            Cmd::Serve(a) => a.poll.ublk_poll,
-            Cmd::UblkNull { poll, .. } => poll.ublk_poll,
+            Cmd::Mount(a) => a.ublk.ublk_poll,
+            Cmd::Serve(a) => a.ublk.ublk_poll,
+            Cmd::UblkNull { ublk, .. } => ublk.ublk_poll,
             _ => unreachable!(),
         }
     }
@@ -305,7 +316,7 @@ mod tests {
             let with = |extra: &str| poll_of(&[base, &[extra]].concat());
             // not given: a new server polls adaptively (a mount follows an existing one)
             assert_eq!(poll_of(base), None);
-            assert_eq!(PollArg::default().mode(), PollMode::Auto);
+            assert_eq!(UblkArg::default().mode(), PollMode::Auto);
             assert_eq!(with("--ublk-poll"), Some(fixed));
             assert_eq!(with("--ublk-poll=50"), Some(PollMode::Fixed(50)));
             assert_eq!(with("--ublk-poll=auto"), Some(PollMode::Auto));
@@ -319,8 +330,32 @@ mod tests {
         // a bare flag does not swallow the next argument as its value
         let cli = Cli::try_parse_from(["ublkd", "serve", "--ublk-poll", "/b"]).unwrap();
         match cli.cmd {
-            Cmd::Serve(a) => assert_eq!((a.poll.ublk_poll, a.bundle.as_str()), (Some(fixed), "/b")),
+            Cmd::Serve(a) => assert_eq!((a.ublk.ublk_poll, a.bundle.as_str()), (Some(fixed), "/b")),
             _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn ublk_queues_parse_alike_everywhere_within_1_to_4() {
+        for base in [
+            &["ublkd", "mount", "/b", "/m"][..],
+            &["ublkd", "serve", "/b"],
+            &["ublkd", "ublk-null", "--size-mb", "8"],
+        ] {
+            let queues = |extra: &[&str]| {
+                Cli::try_parse_from([base, extra].concat()).map(|c| match c.cmd {
+                    Cmd::Mount(a) => a.ublk.ublk_queues,
+                    Cmd::Serve(a) => a.ublk.ublk_queues,
+                    Cmd::UblkNull { ublk, .. } => ublk.ublk_queues,
+                    _ => unreachable!(),
+                })
+            };
+            assert_eq!(queues(&[]).unwrap(), None);
+            assert_eq!(queues(&["--ublk-queues=2"]).unwrap(), Some(2));
+            assert_eq!(queues(&["--ublk-queues=4", "--ublk-poll=off"]).unwrap(), Some(4));
+            for bad in ["--ublk-queues=0", "--ublk-queues=5", "--ublk-queues=x"] {
+                assert!(queues(&[bad]).is_err(), "{bad} accepted");
+            }
         }
     }
 

@@ -38,9 +38,9 @@ fn main() {
         Cmd::Record { mountpoint, output } => verbs::record::record(&mountpoint, &output),
         Cmd::Serve(a) if a.supervise => supervisor::supervise(a),
         Cmd::Serve(a) => server::serve(a),
-        Cmd::UblkNull { size_mb, threads, poll } => frontend::ublk::serve_null(
+        Cmd::UblkNull { size_mb, threads, ublk } => frontend::ublk::serve_null(
             size_mb << 20,
-            frontend::ublk::Options::with_threads(threads).with_poll(poll.mode()),
+            frontend::ublk::Options::new(threads, ublk.mode(), ublk.ublk_queues),
         ),
     };
     if let Err(e) = res {

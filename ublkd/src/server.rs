@@ -42,6 +42,9 @@ pub struct Ready {
     /// fuse: how `dev2` is cached (the loop devices on it must match); ublk: none.
     #[serde(default)]
     pub dev2_cache: Option<Dev2Cache>,
+    /// ublk: the device's hw queues, as the kernel made them; fuse: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ublk_queues: Option<u16>,
 }
 
 /// The signals a server acts on (and its supervisor passes on): stop; SIGUSR1: start
@@ -217,6 +220,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                 ublk_id: None,
                 image_id,
                 dev2_cache: Some(dev2_cache),
+                ublk_queues: None,
             })?;
             let tx2 = tx.clone();
             let session = fe.session;
@@ -238,7 +242,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             let stopper = frontend::ublk::Stopper::default();
             let opts = frontend::ublk::Options {
                 recover_id: args.ublk_recover,
-                ..frontend::ublk::Options::with_threads(args.threads).with_poll(args.poll.mode())
+                ..frontend::ublk::Options::new(args.threads, args.ublk.mode(), args.ublk.ublk_queues)
             };
             let tx_ready = tx.clone();
             let tx_end = tx.clone();
@@ -246,7 +250,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             let d = dev.clone();
             let img = image_id.clone();
             let worker = std::thread::Builder::new().name("ublk".into()).spawn(move || {
-                let ready = move |path: String, id: i32| {
+                let ready = move |path: String, id: i32, queues: u16| {
                     let _ = tx_ready.send(Event::Ready(Ready {
                         pid,
                         frontend: Frontend::Ublk,
@@ -254,6 +258,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
                         ublk_id: Some(id),
                         image_id: img,
                         dev2_cache: None,
+                        ublk_queues: Some(queues),
                     }));
                 };
                 let r = frontend::ublk::run(d, opts, ready, st);

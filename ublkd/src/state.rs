@@ -195,6 +195,10 @@ pub struct ServerRecord {
     /// Records of session 4's ublkd: its `--ublk-poll=US` (none: it slept). Read only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ublk_poll_us: Option<u64>,
+    /// ublk: the device's hw queues (what the server announced); none for fuse and in
+    /// records written before the count was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ublk_queues: Option<u16>,
 }
 
 impl ServerRecord {

@@ -202,7 +202,7 @@ pub fn mount(args: MountArgs) -> Result<()> {
         kind,
         args.cache_mb,
         (dev2_cache, args.dev2_cache.is_some()),
-        args.poll.ublk_poll,
+        &args.ublk,
         &id,
     )?;
     timing("mount: server ready");

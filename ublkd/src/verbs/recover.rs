@@ -2,11 +2,11 @@
 
 use super::mounts::{lock_mount, mounts_of};
 use super::servers::{spawn_server, stop_server};
-use crate::args::DEFAULT_CACHE_MB;
+use crate::args::{UblkArg, DEFAULT_CACHE_MB};
 use crate::frontend;
 use crate::plumbing::loopdev;
 use crate::state::{self, BundleState, LoopRecord};
-use crate::types::{Dev2Cache, Frontend, PollMode};
+use crate::types::{Dev2Cache, Frontend};
 use anyhow::{ensure, Context, Result};
 use std::path::Path;
 
@@ -29,15 +29,12 @@ pub fn recover(mountpoint: &Path) -> Result<()> {
     match old.ublk_id {
         Some(id) => {
             frontend::ublk::begin_recovery(id)?;
-            // the new server polls as the old one did
-            let (_r, srv) = spawn_server(
-                &b,
-                Frontend::Ublk,
-                cache_mb,
-                Dev2Cache::Direct,
-                old.ublk_poll_mode(),
-                Some(id),
-            )?;
+            // the new server polls as the old one did (the device keeps its queues)
+            let ublk = UblkArg {
+                ublk_poll: Some(old.ublk_poll_mode()),
+                ublk_queues: old.ublk_queues,
+            };
+            let (_r, srv) = spawn_server(&b, Frontend::Ublk, cache_mb, Dev2Cache::Direct, &ublk, Some(id))?;
             b.server = Some(srv);
         }
         None => {
@@ -51,7 +48,7 @@ pub fn recover(mountpoint: &Path) -> Result<()> {
                 None if loops.iter().any(|l| !l.direct_io) => Dev2Cache::Page,
                 None => Dev2Cache::Direct,
             };
-            let (r, srv) = spawn_server(&b, Frontend::Fuse, cache_mb, cache, PollMode::Off, None)?;
+            let (r, srv) = spawn_server(&b, Frontend::Fuse, cache_mb, cache, &UblkArg::default(), None)?;
             let f = frontend::fuse::open_for_loop(&r.device, cache)?;
             for l in &loops {
                 if let Err(e) = loopdev::change_fd(l.number, &f) {

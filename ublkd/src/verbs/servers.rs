@@ -3,11 +3,12 @@
 //! prefetch request.
 
 use super::mounts::mounts_of;
+use crate::args::UblkArg;
 use crate::format::trace::{self, Trace};
 use crate::frontend;
 use crate::server::Ready;
 use crate::state::{self, BundleState, ServerRecord, SERVER_LOG};
-use crate::types::{Dev2Cache, Frontend, PollMode};
+use crate::types::{Dev2Cache, Frontend};
 use crate::util::timing;
 use anyhow::{bail, ensure, Context, Result};
 use std::fs::OpenOptions;
@@ -30,9 +31,10 @@ pub fn spawn_server(
     kind: Frontend,
     cache_mb: u64,
     dev2_cache: Dev2Cache,
-    ublk_poll: PollMode,
+    ublk: &UblkArg,
     recover: Option<i32>,
 ) -> Result<(Ready, ServerRecord)> {
+    let ublk_poll = ublk.mode();
     let (bundle, dir, image_id) = (b.bundle.as_str(), &b.dir(), b.image_id.as_str());
     let exe = std::env::current_exe().context("locate the ublkd executable")?;
     let log = OpenOptions::new()
@@ -56,6 +58,9 @@ pub fn spawn_server(
     }
     if kind == Frontend::Ublk {
         cmd.arg(format!("--ublk-poll={ublk_poll}"));
+        if let Some(n) = ublk.ublk_queues {
+            cmd.arg(format!("--ublk-queues={n}"));
+        }
     }
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(log));
     // SAFETY: setsid is async-signal-safe; the server must not die with our terminal.
@@ -93,6 +98,7 @@ pub fn spawn_server(
                 cache_mb: Some(cache_mb),
                 ublk_poll: r.ublk_id.and(Some(ublk_poll)),
                 ublk_poll_us: None,
+                ublk_queues: r.ublk_queues,
             };
             // the server outlives us; it is reaped by init once we exit
             std::mem::forget(child);
@@ -154,9 +160,10 @@ pub fn ensure_server(
     kind: Frontend,
     cache_mb: u64,
     dev2_cache: (Dev2Cache, bool),
-    ublk_poll: Option<PollMode>,
+    ublk: &UblkArg,
     me: &str,
 ) -> Result<ServerRecord> {
+    let ublk_poll = ublk.ublk_poll;
     if let Some(s) = &b.server {
         if state::server_alive(s) {
             ensure!(
@@ -184,6 +191,15 @@ pub fn ensure_server(
                 s.ublk_poll_mode(),
                 s.pid
             );
+            ensure!(
+                ublk.ublk_queues.is_none() || s.ublk_id.is_none() || s.ublk_queues == ublk.ublk_queues,
+                "bundle {} is already served with {} ublk queue(s) (pid {}; the count holds for all its mounts): \
+                 omit --ublk-queues to follow it, or unmount the bundle's mounts first",
+                b.bundle,
+                s.ublk_queues
+                    .map_or("an unrecorded number of".to_string(), |n| n.to_string()),
+                s.pid
+            );
             return Ok(s.clone());
         }
         let others: Vec<String> = mounts_of(&b.key)?
@@ -201,7 +217,7 @@ pub fn ensure_server(
         );
     }
     std::fs::create_dir_all(b.dir()).with_context(|| format!("{}: mkdir", b.dir().display()))?;
-    let (_ready, srv) = spawn_server(b, kind, cache_mb, dev2_cache.0, ublk_poll.unwrap_or_default(), None)?;
+    let (_ready, srv) = spawn_server(b, kind, cache_mb, dev2_cache.0, ublk, None)?;
     b.server = Some(srv.clone());
     b.save()?;
     Ok(srv)

@@ -34,6 +34,8 @@ pub struct StatusEntry<'a> {
     cache_mb: Option<u64>,
     /// ublk: the server's `--ublk-poll` mode (auto, off, or a window in microseconds)
     ublk_poll: Option<PollMode>,
+    /// ublk: the device's hw queues (none for servers recorded before it was kept)
+    ublk_queues: Option<u16>,
     devices: Vec<String>,
     /// the supervisor's restarts of the bundle's server (count, last death and its cause,
     /// downtime, the running server's pid)
@@ -110,6 +112,7 @@ pub fn status(json: bool) -> Result<()> {
                 .as_ref()
                 .filter(|s| s.ublk_id.is_some())
                 .map(ServerRecord::ublk_poll_mode),
+            ublk_queues: b.server.as_ref().and_then(|s| s.ublk_queues),
             devices,
             restarts: Restarts::load(&b.dir()),
             stats,
@@ -140,8 +143,11 @@ pub fn status(json: bool) -> Result<()> {
                 s.device,
                 server_dev2_cache(s).map_or(String::new(), |c| format!(", dev2-cache {c}")),
                 s.cache_mb.map_or(String::new(), |m| format!(", chunk cache {m} MiB")),
-                s.ublk_id
-                    .map_or(String::new(), |_| format!(", --ublk-poll={}", s.ublk_poll_mode())),
+                s.ublk_id.map_or(String::new(), |_| format!(
+                    ", --ublk-poll={}{}",
+                    s.ublk_poll_mode(),
+                    s.ublk_queues.map_or(String::new(), |n| format!(", --ublk-queues={n}"))
+                )),
             ),
             None => println!("  server   -"),
         }

@@ -11,6 +11,7 @@
 
 mod poll;
 
+use crate::args::MAX_UBLK_QUEUES;
 use crate::device::Device2;
 use crate::types::PollMode;
 use anyhow::{anyhow, Context, Result};
@@ -33,24 +34,23 @@ pub struct Options {
 }
 
 impl Options {
-    /// `threads` queues (1 to 4: the kernel gives at most one per CPU anyway), the rest
-    /// default: what `serve --threads` and `ublk-null --threads` both use.
-    pub fn with_threads(threads: usize) -> Options {
+    /// The queues and polling of `serve` and `ublk-null`: `queues` (`--ublk-queues`) when
+    /// given, else ONE when the thread polls (`auto` or a window) and `threads` with
+    /// `off`, at most [`MAX_UBLK_QUEUES`] (the kernel gives at most one per CPU anyway).
+    /// Why one polling queue: the kernel pins queue N's thread to the CPUs blk-mq maps to
+    /// it, the CPUs of the readers it serves, where a polling thread competes with them
+    /// and a reader woken elsewhere finds its queue's thread asleep (measured:
+    /// docs/ublkd.md, "Queues"); one queue's thread may run on any CPU.
+    pub fn new(threads: usize, poll: PollMode, queues: Option<u16>) -> Options {
+        let default = if poll == PollMode::Off {
+            threads.min(usize::from(MAX_UBLK_QUEUES)) as u16
+        } else {
+            1
+        };
         Options {
-            nr_queues: threads.clamp(1, 4) as u16,
-            ..Default::default()
-        }
-    }
-
-    /// `--ublk-poll`: a polling mode gets ONE queue: the kernel pins queue N's thread to
-    /// CPU N, the CPU whose submitters it serves, where a polling thread would compete
-    /// with them; one queue's thread may run on any CPU. `off` keeps `threads` queues.
-    pub fn with_poll(self, poll: PollMode) -> Options {
-        let nr_queues = if poll == PollMode::Off { self.nr_queues } else { 1 };
-        Options {
-            nr_queues,
+            nr_queues: queues.unwrap_or(default).clamp(1, MAX_UBLK_QUEUES),
             poll,
-            ..self
+            ..Default::default()
         }
     }
 }
@@ -339,11 +339,12 @@ pub fn delete(id: i32, in_use: bool) -> Result<()> {
 }
 
 /// Run the device until it is killed (`stop` flips, see [`Stopper`]). `ready` is called
-/// once /dev/ublkbN is live, with its path and id.
+/// once /dev/ublkbN is live, with its path, id and hw queues (as the kernel made them: a
+/// recovered device keeps its own).
 pub fn run<R: Reads>(
     dev: Arc<R>,
     opts: Options,
-    ready: impl FnOnce(String, i32) + Send + Sync + 'static,
+    ready: impl FnOnce(String, i32, u16) + Send + Sync + 'static,
     stopper: Stopper,
 ) -> Result<()> {
     let recovering = opts.recover_id.is_some();
@@ -376,13 +377,13 @@ pub fn run<R: Reads>(
     let d = dev.clone();
     let poll = opts.poll;
     let q_handler = move |qid, udev: &_| queue_fn(qid, udev, d.clone(), poll);
-    let one_queue = opts.nr_queues == 1;
     let on_live = move |c: &UblkCtrl| {
-        let (path, id) = (c.get_bdev_path(), c.dev_info().dev_id as i32);
-        if one_queue {
+        let info = c.dev_info();
+        let (path, id, queues) = (c.get_bdev_path(), info.dev_id as i32, info.nr_hw_queues);
+        if queues == 1 {
             no_scheduler(&path);
         }
-        ready(path, id)
+        ready(path, id, queues)
     };
     ctrl.run_target(tgt_init, q_handler, on_live)
         .map_err(|e| anyhow!("ublk device: {e}"))
@@ -446,7 +447,7 @@ pub fn serve_null(size: u64, opts: Options) -> Result<()> {
     let stopper = Stopper::default();
     let st = stopper.clone();
     let worker = std::thread::spawn(move || {
-        let ready = |path: String, _id: i32| {
+        let ready = |path: String, _id: i32, _queues: u16| {
             use std::io::Write as _;
             let mut out = std::io::stdout();
             let _ = writeln!(out, "{path}");
@@ -466,19 +467,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn polling_uses_one_queue_and_keeps_the_rest() {
-        let o = Options::with_threads(4);
-        assert_eq!((o.nr_queues, o.poll), (4, PollMode::Off));
-        let o = Options::with_threads(4).with_poll(PollMode::Off);
-        assert_eq!((o.nr_queues, o.poll), (4, PollMode::Off));
-        let o = Options::with_threads(4).with_poll(PollMode::Auto);
-        assert_eq!((o.nr_queues, o.poll), (1, PollMode::Auto));
+    fn polling_uses_one_queue_unless_asked_and_off_keeps_threads() {
+        let q = |threads, poll, asked| {
+            let o = Options::new(threads, poll, asked);
+            assert_eq!(o.poll, poll);
+            assert_eq!(o.depth, Options::default().depth);
+            o.nr_queues
+        };
+        // off: --threads queues, at most 4
+        assert_eq!(q(4, PollMode::Off, None), 4);
+        assert_eq!(q(9, PollMode::Off, None), 4);
+        assert_eq!(q(0, PollMode::Off, None), 1);
+        // polling: one queue
+        assert_eq!(q(4, PollMode::Auto, None), 1);
+        assert_eq!(q(4, PollMode::Fixed(250), None), 1);
+        // --ublk-queues wins in every mode
+        assert_eq!(q(4, PollMode::Auto, Some(2)), 2);
+        assert_eq!(q(4, PollMode::Off, Some(1)), 1);
+        assert_eq!(q(1, PollMode::Fixed(250), Some(3)), 3);
         let o = Options {
             recover_id: Some(3),
-            ..Options::with_threads(4).with_poll(PollMode::Fixed(250))
+            ..Options::new(4, PollMode::Auto, None)
         };
-        assert_eq!((o.nr_queues, o.poll, o.recover_id), (1, PollMode::Fixed(250), Some(3)));
-        assert_eq!(o.depth, Options::default().depth);
+        assert_eq!((o.nr_queues, o.recover_id), (1, Some(3)));
     }
 
     #[test]
