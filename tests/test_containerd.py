@@ -256,18 +256,18 @@ def page_cache_charged(stack: Stack, name: str) -> int:
     pid = next(
         ln.split()[1] for ln in stack.ctr("task", "ls").stdout.splitlines() if ln.split()[0] == name
     )
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):  # cgroup v1: memory.stat "cache"
-            stat, key = Path("/sys/fs/cgroup/memory", path.lstrip("/"), "memory.stat"), "cache"
-            break
-    else:  # cgroup v2: one hierarchy, memory.stat "file"
-        path = next(
-            ln.split(":", 2)[2]
-            for ln in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-            if ln.startswith("0::")
+    # /proc/PID/cgroup: "ID:CONTROLLERS:PATH" per hierarchy; v2's one hierarchy is "0::PATH"
+    groups = {
+        controllers: path
+        for _, controllers, path in (
+            ln.split(":", 2) for ln in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
         )
-        stat, key = Path("/sys/fs/cgroup", path.lstrip("/"), "memory.stat"), "file"
+    }
+    v1 = next((path for c, path in groups.items() if "memory" in c.split(",")), None)
+    if v1 is not None:  # cgroup v1's memory controller: memory.stat "cache"
+        stat, key = Path("/sys/fs/cgroup/memory", v1.lstrip("/"), "memory.stat"), "cache"
+    else:  # cgroup v2: memory.stat "file"
+        stat, key = Path("/sys/fs/cgroup", groups[""].lstrip("/"), "memory.stat"), "file"
     for line in stat.read_text().splitlines():
         k, v = line.split()
         if k == key:
