@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from btrfs_ublk_image import __version__
-from btrfs_ublk_image.bundle import build_spec, read_manifest
+from btrfs_ublk_image.bundle import build_spec
 from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.manifest import read_manifest
 from btrfs_ublk_image.progress import Progress, human_bytes
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def _delta_summary(old: str, new: str, lines: list[str]) -> str:
     """``diff --delta``: files changed, added, removed, and what moving OLD -> NEW moves."""
     from btrfs_ublk_image.base import transfer
-    from btrfs_ublk_image.bundle import MANIFEST
+    from btrfs_ublk_image.manifest import MANIFEST
 
     for b in (old, new):
         if not os.path.isfile(os.path.join(b, MANIFEST)):
