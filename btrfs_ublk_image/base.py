@@ -25,6 +25,7 @@ from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image import patch
 from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.btrfs.layout import Chunk
+from btrfs_ublk_image.btrfs.treeblocks import Breaks
 from btrfs_ublk_image.btrfs.writer import BaseLayout
 from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import ImageError
@@ -85,6 +86,40 @@ class BaseImage:
         """Bytes of base pack ``pack`` (numbered in the new bundle), from verified chunks."""
         return self.reader.fs.dev2.pack_bytes(pack - self.first, offset, length)
 
+    def _trees(
+        self, meta_start: int
+    ) -> tuple[dict[int, Breaks], dict[tuple[int, int, d.Key], int]]:
+        """Per tree, the first keys of its blocks level by level; per block (tree id,
+        level, first key), its address - ``meta_start`` where the writer could keep it."""
+        fs = self.reader.fs
+        meta_size = os.path.getsize(fs.meta_path)
+        breaks: dict[int, Breaks] = {}
+        offsets: dict[tuple[int, int, d.Key], int] = {}
+        for tree_id, (bytenr, level) in fs.tree_roots().items():
+            firsts: list[list[d.Key]] = [[] for _ in range(level + 1)]
+            for lvl, key, at in fs.blocks(bytenr, level, tree_id):
+                firsts[lvl].append(key)
+                if self._metadata_block(at, meta_start, meta_size):
+                    offsets[(tree_id, lvl, key)] = at - meta_start
+            breaks[tree_id] = Breaks(tuple(tuple(sorted(ks)) for ks in firsts))
+        return breaks, offsets
+
+    def _metadata_block(self, bytenr: int, meta_start: int, meta_size: int) -> bool:
+        """Whether a base block's address is one this builder could have given it: in a
+        METADATA chunk, in meta.img, a whole block after the start of metadata (a base made
+        otherwise lends its breaks, not such an address)."""
+        try:
+            chunk, devid, physical = self.reader.fs.map_logical(bytenr, d.NODESIZE)
+        except ImageError:
+            return False
+        return (
+            devid == 1
+            and bool(chunk.type & d.BLOCK_GROUP_METADATA)
+            and physical + d.NODESIZE <= meta_size
+            and bytenr >= meta_start
+            and (bytenr - meta_start) % d.NODESIZE == 0
+        )
+
     def blobs(self) -> list[Blob]:
         """Every distinct content of a regular file of the base that lies in one run of one
         pack, in the base's walk order (so a build with this base is deterministic)."""
@@ -93,8 +128,9 @@ class BaseImage:
         return self._blobs
 
     def layout(self) -> BaseLayout:
-        """What the writer keeps of the base: inode numbers and dir indexes by path, the
-        extents of the content ``blobs`` lists, the DATA chunks, where metadata starts."""
+        """What the writer keeps of the base (``writer.BaseLayout``): inode numbers and dir
+        indexes by path, the extents of the content ``blobs`` lists, the DATA chunks, where
+        metadata starts, and where each tree's blocks begin and their addresses."""
         fs = self.reader.fs
         if fs.root_dirid != d.FIRST_FREE_OBJECTID:
             raise ImageError(f"{fs.meta_path}: root directory is inode {fs.root_dirid}, not 256")
@@ -109,16 +145,21 @@ class BaseImage:
             for c in fs.chunks
             if c.type & d.BLOCK_GROUP_DATA and [s.devid for s in c.stripes] == [2]
         ]
+        # every tree but the chunk tree lives in METADATA chunks
         meta = [c.logical for c in fs.chunks if c.type & d.BLOCK_GROUP_METADATA]
         if not meta:
             raise ImageError(f"{fs.meta_path}: no METADATA chunk")
+        meta_start = min(meta)
+        breaks, offsets = self._trees(meta_start)
         return BaseLayout(
             dirs=dirs,
             max_ino=max(self.reader.inodes),
             extents=self._extents,
             data_chunks=data,
             data_size=fs.dev2.bm.device_size,
-            meta_logical=min(meta),
+            meta_start=meta_start,
+            breaks=breaks,
+            offsets=offsets,
         )
 
     def _index(self) -> list[Blob]:

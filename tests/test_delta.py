@@ -9,6 +9,7 @@ and inodes, and the registry's access log and storage for push.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import io
@@ -530,22 +531,16 @@ def test_small_files_resized_added_removed_move_within_the_bound(tmp_path: Path)
     within the changed bytes + 10 % (on main, where every later inode and extent shifted:
     535,196 bytes for a bound of 532,970; here 519,540)."""
     rnd = random.Random(1)
-    v1, v2 = tmp_path / "v1", tmp_path / "v2"
-    n = 3000
-    for i in range(n):
-        d = v1 / f"d{i % 30}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"f{i}").write_bytes(rnd.randbytes(rnd.randint(100, 6000)))
-    shutil.copytree(v1, v2)
+    v1, v2 = _small_files(tmp_path, rnd, 30)
     changed = 0
-    for i in range(3, n, 20):
-        data = rnd.randbytes(rnd.randint(100, 6000))
-        (v2 / f"d{i % 30}" / f"f{i}").write_bytes(data)
+    for p in sorted(v2.rglob("f*"))[3::20]:
+        data = rnd.randbytes(rnd.randrange(100, 6000))
+        p.write_bytes(data)
         changed += len(data)
     data = rnd.randbytes(3000)
-    (v2 / "d4" / "added").write_bytes(data)
+    (v2 / "d04" / "added").write_bytes(data)
     changed += len(data)
-    (v2 / "d9" / "f9").unlink()
+    (v2 / "d09" / "f00009").unlink()
     b1, b2 = tmp_path / "v1.bundle", tmp_path / "v2.bundle"
     build(write_spec(tmp_path / "v1.yaml", v1), b1)
     build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
@@ -553,3 +548,142 @@ def test_small_files_resized_added_removed_move_within_the_bound(tmp_path: Path)
     assert (d["changed"], d["added"], d["removed"]) == (150, 1, 1), d
     assert d["push_bytes"] + d["meta_bytes"] <= changed * 1.1, (d, changed)
     assert d["fetch_bytes"] + d["meta_bytes"] <= changed * 1.1, (d, changed)
+
+
+# ---- metadata locality: a delta build keeps the base's leaves and block addresses --------
+LOCAL_FILES = 3000
+HEADER = 101  # a tree block's header: checksum, fsid, ... (differs in every block)
+
+
+def _tree_blocks(bundle: Path) -> dict[tuple[int, int, tuple[int, int, int]], int]:
+    """(tree, level, first key) -> bytenr of every block of every tree of meta.img."""
+    from btrfs_ublk_image.reader import Filesystem
+
+    with Filesystem(str(bundle)) as fs:
+        return {
+            (tree, level, key): bytenr
+            for tree, (root, root_level) in fs.tree_roots().items()
+            for level, key, bytenr in fs.blocks(root, root_level, tree)
+        }
+
+
+def _small_files(tmp_path: Path, rnd: random.Random, dirs: int) -> tuple[Path, Path]:
+    """v1: LOCAL_FILES files of 100-6,000 random bytes in ``dirs`` directories; v2 its copy."""
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    for i in range(LOCAL_FILES):
+        d = v1 / f"d{i % dirs:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i:05d}").write_bytes(rnd.randbytes(rnd.randrange(100, 6000)))
+    shutil.copytree(v1, v2)
+    return v1, v2
+
+
+def _items(bundle: Path) -> dict[tuple[int, tuple[int, int, int]], bytes]:
+    """(tree, key) -> data of every item of every tree of meta.img."""
+    from btrfs_ublk_image.reader import Filesystem
+
+    with Filesystem(str(bundle)) as fs:
+        return {
+            (tree, key): bytes(data)
+            for tree, (root, level) in fs.tree_roots().items()
+            for key, data in fs.items(root, level, tree)
+        }
+
+
+def _block_payloads(bundle: Path) -> dict[int, bytes]:
+    """bytenr -> the bytes after the header of every tree block (they differ in every
+    block: fsid, checksum)."""
+    from btrfs_ublk_image.reader import Filesystem
+
+    with Filesystem(str(bundle)) as fs:
+        return {
+            bytenr: fs.read_block(bytenr, level, tree)[HEADER:]
+            for tree, (root, root_level) in fs.tree_roots().items()
+            for level, _, bytenr in fs.blocks(root, root_level, tree)
+        }
+
+
+def test_delta_build_changes_only_the_changed_leaves(tmp_path: Path) -> None:
+    """v2 = v1 with an xattr on every 300th file, every 300th other file renamed to a
+    longer name in the same sort order and 10 files after the last directory's last:
+    built with v1 as base, every tree block that begins at the key a v1 block began at
+    keeps v1's address, every leaf of v1 (any tree) none of whose items changed is in v2
+    at its address with the same bytes (but for the header), and the leaves holding
+    changed items split only themselves; built without a base, most blocks change. btrfs
+    check (the oracle for the trees, free space with gaps included) passes, and v2 reads
+    back as its source."""
+    rnd = random.Random(3)
+    v1, v2 = _small_files(tmp_path, rnd, 30)
+    names = sorted(p for p in v2.rglob("f*"))
+    for p in names[::300]:
+        os.setxattr(p, "user.v2", b"tag")
+    for p in names[150::300]:
+        p.rename(p.with_name(p.name + "-v2"))  # f00123-v2 sorts before f00124
+    for i in range(10):
+        (v2 / "d29" / f"g{i:03d}").write_bytes(rnd.randbytes(3000))
+    b1, b2, whole = tmp_path / "b1", tmp_path / "b2", tmp_path / "whole"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
+    build(write_spec(tmp_path / "v2.yaml", v2), whole)
+    for b in (b1, b2):
+        r = subprocess.run(["btrfs", "check", "--readonly", b / "meta.img"], capture_output=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert contents(str(b2)) == contents(str(v2)) == contents(str(whole))
+
+    blocks1, blocks2 = _tree_blocks(b1), _tree_blocks(b2)
+    assert all(blocks2[k] == blocks1[k] for k in blocks2 if k in blocks1)
+    # the v1 leaves holding an item that changed, appeared or went
+    items1, items2 = _items(b1), _items(b2)
+    changed = sorted(k for k in items1.keys() | items2.keys() if items1.get(k) != items2.get(k))
+    leaves1 = sorted((t, key, at) for (t, level, key), at in blocks1.items() if level == 0)
+    firsts = [(t, key) for t, key, _ in leaves1]
+    touched = {leaves1[max(0, bisect.bisect_right(firsts, k) - 1)][2] for k in changed}
+    assert 10 < len(touched) < len(leaves1) / 2, (len(touched), len(leaves1))
+    p1, p2 = _block_payloads(b1), _block_payloads(b2)
+    untouched = [at for _, _, at in leaves1 if at not in touched]
+    assert all(p2.get(at) == p1[at] for at in untouched)
+    # new blocks: the touched leaves' splits, and nodes (their pointers change with them)
+    new = [k for k in blocks2 if k not in blocks1]
+    assert sum(1 for _, level, _ in new if level == 0) <= len(touched)
+    nodes2 = sum(1 for _, level, _ in blocks2 if level > 0)
+    local = sum(p1.get(at) != p for at, p in p2.items())
+    assert local <= len(touched) + len(new) + nodes2, (local, len(touched), len(new))
+    moved = sum(p1.get(at) != p for at, p in _block_payloads(whole).items())
+    assert moved > 2 * local, (moved, local)
+
+
+def make_shrunk(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """v1, and v2 = v1 without its second half of directories plus an xattr on every
+    50th file left: v2 built with v1 as base keeps blocks at v1's addresses and leaves
+    gaps where v1's other blocks were. -> (v2's source, v1's bundle, v2's bundle)."""
+    v1, v2 = _small_files(tmp_path, random.Random(4), 20)
+    for i in range(10, 20):
+        shutil.rmtree(v2 / f"d{i:02d}")
+    for p in sorted(v2.rglob("f*"))[::50]:
+        os.setxattr(p, "user.v2", b"kept")
+    b1, b2 = tmp_path / "b1", tmp_path / "b2"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
+    return v2, b1, b2
+
+
+def test_delta_build_of_a_smaller_tree_leaves_checked_gaps(tmp_path: Path) -> None:
+    """A v2 with half of v1's files takes fewer blocks than v1: the kept ones stay at
+    v1's addresses, the free space tree lists the gaps, and btrfs check (which compares
+    the free space tree with the extent tree) passes; v2 reads back as its source."""
+    from btrfs_ublk_image.reader import Filesystem
+
+    v2, b1, b2 = make_shrunk(tmp_path)
+    r = subprocess.run(["btrfs", "check", "--readonly", b2 / "meta.img"], capture_output=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert contents(str(b2)) == contents(str(v2))
+    blocks1, blocks2 = _tree_blocks(b1), _tree_blocks(b2)
+    assert len(blocks2) < len(blocks1) - 20
+    kept = [k for k in blocks2 if k in blocks1]
+    assert len(kept) > len(blocks2) / 2 and all(blocks2[k] == blocks1[k] for k in kept)
+    with Filesystem(str(b2)) as fs:
+        root, level = fs.tree_roots()[10]  # the free space tree
+        free = [key for key, _ in fs.items(root, level, 10) if key[1] == 199]
+        meta = [c for c in fs.chunks if c.type & 4]
+    gaps = [k for k in free if any(c.logical <= k[0] < c.logical + c.length for c in meta)]
+    assert len(gaps) > 1, gaps  # holes among the blocks, not only the chunk's tail

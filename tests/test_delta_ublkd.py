@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 from servers import docker_registry, nginx_serving
-from test_delta import build, delta, layout_of, make_v1, make_v2, write_spec
+from test_delta import build, delta, layout_of, make_shrunk, make_v1, make_v2, write_spec
 from test_remote import cache_dir, image_hex, pack_bytes, settled_status
 from test_ublkd import CHUNK, fresh_seed, no_leftovers, read_file, status_of, ublkd
+
+from bundletools import dmesg_btrfs_problems, dmesg_len, list_dir, mounted_bundle, run
 
 __all__ = ["cache_dir", "no_leftovers"]  # the fixture, used by name
 
@@ -279,8 +281,6 @@ def test_kernel_sees_v1_inode_numbers_and_extents_in_v2(tmp_path: Path) -> None:
     with no btrfs complaint: every path of both has the inode number (stat) and, content
     unchanged, the physical extents (FIEMAP) it had in v1; every file reads right; sprouted
     onto a writable device, v2 takes new writes (chunks allocated above the new data)."""
-    from bundletools import dmesg_btrfs_problems, dmesg_len, mounted_bundle, run
-
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
     make_v1(v1, seed=fresh_seed())
     make_v2(v1, v2)
@@ -353,3 +353,26 @@ def test_debian_with_packages_replaced_moves_within_the_bound(tmp_path: Path) ->
         ["btrfs", "check", "--readonly", b2 / "meta.img"], capture_output=True, text=True
     )
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_kernel_mounts_and_sprouts_a_delta_build_with_gaps(tmp_path: Path) -> None:
+    """The v2 of test_delta's smaller tree (blocks at v1's addresses, gaps in its metadata
+    chunk): the kernel mounts it with v2's tree and no btrfs complaint, and a sprouted
+    writable mount takes new files."""
+    v2, _b1, b2 = make_shrunk(tmp_path)
+    rw = tmp_path / "rw.img"
+    with open(rw, "wb") as f:
+        f.truncate(512 << 20)
+    before = dmesg_len()
+    with mounted_bundle(b2, tmp_path, rw=rw) as m:
+        got = list_dir(m.mountpoint)
+        (m.mountpoint / "new").write_bytes(b"x" * 100_000)
+        os.sync()
+        assert (m.mountpoint / "new").read_bytes() == b"x" * 100_000
+
+    def unclamped(listing: dict[str, dict[str, object]]) -> dict[str, dict[str, object]]:
+        # the spec's source_date_epoch clamps every mtime
+        return {p: {k: v for k, v in e.items() if k != "mtime_ns"} for p, e in listing.items()}
+
+    assert unclamped(got) == unclamped(list_dir(v2))
+    assert dmesg_btrfs_problems(before, m.loops) == []

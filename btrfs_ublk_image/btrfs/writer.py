@@ -14,12 +14,22 @@ Order of work (each step decides the bytes named):
    until the extent tree (which lists every tree block) stops growing.
 5. Addresses, real items, tree blocks, both superblocks; ``meta.img`` written.
 The result says which device-2 ranges hold which pack bytes (the blockmap).
+
+With a base image (``BaseLayout``, ``build --base``), metadata changes stay local: every
+tree breaks its blocks where the base's did (``treeblocks.Breaks``), a block beginning at
+the key (and level) of a base block takes that block's address (relative to the start
+of metadata), and the other blocks take the slots the base's unused blocks left, then
+addresses after the base's last block. So a new version's meta.img differs from the
+base's in the blocks whose items changed (and in every block header's fsid and
+checksum), which is what its patch (patch.py) carries.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
+import itertools
 import os
 import sys
 import tempfile
@@ -43,15 +53,19 @@ from btrfs_ublk_image.btrfs.layout import (
 )
 from btrfs_ublk_image.btrfs.superblock import SuperFields, TreeRoot, pack_super
 from btrfs_ublk_image.btrfs.treeblocks import (
+    EMPTY_KEY,
+    NO_KEYS,
+    BlockPlan,
+    Breaks,
     Leaf,
     TreeInfo,
     add_dir_items,
-    block_levels,
     group_by_hash,
     iter_leaves,
     leaf_packer,
-    levels_for_leaves,
     pack_leaves,
+    plan_blocks,
+    plan_items,
     serialize,
     unspill,
 )
@@ -109,8 +123,9 @@ class ImageLayout:
 
 @dataclass(frozen=True, slots=True)
 class BaseLayout:
-    """What a build with a base (``build --base``) keeps of the base's layout, read from the
-    base's meta.img (``base.py``)."""
+    """What a build with a base (``build --base``) keeps of the base's layout, read once from
+    the base's meta.img (``base.py``): its inode numbering and data extents (steps 1-2 of
+    the module's docstring) and its tree blocks (see the docstring's last paragraph)."""
 
     # base directory inode -> name -> (inode number, dir index) of each entry
     dirs: Mapping[int, Mapping[bytes, tuple[int, int]]]
@@ -119,7 +134,10 @@ class BaseLayout:
     extents: Mapping[Blob, Sequence[tuple[int, int, int, int]]]
     data_chunks: Sequence[Chunk]  # the base's DATA chunks
     data_size: int  # the base's device-2 size: new extents go after it
-    meta_logical: int  # where the base's METADATA chunks start in the logical space
+    meta_start: int  # where the base's METADATA chunks start in the logical space
+    breaks: Mapping[int, Breaks]  # tree id -> its blocks' first keys, level by level
+    # (tree id, level, first key) -> the block's address - ``meta_start``
+    offsets: Mapping[tuple[int, int, d.Key], int]
 
 
 class _Numbering:
@@ -305,6 +323,19 @@ def _number_on_base(num: _Numbering, base: BaseLayout, more: object) -> _Numberi
     num.index = array("Q", [indexes[i] for i in order])
     num.name = [names[i] for i in order]
     return num
+
+
+def _free_ranges(chunk: Chunk, taken: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The free ranges (logical, length) of ``chunk`` around ``taken`` (sorted ranges in it)."""
+    free: list[tuple[int, int]] = []
+    at = chunk.logical
+    for start, length in taken:
+        if start > at:
+            free.append((at, start - at))
+        at = max(at, start + length)
+    if at < chunk.end:
+        free.append((at, chunk.end - at))
+    return free
 
 
 class _DataPlacer:
@@ -510,16 +541,11 @@ class _DataPlacer:
         rows = iter(self.order)
         row = next(rows, None)
         for c in chunks:
-            gaps: list[tuple[int, int]] = []
-            cur = c.logical
+            taken: list[tuple[int, int]] = []
             while row is not None and logical[row] < c.end:
-                if logical[row] > cur:
-                    gaps.append((cur, logical[row] - cur))
-                cur = logical[row] + disk[row]
+                taken.append((logical[row], disk[row]))
                 row = next(rows, None)
-            if cur < c.end:
-                gaps.append((cur, c.end - cur))
-            free[c.logical] = gaps
+            free[c.logical] = _free_ranges(c, taken)
         if row is not None:
             raise AssertionError(f"data extent at logical {logical[row]} is in no chunk")
         return free
@@ -573,11 +599,15 @@ class _FsTree:
 
 
 def _fs_tree_items(
-    num: _Numbering, placer: _DataPlacer, imax: int, spill: IO[bytes] | None = None
+    num: _Numbering,
+    placer: _DataPlacer,
+    imax: int,
+    spill: IO[bytes] | None = None,
+    breaks: Sequence[d.Key] = NO_KEYS,
 ) -> _FsTree:
     gen = GENERATION
     # with the sha256 over every item's disk key and data, in order
-    packer = leaf_packer(spill, digest=True)
+    packer = leaf_packer(spill, digest=True, breaks=breaks)
     add, add_inode, add_dir = packer.add, packer.add_inode, packer.add_dir
     ref_extent = array("Q")
     ref_ino = array("Q")
@@ -749,17 +779,15 @@ class _DataExtentItems:
     def sizes(self) -> Iterator[tuple[d.Key, int]]:
         """(key, item size) of every item, keyed refs with a stand-in offset: enough to
         order them among other extent tree items (their objectid and type decide)."""
-        start, logicals = self.start, self.logical
+        start, disk_bytes, logicals = self.start, self.disk_bytes, self.logical
         for e in self.order:
             logical = logicals[e]
             nrefs = start[e + 1] - start[e]
+            key = (logical, d.EXTENT_ITEM_KEY, disk_bytes[e])
             if nrefs <= _INLINE_ROOM:
-                yield (
-                    (logical, d.EXTENT_ITEM_KEY, 0),
-                    _EXTENT_HEAD_SIZE + nrefs * (_INLINE_DATA_REF_SIZE),
-                )
+                yield key, _EXTENT_HEAD_SIZE + nrefs * _INLINE_DATA_REF_SIZE
                 continue
-            yield (logical, d.EXTENT_ITEM_KEY, 0), _EXTENT_HEAD_SIZE
+            yield key, _EXTENT_HEAD_SIZE
             for _ in range(nrefs):
                 yield (logical, d.EXTENT_DATA_REF_KEY, 0), _DATA_REF_SIZE
 
@@ -911,10 +939,11 @@ class _Metadata:
 
     def extent_tree_sizes(
         self, chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
-    ) -> list[int]:
-        """The item sizes of ``extent_tree``, in order, without making the data extents' items."""
+    ) -> Iterator[tuple[d.Key, int]]:
+        """(key, item size) of ``extent_tree``, in order, without making the data extents'
+        items (keyed data refs with a stand-in offset, see ``_DataExtentItems.sizes``)."""
         others = ((key, len(data)) for key, data in self._block_items(chunks, used, blocks))
-        return [size for _, size in heapq.merge(self.data_extents.sizes(), others, key=_item_key)]
+        return heapq.merge(self.data_extents.sizes(), others, key=_item_key)
 
     @staticmethod
     def _block_items(
@@ -938,17 +967,20 @@ class _Metadata:
     def free_space_tree(
         self,
         chunks: list[Chunk],
-        used: dict[int, int],
         data_free: dict[int, list[tuple[int, int]]],
+        blocks: list[tuple[int, int, int]],
     ) -> list[tuple[d.Key, bytes]]:
-        """``data_free``: the free ranges of each DATA chunk; every other block group is
-        filled from its start: its free space is its tail."""
+        """Free ranges of each block group: a DATA one's are ``data_free`` (the gaps between
+        its extents, where a base's unused extents were, and its tail); any other holds the
+        tree blocks of ``blocks`` (sorted) in it, with gaps where a base's unused blocks were."""
+        starts = [bytenr for bytenr, _, _ in blocks]
         items: list[tuple[d.Key, bytes]] = []
         for c in sorted(chunks, key=lambda c: c.logical):
-            free = data_free.get(c.logical)
-            if free is None:
-                u = used.get(c.logical, 0)
-                free = [(c.logical + u, c.length - u)] if u < c.length else []
+            if c.type & d.BLOCK_GROUP_DATA:
+                free = data_free[c.logical]
+            else:
+                lo, hi = bisect.bisect_left(starts, c.logical), bisect.bisect_left(starts, c.end)
+                free = _free_ranges(c, ((b, d.NODESIZE) for b in starts[lo:hi]))
             items.append(
                 ((c.logical, d.FREE_SPACE_INFO_KEY, c.length), d.pack_free_space_info(len(free)))
             )
@@ -1035,8 +1067,8 @@ class _Metadata:
         ]
 
 
-def _sizes(items: list[tuple[d.Key, bytes]]) -> list[int]:
-    return [len(data) for _, data in items]
+def _sizes(items: list[tuple[d.Key, bytes]]) -> Iterator[tuple[d.Key, int]]:
+    return ((key, len(data)) for key, data in items)
 
 
 def _item_key(item: tuple[d.Key, object]) -> d.Key:
@@ -1055,32 +1087,62 @@ def _no_overlap(meta_chunks: list[Chunk], data_chunks: list[Chunk]) -> None:
 
 
 def _assign(
-    levels: dict[int, list[int]],
-    sys_chunk: Chunk,
-    meta_chunks: list[Chunk],
-    data_used: dict[int, int],
-) -> tuple[dict[int, list[int]], list[tuple[int, int, int]], dict[int, int]]:
-    """Block addresses per tree, (bytenr, level, owner) of every block, bytes used per block group."""
+    plans: dict[int, BlockPlan], sys_chunk: Chunk, meta_start: int, base: BaseLayout | None
+) -> tuple[dict[int, list[int]], list[tuple[int, int, int]], int]:
+    """Block addresses per tree, (bytenr, level, owner) of every block (sorted), and the
+    bytes from ``meta_start`` to the end of the last metadata block. Without a base, the
+    trees lie one after another; with one, see the module's docstring."""
     addr_of: dict[int, list[int]] = {}
-    blocks: list[tuple[int, int, int]] = []
-    cursor = meta_chunks[0].logical  # metadata chunks are contiguous in logical space
+    offsets = {} if base is None else base.offsets
+    taken: set[int] = set()
+    pending: list[tuple[list[int], int]] = []  # (a tree's addresses, a block's index there)
+    cursor = 0
     for tree_id in _META_TREES:
-        addr_of[tree_id] = [cursor + i * d.NODESIZE for i in range(len(levels[tree_id]))]
-        cursor += len(levels[tree_id]) * d.NODESIZE
-    chunk_levels = levels[d.CHUNK_TREE_OBJECTID]
+        addrs: list[int] = []
+        for i, (level, key) in enumerate(plans[tree_id]):
+            off = offsets.get((tree_id, level, key))
+            if off is None or off in taken:
+                if base is not None:
+                    pending.append((addrs, i))
+                off = cursor if base is None else -1
+            else:
+                taken.add(off)
+            addrs.append(off)
+            cursor += d.NODESIZE
+        addr_of[tree_id] = addrs
+    free = (off for off in itertools.count(0, d.NODESIZE) if off not in taken)
+    for addrs, i in pending:
+        addrs[i] = next(free)
+    span = 0
+    for addrs in addr_of.values():
+        for i, off in enumerate(addrs):
+            addrs[i] = meta_start + off
+            span = max(span, off + d.NODESIZE)
     addr_of[d.CHUNK_TREE_OBJECTID] = [
-        sys_chunk.logical + i * d.NODESIZE for i in range(len(chunk_levels))
+        sys_chunk.logical + i * d.NODESIZE for i in range(len(plans[d.CHUNK_TREE_OBJECTID]))
     ]
-    for tree_id, addrs in addr_of.items():
-        blocks.extend((a, lvl, tree_id) for a, lvl in zip(addrs, levels[tree_id], strict=True))
+    blocks = [
+        (a, level, tree_id)
+        for tree_id, addrs in addr_of.items()
+        for a, (level, _) in zip(addrs, plans[tree_id], strict=True)
+    ]
     blocks.sort()
+    return addr_of, blocks, span
+
+
+def _used(
+    chunks: list[Chunk], data_used: dict[int, int], blocks: list[tuple[int, int, int]]
+) -> dict[int, int]:
+    """Bytes used per block group (by its logical start): ``data_used`` for DATA, the
+    tree blocks in it for the others."""
     used = dict(data_used)
-    used[sys_chunk.logical] = len(chunk_levels) * d.NODESIZE
-    left = cursor - meta_chunks[0].logical
-    for c in meta_chunks:
-        used[c.logical] = min(left, c.length)
-        left -= used[c.logical]
-    return addr_of, blocks, used
+    starts = sorted(c.logical for c in chunks)
+    for c in chunks:
+        if not c.type & d.BLOCK_GROUP_DATA:
+            used[c.logical] = 0
+    for bytenr, _, _ in blocks:
+        used[starts[bisect.bisect_right(starts, bytenr) - 1]] += d.NODESIZE
+    return used
 
 
 def write_image(
@@ -1112,9 +1174,28 @@ def _write_image(
     numbering = _number(tree, base)
     sys_chunk = system_chunk()
     # btrfs-zstd: extents are laid out afresh (the base's content is not reused as it lies)
-    data_base = base if encoded is None else None
-    placer = _DataPlacer(sys_chunk.end, encoded, data_base)
-    fs = _fs_tree_items(numbering, placer, imax, spill)
+    placer = _DataPlacer(sys_chunk.end, encoded, base if encoded is None else None)
+
+    tree_breaks = {} if base is None else dict(base.breaks)
+    extent_breaks = tree_breaks.get(d.EXTENT_TREE_OBJECTID)
+    if extent_breaks is not None:
+        # keyed data refs are planned with a stand-in offset (_DataExtentItems.sizes): no
+        # break at one, so the planned split is the built one
+        tree_breaks[d.EXTENT_TREE_OBJECTID] = Breaks(
+            tuple(
+                tuple(k for k in keys if k[1] != d.EXTENT_DATA_REF_KEY)
+                for keys in extent_breaks.levels
+            )
+        )
+
+    def breaks(tree_id: int) -> Breaks | None:
+        return tree_breaks.get(tree_id)
+
+    def leaf_breaks(tree_id: int) -> Sequence[d.Key]:
+        b = breaks(tree_id)
+        return NO_KEYS if b is None else b.at(0)
+
+    fs = _fs_tree_items(numbering, placer, imax, spill, leaf_breaks(d.FS_TREE_OBJECTID))
     del numbering  # it is in the items now
     data_chunks = placer.finish()
     csum_items = placer.csum_items()
@@ -1134,50 +1215,61 @@ def _write_image(
     fs.ref_extent, fs.ref_ino, fs.ref_offset = array("Q"), array("Q"), array("Q")  # grouped now
     data_end = max(c.physical + c.length for c in data_chunks)
 
-    # Plan: block counts per tree -> chunks -> addresses -> real items -> block counts,
-    # until nothing changes (the extent tree lists every block, including its own).
-    # With a base, metadata starts where the base's did (new data lies far above it).
-    meta_logical = max(c.end for c in data_chunks) if data_base is None else data_base.meta_logical
+    # Plan: blocks per tree -> addresses -> chunks -> real items -> blocks, until nothing
+    # changes (the extent tree lists every block, including its own). Metadata starts
+    # after the data (a base's new data lies far above, at DELTA_DATA_LOGICAL), and with a
+    # base no lower than the base's: block addresses are kept relative to that start.
+    meta_logical = max(
+        (c.end for c in data_chunks if c.logical < DELTA_DATA_LOGICAL), default=sys_chunk.end
+    )
+    if base is not None:
+        meta_logical = max(meta_logical, base.meta_start)
     uuid_items, reloc_items = meta.uuid_tree(), meta.data_reloc_tree()
     placeholder = {t: TreeInfo(t, 0, 0) for t in _META_TREES}
-    levels: dict[int, list[int]] = {
-        d.FS_TREE_OBJECTID: levels_for_leaves(len(fs.leaves)),
-        d.EXTENT_TREE_OBJECTID: [0],
-        d.ROOT_TREE_OBJECTID: block_levels(
-            _sizes(meta.root_tree(placeholder, dict.fromkeys(_META_TREES, 0)))
+    empty = [(0, EMPTY_KEY)]
+    plans: dict[int, BlockPlan] = {
+        d.FS_TREE_OBJECTID: plan_blocks(
+            [leaf.first_key for leaf in fs.leaves], breaks(d.FS_TREE_OBJECTID)
         ),
-        d.DEV_TREE_OBJECTID: [0],
-        d.CSUM_TREE_OBJECTID: block_levels(_sizes(csum_items)),
-        d.UUID_TREE_OBJECTID: block_levels(_sizes(uuid_items)),
-        d.FREE_SPACE_TREE_OBJECTID: [0],
-        d.DATA_RELOC_TREE_OBJECTID: block_levels(_sizes(reloc_items)),
-        d.CHUNK_TREE_OBJECTID: [0],
+        d.EXTENT_TREE_OBJECTID: empty,
+        d.ROOT_TREE_OBJECTID: plan_items(
+            _sizes(meta.root_tree(placeholder, dict.fromkeys(_META_TREES, 0))),
+            breaks(d.ROOT_TREE_OBJECTID),
+        ),
+        d.DEV_TREE_OBJECTID: empty,
+        d.CSUM_TREE_OBJECTID: plan_items(_sizes(csum_items), breaks(d.CSUM_TREE_OBJECTID)),
+        d.UUID_TREE_OBJECTID: plan_items(_sizes(uuid_items), breaks(d.UUID_TREE_OBJECTID)),
+        d.FREE_SPACE_TREE_OBJECTID: empty,
+        d.DATA_RELOC_TREE_OBJECTID: plan_items(
+            _sizes(reloc_items), breaks(d.DATA_RELOC_TREE_OBJECTID)
+        ),
+        d.CHUNK_TREE_OBJECTID: empty,
     }
     for _ in range(20):
-        n_meta = sum(len(levels[t]) for t in _META_TREES)
-        meta_chunks = allocate(
-            n_meta * d.NODESIZE, d.BLOCK_GROUP_METADATA, 1, sys_chunk.end, meta_logical
-        )
+        addr_of, blocks, span = _assign(plans, sys_chunk, meta_logical, base)
+        meta_chunks = allocate(span, d.BLOCK_GROUP_METADATA, 1, sys_chunk.end, meta_logical)
         _no_overlap(meta_chunks, data_chunks)
         chunks = [sys_chunk, *data_chunks, *meta_chunks]
         dev_sizes = (meta_chunks[-1].physical + meta_chunks[-1].length, data_end)
-        addr_of, blocks, used = _assign(levels, sys_chunk, meta_chunks, data_used)
+        used = _used(chunks, data_used, blocks)
         # the extent tree, by far the largest of these, is made only once the layout is final
         items: dict[int, list[tuple[d.Key, bytes]]] = {
             d.DEV_TREE_OBJECTID: meta.dev_tree(chunks),
             d.CSUM_TREE_OBJECTID: csum_items,
             d.UUID_TREE_OBJECTID: uuid_items,
-            d.FREE_SPACE_TREE_OBJECTID: meta.free_space_tree(chunks, used, data_free),
+            d.FREE_SPACE_TREE_OBJECTID: meta.free_space_tree(chunks, data_free, blocks),
             d.DATA_RELOC_TREE_OBJECTID: reloc_items,
             d.CHUNK_TREE_OBJECTID: meta.chunk_tree(chunks, dev_sizes),
         }
-        new = dict(levels)
-        new[d.EXTENT_TREE_OBJECTID] = block_levels(meta.extent_tree_sizes(chunks, used, blocks))
+        new = dict(plans)
+        new[d.EXTENT_TREE_OBJECTID] = plan_items(
+            meta.extent_tree_sizes(chunks, used, blocks), breaks(d.EXTENT_TREE_OBJECTID)
+        )
         for tree_id in _ADDRESS_DEPENDENT:
-            new[tree_id] = block_levels(_sizes(items[tree_id]))
-        if new == levels:
+            new[tree_id] = plan_items(_sizes(items[tree_id]), breaks(tree_id))
+        if new == plans:
             break
-        levels = new
+        plans = new
     else:
         raise AssertionError("metadata layout did not converge")
 
@@ -1202,7 +1294,14 @@ def _write_image(
         def tree_blocks(tree_id: int, leaves: Iterable[Leaf]) -> TreeInfo:
             addrs = addr_of[tree_id]
             info, n = serialize(
-                leaves, iter(addrs), tree_id, GENERATION, ids.fsid, ids.chunk_tree_uuid, sink
+                leaves,
+                iter(addrs),
+                tree_id,
+                GENERATION,
+                ids.fsid,
+                ids.chunk_tree_uuid,
+                sink,
+                breaks(tree_id),
             )
             if n != len(addrs):
                 raise AssertionError(f"tree {tree_id}: planned {len(addrs)} blocks, built {n}")
@@ -1210,13 +1309,18 @@ def _write_image(
 
         infos = {d.FS_TREE_OBJECTID: tree_blocks(d.FS_TREE_OBJECTID, unspill(fs.leaves, spill))}
         infos[d.EXTENT_TREE_OBJECTID] = tree_blocks(
-            d.EXTENT_TREE_OBJECTID, iter_leaves(meta.extent_tree(chunks, used, blocks))
+            d.EXTENT_TREE_OBJECTID,
+            iter_leaves(
+                meta.extent_tree(chunks, used, blocks), leaf_breaks(d.EXTENT_TREE_OBJECTID)
+            ),
         )
         for tree_id, tree_items in items.items():
-            infos[tree_id] = tree_blocks(tree_id, pack_leaves(tree_items))
+            infos[tree_id] = tree_blocks(tree_id, pack_leaves(tree_items, leaf_breaks(tree_id)))
         nblocks = {t: len(addr_of[t]) for t in _META_TREES}
         root_items = meta.root_tree(infos, nblocks)
-        infos[d.ROOT_TREE_OBJECTID] = tree_blocks(d.ROOT_TREE_OBJECTID, pack_leaves(root_items))
+        infos[d.ROOT_TREE_OBJECTID] = tree_blocks(
+            d.ROOT_TREE_OBJECTID, pack_leaves(root_items, leaf_breaks(d.ROOT_TREE_OBJECTID))
+        )
 
         def root(tree_id: int) -> TreeRoot:
             return TreeRoot(infos[tree_id].root, infos[tree_id].level)
