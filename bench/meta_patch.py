@@ -10,15 +10,19 @@ data offsets (the writer assigns those afresh; see docs/design.md):
 * ``append``: files numbering 1% of v1's regular files added to the directory walked
   last (DFS, sorted names), with names after its last: new inodes after every old one;
 * ``resize``: every 100th regular file given new bytes of another size (+-50%);
-* ``addremove``: every 100th regular file removed and a new one added beside it.
+* ``addremove``: every 100th regular file removed and a new one added beside it;
+* ``bound``: the issue's case: ``resize``, plus one file added and one removed.
 
-The last two renumber inodes and move extents with the writer of main; they stay put
+The last three renumber inodes and move extents with the writer of main; they stay put
 only where the writer keeps the base's inode numbers and device-2 offsets.
 
 For each: v1 built, v2 built with ``--base`` v1, by this checkout and by a baseline
 checkout (``--baseline-src``, the same builder before this work); reported: the patch of
 meta.img (the manifest's ``patches``), meta.img's size, the 16 KiB blocks of meta.img that
-differ from v1's, and those that differ only in the block header (fsid, checksum). With
+differ from v1's, those that differ only in the block header (fsid, checksum), the bytes
+a push of v2 to a registry holding v1 uploads and a host holding v1 fetches (``diff
+--delta``: new chunks or packs, manifest, patches) against the changed bytes (v2's
+files whose content v1 lacks at that path; the issue's bound is these + 10 %). With
 ``--levels``, also the time and size of the patch at each zstd level (patch.py's
 parameters otherwise).
 
@@ -39,7 +43,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 EVERY = 100
-KINDS = ("xattr", "rename", "append", "resize", "addremove")
+KINDS = ("xattr", "rename", "append", "resize", "addremove", "bound")
 HEADER = 101  # bytes of a tree block's header
 
 
@@ -102,19 +106,23 @@ def make_v2(v1: Path, v2: Path, kind: str) -> int:
             p.write_bytes(data)
             os.utime(p, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
             changed += 1
-    elif kind in ("resize", "addremove"):
+    elif kind in ("resize", "addremove", "bound"):
         for i, p in enumerate(files[::EVERY]):
             size = p.stat().st_size
             data = os.urandom(max(1, size + (i % 11 - 5) * size // 10))
-            if kind == "resize":
-                p.unlink()  # v1's file is a hard link of this one
-                p.write_bytes(data)
-            else:
-                p.unlink()
+            p.unlink()  # v1's file is a hard link of this one
+            if kind == "addremove":
                 p = p.with_name(p.name + "-new")
-                p.write_bytes(data)
+            p.write_bytes(data)
             os.utime(p, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
             changed += 1
+        if kind == "bound":  # one file removed, one added beside it
+            gone = files[EVERY // 2]
+            gone.unlink()
+            added = gone.with_name(gone.name + "-added")
+            added.write_bytes(os.urandom(3000))
+            os.utime(added, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+            changed += 2
     else:
         raise ValueError(kind)
     return changed
@@ -136,6 +144,29 @@ def _build(src: Path | None, spec: Path, out: Path, *more: str | Path) -> float:
     cmd = [sys.executable, "-m", "btrfs_ublk_image", "build", spec, "-o", out, *more]
     subprocess.run(cmd, check=True, env=env, cwd=src or ROOT, stdout=subprocess.DEVNULL)
     return time.monotonic() - t
+
+
+def changed_bytes(v1: Path, v2: Path) -> int:
+    """Bytes of v2's regular files whose content v1 does not have at the same path."""
+    out = 0
+    for p in regular_files(v2):
+        old = v1 / p.relative_to(v2)
+        if not (old.is_file() and (old.samefile(p) or old.read_bytes() == p.read_bytes())):
+            out += p.stat().st_size
+    return out
+
+
+def transfer(src: Path | None, b1: Path, b2: Path) -> dict[str, int]:
+    """``diff --delta b1 b2`` (by the builder in ``src``): what a registry or host holding
+    v1 gets for v2."""
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = str(src)
+    cmd = [sys.executable, "-m", "btrfs_ublk_image", "diff", "--delta", b1, b2]
+    out = subprocess.run(cmd, env=env, cwd=src or ROOT, capture_output=True, text=True)
+    if out.returncode not in (0, 1):  # 1: the bundles differ
+        raise RuntimeError(f"diff --delta {b1} {b2}: {out.stderr.strip()}")
+    return {k: int(v) for k, v in (line.split(": ") for line in out.stdout.splitlines())}
 
 
 def compare(b1: Path, b2: Path) -> dict[str, Any]:
@@ -211,12 +242,17 @@ def main() -> int:
         v2 = work / f"v2-{kind}"
         shutil.rmtree(v2, ignore_errors=True)
         changed = make_v2(v1, v2, kind)
-        row: dict[str, Any] = {"files_changed": changed}
+        row: dict[str, Any] = {"files_changed": changed, "changed_bytes": changed_bytes(v1, v2)}
         for name, src in builders.items():
             b2 = work / f"b2-{kind}-{name}"
             shutil.rmtree(b2, ignore_errors=True)
             secs = _build(src, _spec(work / f"v2-{kind}.yaml", v2), b2, "--base", b1)
             row[name] = {"build_s": round(secs, 2), **compare(b1, b2)}
+            d = transfer(src, b1, b2)
+            # what a registry (push) or a host (fetch) holding v1 gets for v2, metadata included
+            row[name]["push_bytes"] = d["push_bytes"] + d["meta_bytes"]
+            row[name]["fetch_bytes"] = d["fetch_bytes"] + d["meta_bytes"]
+            row[name]["diff_delta"] = d
             check = subprocess.run(
                 ["btrfs", "check", "--readonly", b2 / "meta.img"], capture_output=True, text=True
             )

@@ -391,7 +391,7 @@ def test_meta_patch_changes_keep_every_other_path(tmp_path: Path) -> None:
     xattr and rename on every 100th single-name file (renamed ones sorting where they
     did), append after the last directory's last name, resize and addremove (new bytes of
     another size, under the same name or a new one beside it); other paths as in v1."""
-    from bench.meta_patch import EVERY, make_v2, regular_files
+    from bench.meta_patch import EVERY, KINDS, changed_bytes, make_v2, regular_files
 
     v1 = tmp_path / "v1"
     v1.mkdir()
@@ -399,10 +399,11 @@ def test_meta_patch_changes_keep_every_other_path(tmp_path: Path) -> None:
     before = {p: p.read_bytes() for p in regular_files(v1)}
     n = len(before)
     assert n >= 2 * EVERY
-    for kind in ("xattr", "rename", "append", "resize", "addremove"):
+    for kind in KINDS:
         v2 = tmp_path / f"v2-{kind}"
         changed = make_v2(v1, v2, kind)
-        assert changed == (len(range(0, n, EVERY)) if kind != "append" else n // EVERY)
+        every = len(range(0, n, EVERY))
+        assert changed == {"append": n // EVERY, "bound": every + 2}.get(kind, every)
         assert {p: p.read_bytes() for p in before} == before
         assert all(not os.listxattr(p) for p in before)
         names = sorted(str(p.relative_to(v2)) for p in v2.rglob("*"))
@@ -418,13 +419,17 @@ def test_meta_patch_changes_keep_every_other_path(tmp_path: Path) -> None:
                 sib_new = sorted(os.listdir(parent))
                 sib_old = sorted(os.listdir(v1 / parent.relative_to(v2)))
                 assert sib_new.index(Path(s).name) == sib_old.index(Path(s).name[: -len("-v2")])
-        elif kind in ("resize", "addremove"):
+        elif kind in ("resize", "addremove", "bound"):
             gone, came = set(old) - set(names), set(names) - set(old)
-            assert len(gone) == len(came) == (0 if kind == "resize" else changed)
-            assert {g + "-new" for g in gone} == came
-            if kind == "resize":
-                differ = [p for p in before if (v2 / p.relative_to(v1)).read_bytes() != before[p]]
-                assert len(differ) == changed
+            assert len(gone) == len(came) == {"resize": 0, "bound": 1}.get(kind, changed)
+            suffix = "-added" if kind == "bound" else "-new"
+            assert {g + suffix for g in gone} == came
+            kept = [p for p in before if (v2 / p.relative_to(v1)).exists()]
+            differ = [p for p in kept if (v2 / p.relative_to(v1)).read_bytes() != before[p]]
+            assert len(differ) == {"addremove": 0, "bound": every}.get(kind, changed)
+            new_bytes = sum((v2 / p.relative_to(v1)).stat().st_size for p in differ)
+            new_bytes += sum((v2 / c).stat().st_size for c in came)
+            assert changed_bytes(v1, v2) == new_bytes
         else:
             added = sorted(set(names) - set(old))
             assert len(added) == changed and set(old) <= set(names)
