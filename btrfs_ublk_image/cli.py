@@ -4,6 +4,7 @@ push-trace | convert``."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -11,10 +12,9 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from btrfs_ublk_image import __version__
-from btrfs_ublk_image.bundle import build_spec, read_manifest
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.progress import Progress, human_bytes
 
@@ -30,6 +30,10 @@ SWITCH_INTERVAL = 250e-6
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    from btrfs_ublk_image import readahead
+
+    readahead.start(args.spec)  # the disk reads the inputs while the imports below run
+    from btrfs_ublk_image.bundle import build_spec
     from btrfs_ublk_image.spec import OciLayer, load_spec
 
     sys.setswitchinterval(SWITCH_INTERVAL)
@@ -92,6 +96,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from btrfs_ublk_image.bundle import read_manifest
+
     manifest, image_id = read_manifest(args.bundle)
     if args.json:
         json.dump({"image_id": image_id, **manifest}, sys.stdout, indent=2, sort_keys=True)
@@ -485,6 +491,25 @@ class Terminated(BaseException):
 
 def _terminate(signum: int, frame: object) -> None:
     raise Terminated
+
+
+def run() -> NoReturn:
+    """The program (``btrfs-ublk-image``, ``python -m btrfs_ublk_image``): ``main``, then
+    the process ends without the interpreter's teardown, which frees every module and
+    object one by one (40-60 ms of CPU after a Debian build here) while nothing is left
+    to do: output flushed, atexit handlers run, no other non-daemon thread alive (else
+    the ordinary exit)."""
+    rc = main()
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if any(t.is_alive() and not t.daemon for t in others):
+        sys.exit(rc)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:
+        sys.exit(rc)  # the ordinary exit reports it (a closed pipe: status 120)
+    atexit._run_exitfuncs()
+    os._exit(rc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -906,8 +906,9 @@ def _assign(
 def write_image(
     tree: Tree, meta_path: str, opts: WriterOptions, encoded: EncodedExtents | None = None
 ) -> ImageLayout:
-    """Write ``meta.img`` (device 1) for ``tree``; return device 2's layout. ``encoded``:
-    the blobs' btrfs extents when the packs store them so (btrfs-zstd)."""
+    """Write ``meta.img`` (device 1) for ``tree`` (not fsynced: the caller's job); return
+    device 2's layout. ``encoded``: the blobs' btrfs extents when the packs store them so
+    (btrfs-zstd)."""
     # the fs tree's leaf payloads wait on disk (unnamed, next to meta.img), not in memory
     with tempfile.TemporaryFile(
         "w+b", buffering=SPILL_BUFFER, dir=os.path.dirname(meta_path) or "."
@@ -1054,8 +1055,7 @@ def _write_image(
             if mirror + d.SUPER_INFO_SIZE <= dev_sizes[0]:
                 f.seek(mirror)
                 f.write(pack_super(fields, dev_items[0][1], bytenr=mirror))
-        f.flush()
-        os.fsync(f.fileno())
+        # not fsynced here: the bundle syncs it together with its other files (files.Syncer)
     super2 = pack_super(fields, dev_items[1][1])
 
     stats = dict(fs.stats)
