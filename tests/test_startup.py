@@ -3,12 +3,17 @@ page cache (the benchmarks drop it before each build)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from btrfs_ublk_image import readahead
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,3 +82,101 @@ def test_commands_that_read_no_spec_never_import_pydantic(tmp_path: Path) -> Non
         [sys.executable, "-c", code, spec], capture_output=True, text=True, check=True
     )
     assert {"pydantic", "btrfs_ublk_image.spec"} <= set(json.loads(out.stdout))
+
+
+def _resident_bytes(path: Path) -> int:
+    """Bytes of ``path`` in the page cache, as util-linux's fincore counts them."""
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return int(out.stdout.split()[0])
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _blob(layout: Path, data: bytes) -> dict[str, object]:
+    digest = hashlib.sha256(data).hexdigest()
+    (layout / "blobs" / "sha256" / digest).write_bytes(data)
+    return {"digest": f"sha256:{digest}", "size": len(data)}
+
+
+@pytest.mark.unit
+def test_readahead_reads_the_inputs_the_spec_names(tmp_path: Path) -> None:
+    if shutil.which("fincore") is None:
+        pytest.skip("fincore (util-linux-extra) is not installed")
+    size = 4 << 20
+    tar = tmp_path / "rootfs.tar"
+    tar.write_bytes(os.urandom(size))
+    layout = tmp_path / "oci"
+    (layout / "blobs" / "sha256").mkdir(parents=True)
+    wanted = _blob(layout, os.urandom(size))
+    other = _blob(layout, os.urandom(size))  # another image's layer: not read
+    manifests = []
+    for ref, layer in (("bookworm", wanted), ("other", other)):
+        m = _blob(layout, json.dumps({"schemaVersion": 2, "layers": [layer]}).encode())
+        manifests.append({**m, "annotations": {"org.opencontainers.image.ref.name": ref}})
+    (layout / "index.json").write_text(json.dumps({"manifests": manifests}))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        "version: 1\nname: t\nlayers:\n  - tar: {path: rootfs.tar}\n"
+        "  - oci: {path: oci, ref: bookworm}\n  - tar: {path: missing.tar}\n"
+    )
+    blobs = layout / "blobs" / "sha256"
+    paths = [tar, blobs / str(wanted["digest"])[7:], blobs / str(other["digest"])[7:]]
+    for p in paths:
+        _evict(p)
+    if any(_resident_bytes(p) for p in paths):
+        pytest.skip("this filesystem keeps evicted pages (tmpfs?): nothing to measure")
+    thread = readahead.start(str(spec))
+    assert thread is not None
+    thread.join(30)
+    assert [_resident_bytes(p) for p in paths] == [size, size, 0]
+
+
+@pytest.mark.unit
+def test_readahead_skips_what_it_cannot_read(tmp_path: Path) -> None:
+    # advisory: a spec the build will reject, or inputs that are missing, start nothing
+    for text in ("layers: [", "- a list", "version: 1\nlayers:\n  - tar: {path: 3}\n"):
+        spec = tmp_path / "spec.yaml"
+        spec.write_text(text)
+        assert readahead.start(str(spec)) is None
+    assert readahead.start(str(tmp_path / "missing.yaml")) is None
+    (tmp_path / "oci").mkdir()
+    (tmp_path / "oci" / "index.json").write_text("{not json")
+    spec.write_text("layers:\n  - oci: {path: oci}\n  - tar: {path: gone.tar}\n")
+    thread = readahead.start(str(spec))  # the tarball's path is still named: read, not found
+    assert thread is not None
+    thread.join(30)
+
+
+@pytest.mark.unit
+def test_build_program_prints_and_exits_with_the_command_status(tmp_path: Path) -> None:
+    # cli.run ends the process without the interpreter's teardown: the output must still
+    # be all there and the status the command's
+    cmd = [
+        sys.executable,
+        "-m",
+        "btrfs_ublk_image",
+        "build",
+        str(ROOT / "examples/hello/spec.yaml"),
+    ]
+    out = tmp_path / "hello.bundle"
+    ok = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith(f"{out}: sha256:") and ok.stdout.endswith("\n")
+    again = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, check=False)
+    assert again.returncode == 1
+    assert (
+        again.stderr
+        == f"btrfs-ublk-image: error: {out}: already exists (a bundle is never overwritten; remove it first)\n"
+    )
