@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -62,13 +63,19 @@ def _read(files: list[str]) -> None:
 
 
 def _read_file(path: str, null: int, limit: int) -> int:
-    """The first ``limit`` bytes of ``path`` into the page cache; -> the bytes read."""
+    """The first ``limit`` bytes of ``path`` into the page cache; -> the bytes read.
+    Regular files only, never opened otherwise: reading a FIFO would take the bytes from
+    the build, and even opening one lets its writer start before the build reads."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return 0
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return 0
     done = 0
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return 0
         while done < limit:
             n = os.sendfile(null, fd, done, min(STEP, limit - done))
             if n <= 0:
