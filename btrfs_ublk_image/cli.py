@@ -500,6 +500,10 @@ def run() -> NoReturn:
     to do: output flushed, atexit handlers run, no other non-daemon thread alive (else
     the ordinary exit)."""
     rc = main()
+    if rc == 0:
+        from btrfs_ublk_image import readahead
+
+        readahead.remember_modules()  # after a build: for the next one's start
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
     if any(t.is_alive() and not t.daemon for t in others):
         sys.exit(rc)

@@ -1,19 +1,27 @@
-"""Read a spec's local inputs into the page cache while the interpreter starts.
+"""Read what a build will read into the page cache while the interpreter starts.
 
-``build`` calls ``start`` first thing: it reads the spec's YAML on its own (no
-validation: pydantic is not imported yet) and names the tarballs and OCI archives its
-layers read and the layer blobs of OCI layout directories (those of the image ``ref``
-names, else all in ``index.json``), in layer order; a daemon thread then reads them
-into the page cache with ``sendfile`` to ``/dev/null`` (no copy; the thread holds no GIL
-while it waits for the disk). So the disk reads the inputs while Python imports and
-validates the spec instead of after it. ``posix_fadvise(WILLNEED)`` would not do: Linux
-reads only the first readahead window (``force_page_cache_ra`` caps it at the
-device's readahead size).
+``build`` calls ``start`` first thing, with two lists for one daemon thread:
+
+* the files of the Python modules the last build loaded after this point (pydantic,
+  pydantic-core's library, the stdlib modules they pull in, the btrfs writer...), as
+  ``remember_modules`` wrote them to ``CACHE_FILE`` after that build: the imports then
+  find them in the page cache. On a cold page cache the build's imports took 0.68 s
+  instead of 0.36 s warm (9 runs each), most of it waiting for these ~250 small files;
+* the spec's inputs: it reads the spec's YAML on its own (no validation: pydantic is
+  not imported yet) for the tarballs and OCI archives its layers name and the layer
+  blobs of OCI layout directories (those of the image ``ref`` names, else all in
+  ``index.json``), in layer order. So the disk reads the inputs while Python imports
+  and validates the spec instead of after it.
+
+The thread reads with ``sendfile`` to ``/dev/null`` (no copy; it holds no GIL while it
+waits for the disk). ``posix_fadvise(WILLNEED)`` would not do: Linux reads only the
+first readahead window of it (``force_page_cache_ra`` caps it at the device's
+readahead size).
 
 Advisory only: anything it cannot read or parse is skipped silently (the build itself
-reports it, with its usual errors); at most ``LIMIT`` bytes are read, so a huge input is
-not pushed through the page cache ahead of its reading (the kernel's own readahead
-takes over behind it).
+reports it, with its usual errors); regular files only; at most ``LIMIT`` bytes of
+inputs are read, so a huge input is not pushed through the page cache ahead of its
+reading (the kernel's own readahead takes over behind it).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -33,33 +42,106 @@ _JSON_MAX = 4 << 20  # an index or manifest larger than this is skipped
 _NESTING = 4  # index -> index -> manifest at most this deep
 
 
-def start(spec_path: str) -> threading.Thread | None:
-    """Start reading ``spec_path``'s inputs into the page cache on a daemon thread (never
-    joined: it ends with the inputs, or with the process); None when there is nothing."""
+# the module files of the last build, one "NAME PATH" line each, in import order
+CACHE_FILE = "btrfs-ublk-image/build-modules"
+MODULES_LIMIT = 64 << 20  # bytes of module files read at most
+# the module list as ``start`` read it: ``remember_modules`` writes only a changed one
+_remembered: list[str] | None = None
+_started = False  # ``start`` ran: this process is a build
+
+
+def start(spec_path: str) -> list[threading.Thread]:
+    """Start reading the last build's module files, then ``spec_path``'s inputs, into the
+    page cache, each list on a daemon thread of its own (never joined: each ends with its
+    files, or with the process). The module thread starts before the spec's YAML is
+    parsed (the YAML library itself is on its list)."""
+    global _started
+    _started = True
+    threads = []
+    modules = _module_files()
+    if modules:
+        threads.append(_thread(modules, MODULES_LIMIT))
+    inputs = _inputs_or_none(spec_path)
+    if inputs:
+        threads.append(_thread(inputs, LIMIT))
+    return threads
+
+
+def _inputs_or_none(spec_path: str) -> list[str] | None:
     try:
-        files = list(_inputs(spec_path))
+        return list(_inputs(spec_path)) or None
     except Exception:  # noqa: BLE001 - advisory: the build reports the spec's problems
         return None
-    if not files:
-        return None
-    t = threading.Thread(target=_read, args=(files,), name="readahead", daemon=True)
+
+
+def _thread(files: list[str], limit: int) -> threading.Thread:
+    t = threading.Thread(target=_read, args=(files, limit), name="readahead", daemon=True)
     t.start()
     return t
 
 
-def _read(files: list[str]) -> None:
-    left = LIMIT
+def _read(files: list[str], limit: int) -> None:
     try:
         null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
     except OSError:
         return
+    left = limit
     try:
         for path in files:
             if left <= 0:
-                return
+                break
             left -= _read_file(path, null, left)
     finally:
         os.close(null)
+
+
+def _cache_path() -> str | None:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, CACHE_FILE) if os.path.isabs(base) else None
+
+
+def _module_files() -> list[str]:
+    """The files of the modules the last build loaded that this process has not."""
+    global _remembered
+    path = _cache_path()
+    try:
+        if path is None:
+            return []
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read(1 << 20).splitlines()
+    except OSError:
+        return []
+    _remembered = lines
+    loaded = sys.modules
+    return [p for n, _, p in (line.partition(" ") for line in lines) if p and n not in loaded]
+
+
+def remember_modules() -> None:
+    """After a build (``start`` ran in this process): write the files of the modules
+    it loaded (compiled ``.pyc`` where there is one, else the source or the extension
+    library) for the next build's ``start``; only when they changed. Errors are ignored
+    (a cache). ``cli.run`` calls it: a build run in-process (tests) leaves it alone."""
+    path = _cache_path()
+    if path is None or not _started:
+        return
+    lines = []
+    for name, mod in list(sys.modules.items()):
+        spec = getattr(mod, "__spec__", None)
+        for f in (getattr(spec, "cached", None), getattr(spec, "origin", None)):
+            if isinstance(f, str) and os.path.isabs(f) and " " not in name and os.path.isfile(f):
+                lines.append(f"{name} {f}")
+                break
+    if lines == _remembered:
+        return
+    from btrfs_ublk_image.files import write_atomic  # after the build: not on the early path
+
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_atomic(
+            path, "".join(line + "\n" for line in lines).encode("utf-8", "surrogateescape")
+        )
+    except OSError:
+        pass
 
 
 def _read_file(path: str, null: int, limit: int) -> int:

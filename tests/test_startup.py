@@ -137,9 +137,8 @@ def test_readahead_reads_the_inputs_the_spec_names(tmp_path: Path) -> None:
         _evict(p)
     if any(_resident_bytes(p) for p in paths):
         pytest.skip("this filesystem keeps evicted pages (tmpfs?): nothing to measure")
-    thread = readahead.start(str(spec))
-    assert thread is not None
-    thread.join(30)
+    for t in readahead.start(str(spec)):
+        t.join(30)
     assert [_resident_bytes(p) for p in paths] == [size, size, 0]
 
 
@@ -149,14 +148,15 @@ def test_readahead_skips_what_it_cannot_read(tmp_path: Path) -> None:
     for text in ("layers: [", "- a list", "version: 1\nlayers:\n  - tar: {path: 3}\n"):
         spec = tmp_path / "spec.yaml"
         spec.write_text(text)
-        assert readahead.start(str(spec)) is None
-    assert readahead.start(str(tmp_path / "missing.yaml")) is None
+        assert readahead._inputs_or_none(str(spec)) is None
+    assert readahead._inputs_or_none(str(tmp_path / "missing.yaml")) is None
     (tmp_path / "oci").mkdir()
     (tmp_path / "oci" / "index.json").write_text("{not json")
     spec.write_text("layers:\n  - oci: {path: oci}\n  - tar: {path: gone.tar}\n")
-    thread = readahead.start(str(spec))  # the tarball's path is still named: read, not found
-    assert thread is not None
-    thread.join(30)
+    # the broken layout is skipped; the tarball's path is still named (read: not found)
+    assert readahead._inputs_or_none(str(spec)) == [str(tmp_path / "gone.tar")]
+    for t in readahead.start(str(spec)):
+        t.join(30)
 
 
 @pytest.mark.unit
@@ -180,3 +180,42 @@ def test_build_program_prints_and_exits_with_the_command_status(tmp_path: Path) 
         again.stderr
         == f"btrfs-ublk-image: error: {out}: already exists (a bundle is never overwritten; remove it first)\n"
     )
+
+
+@pytest.mark.unit
+def test_readahead_remembers_the_module_files_of_a_build(tmp_path: Path) -> None:
+    # after a build, the files of the modules it loaded are listed for the next build's
+    # start, which reads those it has not loaded yet (pydantic's among them)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "btrfs_ublk_image",
+        "build",
+        str(ROOT / "examples/hello/spec.yaml"),
+    ]
+    subprocess.run([*cmd, "-o", str(tmp_path / "a")], env=env, check=True, capture_output=True)
+    listed = tmp_path / "cache" / readahead.CACHE_FILE
+    lines = listed.read_text().splitlines()
+    names = [line.split(" ", 1)[0] for line in lines]
+    for name in ("pydantic_core._pydantic_core", "btrfs_ublk_image.spec", "yaml"):
+        assert name in names
+    assert all(os.path.isfile(line.split(" ", 1)[1]) for line in lines)
+    # the same build again: the list is the same and is not written again
+    before = listed.stat().st_mtime_ns
+    subprocess.run([*cmd, "-o", str(tmp_path / "b")], env=env, check=True, capture_output=True)
+    assert listed.stat().st_mtime_ns == before and listed.read_text().splitlines() == lines
+    code = (
+        "import json, sys\n"
+        "from btrfs_ublk_image import readahead\n"
+        "print(json.dumps(readahead._module_files()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
+    )
+    wanted = json.loads(out.stdout)
+    spec_file = next(
+        line.split(" ", 1)[1] for line in lines if line.startswith("btrfs_ublk_image.spec ")
+    )
+    assert spec_file in wanted  # not loaded yet by that process: read ahead
+    assert not any("/readahead." in f for f in wanted)  # loaded already: left alone
