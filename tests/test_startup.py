@@ -25,6 +25,14 @@ NOT_AT_START = ("zstandard", "crc32c", "btrfs_ublk_image.trace")
 # what reading a spec costs (pydantic and the models: ~80 ms of CPU, docs/sources.md):
 # commands that read no spec never load it
 SPEC_ONLY = ("pydantic", "pydantic_core", "btrfs_ublk_image.spec", "importlib.metadata")
+# the program building examples/hello (add "-o", OUT)
+BUILD_HELLO = [
+    sys.executable,
+    "-m",
+    "btrfs_ublk_image",
+    "build",
+    str(ROOT / "examples/hello/spec.yaml"),
+]
 
 
 @pytest.mark.unit
@@ -163,13 +171,7 @@ def test_readahead_skips_what_it_cannot_read(tmp_path: Path) -> None:
 def test_build_program_prints_and_exits_with_the_command_status(tmp_path: Path) -> None:
     # cli.run ends the process without the interpreter's teardown: the output must still
     # be all there and the status the command's
-    cmd = [
-        sys.executable,
-        "-m",
-        "btrfs_ublk_image",
-        "build",
-        str(ROOT / "examples/hello/spec.yaml"),
-    ]
+    cmd = BUILD_HELLO
     out = tmp_path / "hello.bundle"
     ok = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, check=False)
     assert ok.returncode == 0, ok.stderr
@@ -187,13 +189,7 @@ def test_readahead_remembers_the_module_files_of_a_build(tmp_path: Path) -> None
     # after a build, the files of the modules it loaded are listed for the next build's
     # start, which reads those it has not loaded yet (pydantic's among them)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "btrfs_ublk_image",
-        "build",
-        str(ROOT / "examples/hello/spec.yaml"),
-    ]
+    cmd = BUILD_HELLO
     subprocess.run([*cmd, "-o", str(tmp_path / "a")], env=env, check=True, capture_output=True)
     listed = tmp_path / "cache" / readahead.CACHE_FILE
     lines = listed.read_text().splitlines()
