@@ -196,6 +196,8 @@ def test_readahead_remembers_the_module_files_of_a_build(tmp_path: Path) -> None
     names = [line.split(" ", 1)[0] for line in lines]
     for name in ("pydantic_core._pydantic_core", "btrfs_ublk_image.spec", "yaml"):
         assert name in names
+    # the program builds its models without pydantic's plugin lookup (cli.run)
+    assert "importlib.metadata" not in names and "pydantic.plugin._loader" not in names
     assert all(os.path.isfile(line.split(" ", 1)[1]) for line in lines)
     # the same build again: the list is the same and is not written again
     before = listed.stat().st_mtime_ns
@@ -215,3 +217,24 @@ def test_readahead_remembers_the_module_files_of_a_build(tmp_path: Path) -> None
     )
     assert spec_file in wanted  # not loaded yet by that process: read ahead
     assert not any("/readahead." in f for f in wanted)  # loaded already: left alone
+
+
+@pytest.mark.unit
+def test_the_pydantic_plugin_loader_the_program_replaces_is_what_pydantic_calls() -> None:
+    # cli._without_pydantic_plugins stands in for pydantic.plugin._loader (pydantic is
+    # pinned): pydantic must still call its get_plugins() and take () as "none"
+    code = (
+        "import sys\n"
+        "from btrfs_ublk_image import cli\n"
+        "cli._without_pydantic_plugins()\n"
+        "from btrfs_ublk_image.spec import load_spec\n"
+        "load_spec(sys.argv[1])\n"
+        "assert 'importlib.metadata' not in sys.modules\n"
+        "import pydantic.plugin._schema_validator as v, inspect\n"
+        "assert 'get_plugins()' in inspect.getsource(v.create_schema_validator)\n"
+    )
+    spec = str(ROOT / "examples/hello/spec.yaml")
+    subprocess.run([sys.executable, "-c", code, spec], check=True)
+    from pydantic.plugin import _loader
+
+    assert list(_loader.get_plugins()) == []  # the real one finds none here either
