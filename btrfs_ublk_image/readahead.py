@@ -31,6 +31,7 @@ import os
 import stat
 import sys
 import threading
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,8 +43,11 @@ _JSON_MAX = 4 << 20  # an index or manifest larger than this is skipped
 _NESTING = 4  # index -> index -> manifest at most this deep
 
 
-# the module files of the last build, one "NAME PATH" line each, in import order
-CACHE_FILE = "btrfs-ublk-image/build-modules"
+# the module files of the last build, one "NAME PATH" line each, in import order; one
+# list per interpreter and checkout (several installs of one user share the cache)
+# (crc32: hashlib would load OpenSSL's library before the module thread starts)
+_KEY = zlib.crc32(f"{sys.executable}\0{__file__}".encode("utf-8", "surrogateescape"))
+CACHE_FILE = f"btrfs-ublk-image/build-modules-{_KEY:08x}"
 MODULES_LIMIT = 64 << 20  # bytes of module files read at most
 # the module list as ``start`` read it: ``remember_modules`` writes only a changed one
 _remembered: list[str] | None = None
