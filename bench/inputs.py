@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from btrfs_ublk_image.bundle import file_sha256
+from btrfs_ublk_image.hashing import file_sha256
 
 GENERATOR_VERSION = 1
 OCI_REF = "latest"  # the ref name of the synthetic input's OCI layout

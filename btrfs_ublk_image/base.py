@@ -22,9 +22,11 @@ import stat
 from dataclasses import dataclass
 
 from btrfs_ublk_image import blockmap as bmap
+from btrfs_ublk_image import patch
 from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.manifest import BLOCKMAP, MANIFEST, read_bundle_file, read_manifest
 from btrfs_ublk_image.reader import BundleReader, Inode
 from btrfs_ublk_image.tree import Blob
 
@@ -171,7 +173,6 @@ class Transfer:
 def mapped_chunks(bundle: str) -> dict[bytes, int]:
     """The pack chunks the blockmap of ``bundle`` maps a byte of: digest -> stored length
     (what a host that read every file of the image holds)."""
-    from btrfs_ublk_image.bundle import BLOCKMAP, read_bundle_file
 
     path = os.path.join(bundle, BLOCKMAP)
     bm = bmap.decode(read_bundle_file(path), path)
@@ -187,8 +188,6 @@ def mapped_chunks(bundle: str) -> dict[bytes, int]:
 def transfer(old: str, new: str) -> Transfer:
     """The bytes a host holding every chunk of ``old`` fetches to read all of ``new``, and
     the bytes a push of ``new`` uploads to a registry holding ``old``."""
-    from btrfs_ublk_image import patch
-    from btrfs_ublk_image.bundle import MANIFEST, read_manifest
 
     have = mapped_chunks(old)
     want = mapped_chunks(new)

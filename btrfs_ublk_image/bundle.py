@@ -10,7 +10,6 @@ fsynced. Any error removes the sibling, so nothing is left at the destination.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import tempfile
@@ -25,6 +24,20 @@ from btrfs_ublk_image.btrfs import ondisk
 from btrfs_ublk_image.btrfs.writer import ImageLayout, WriterOptions, inline_max, write_image
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.files import Syncer, link_or_copy, sync_dir
+from btrfs_ublk_image.hashing import file_sha256
+from btrfs_ublk_image.manifest import (
+    BLOCKMAP,
+    FORMAT,
+    FORMAT_VERSION,
+    FORMAT_VERSION_PATCHES,
+    MANIFEST,
+    META_IMG,
+    PACKS,
+    encode_manifest,
+    image_id,
+    read_bundle_file,
+    read_manifest,
+)
 from btrfs_ublk_image.packs import DEFAULT_CHUNK_SIZE, PackInfo, PackWriter
 from btrfs_ublk_image.progress import Progress
 from btrfs_ublk_image.tree import Tree
@@ -33,15 +46,6 @@ if TYPE_CHECKING:
     from btrfs_ublk_image.base import BaseImage
     from btrfs_ublk_image.spec import Spec
 
-FORMAT = "btrfs-ublk-image.bundle"
-FORMAT_VERSION = 1
-# a bundle built with a base: version 1 plus `patches` (meta.img and blockmap as patches
-# against the lineage's first meta.img and blockmap, patch.py); all others stay version 1
-FORMAT_VERSION_PATCHES = 2
-MANIFEST = "manifest.json"
-META_IMG = "meta.img"
-BLOCKMAP = "blockmap"
-PACKS = "packs"
 # bases that build pulls into a temporary directory first (the rest are bundle directories)
 REMOTE_BASES = ("oci://", "http://", "https://")
 # in a build's temporary directory while it is written: "PID BOOT_ID" of the build
@@ -58,22 +62,6 @@ class BuildResult:
     image_id: str
     manifest: dict[str, Any]
     layout: ImageLayout
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
-
-
-def encode_manifest(manifest: dict[str, Any]) -> bytes:
-    return (json.dumps(manifest, sort_keys=True, indent=2) + "\n").encode()
-
-
-def image_id(manifest_bytes: bytes) -> str:
-    return "sha256:" + hashlib.sha256(manifest_bytes).hexdigest()
 
 
 def _boot_id() -> str:
@@ -484,34 +472,3 @@ def _write_patches(tmp: str, base_bundle: str, syncer: Syncer) -> dict[str, dict
         }
     syncer.start(os.path.join(tmp, patch.BASE_DIR))  # its entries (the links)
     return out
-
-
-def read_bundle_file(path: str) -> bytes:
-    """A whole (small) bundle file; a clear error naming it when it cannot be read."""
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as e:
-        raise ImageError(f"{path}: cannot read: {e.strerror}") from None
-
-
-def read_manifest(bundle: str) -> tuple[dict[str, Any], str]:
-    """The manifest of ``bundle`` and its image id."""
-    path = os.path.join(bundle, MANIFEST)
-    return parse_manifest(read_bundle_file(path), path)
-
-
-def parse_manifest(data: bytes, path: str) -> tuple[dict[str, Any], str]:
-    """The manifest in ``data`` (the bytes of ``path``) and its image id."""
-    try:
-        manifest = json.loads(data)
-    except ValueError as e:
-        raise ImageError(f"{path}: not valid JSON: {e}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ImageError(f"{path}: not a btrfs-ublk-image bundle manifest")
-    if manifest.get("format_version") not in (FORMAT_VERSION, FORMAT_VERSION_PATCHES):
-        raise ImageError(f"{path}: unsupported format_version {manifest.get('format_version')}")
-    from btrfs_ublk_image import patch
-
-    patch.entries(manifest, path)  # their shape: readers may rely on it
-    return manifest, image_id(data)

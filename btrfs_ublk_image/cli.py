@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from btrfs_ublk_image import __version__
 from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.manifest import read_manifest
 from btrfs_ublk_image.progress import Progress, human_bytes
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from btrfs_ublk_image import readahead
 
     readahead.start(args.spec)  # the disk reads the inputs while the imports below run
+    # here, not at the top: the writer, packs and sources load after the readahead starts
     from btrfs_ublk_image.bundle import build_spec
     from btrfs_ublk_image.spec import OciLayer, load_spec
 
@@ -97,8 +99,6 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from btrfs_ublk_image.bundle import read_manifest
-
     manifest, image_id = read_manifest(args.bundle)
     if args.json:
         json.dump({"image_id": image_id, **manifest}, sys.stdout, indent=2, sort_keys=True)
@@ -167,7 +167,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def _delta_summary(old: str, new: str, lines: list[str]) -> str:
     """``diff --delta``: files changed, added, removed, and what moving OLD -> NEW moves."""
     from btrfs_ublk_image.base import transfer
-    from btrfs_ublk_image.bundle import MANIFEST
+    from btrfs_ublk_image.manifest import MANIFEST
 
     for b in (old, new):
         if not os.path.isfile(os.path.join(b, MANIFEST)):

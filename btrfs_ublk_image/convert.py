@@ -32,11 +32,15 @@ from pathlib import Path
 
 from btrfs_ublk_image.bundle import build_spec
 from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.ocispec import (
+    MT_OCI_INDEX,
+    MT_OCI_MANIFEST,
+    host_platform_name,
+    platform_name,
+)
 from btrfs_ublk_image.progress import Progress
 from btrfs_ublk_image.push import PushedImage, push_image
 from btrfs_ublk_image.registry import (
-    MT_OCI_INDEX,
-    MT_OCI_MANIFEST,
     Reference,
     Registry,
     credentials_for,
@@ -133,7 +137,6 @@ def convert(
     log: Callable[[str], None] = _stderr,
 ) -> Conversion:
     """Convert ``source`` and push it to ``destination`` (see the module's docstring)."""
-    from btrfs_ublk_image.sources.oci import host_platform_name
 
     src = parse_source(source)
     dst = parse_reference(destination)
@@ -219,7 +222,6 @@ def _platforms(src: Source) -> list[str]:
         cache = pull.BlobCache(pull.cache_dir())
         assert src.digest is not None  # _pin_registry_index pulled it
         doc = json.loads(cache.read(src.digest))
-        from btrfs_ublk_image.sources.oci import platform_name
 
         names = [platform_name(d.get("platform")) for d in doc.get("manifests") or []]
         return sorted({n for n in names if n is not None and not n.startswith("unknown/")})

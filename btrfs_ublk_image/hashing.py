@@ -107,3 +107,11 @@ class BackgroundSha256:
             raise ValueError("no chunk_size: chunk digests were not computed")
         self._finish()
         return self._chunk_digests
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()

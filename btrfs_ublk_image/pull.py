@@ -44,10 +44,26 @@ from typing import Any
 from btrfs_ublk_image import patch
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.files import write_atomic
-from btrfs_ublk_image.progress import Progress
-from btrfs_ublk_image.registry import (
+from btrfs_ublk_image.hashing import file_sha256
+from btrfs_ublk_image.manifest import (
+    BLOCKMAP,
+    MANIFEST,
+    META_IMG,
+    PACKS,
+    parse_manifest,
+    read_bundle_file,
+)
+from btrfs_ublk_image.ocispec import (
+    ANNOTATION_TITLE,
     MT_DOCKER_LIST,
     MT_OCI_INDEX,
+    host_platform_name,
+    platform_name,
+    select_platform,
+)
+from btrfs_ublk_image.progress import Progress
+from btrfs_ublk_image.push import ARTIFACT_BUNDLE, MT_META_ZSTD
+from btrfs_ublk_image.registry import (
     Reference,
     Registry,
     credentials_for,
@@ -166,7 +182,6 @@ def _pull_tree(
     depth: int,
 ) -> list[str]:
     """The blobs below one manifest or index document (already cached)."""
-    from btrfs_ublk_image.sources.oci import platform_name, select_platform
 
     if depth > _MAX_NESTING:
         raise ImageError(f"{name}: image indexes nested too deep")
@@ -295,7 +310,6 @@ def pin_spec(
     lock file (or the spec), else by its tag; -> the spec with each such source pinned to
     its digest, and the lock's new content (ref -> digest). ``update_lock``: the lock file
     is not read; ``locked``: these pins instead of the lock file's."""
-    from btrfs_ublk_image.sources.oci import host_platform_name
 
     if locked is None:
         locked = {} if update_lock else read_lock(lock_path(spec_path))
@@ -339,9 +353,6 @@ def pull_bundle(
     (the config blob), meta.img (inflated from its zstd frame), the blockmap and the packs,
     each blob checked against its digest and meta.img and the blockmap against manifest.json
     (a pack's chunks are checked whenever they are read). Returns the image id."""
-    from btrfs_ublk_image.bundle import MANIFEST, META_IMG, parse_manifest, read_bundle_file
-    from btrfs_ublk_image.push import ARTIFACT_BUNDLE, MT_META_ZSTD
-    from btrfs_ublk_image.registry import ANNOTATION_TITLE
 
     ref = parse_pull_reference(text)
     reg = Registry(
@@ -402,7 +413,6 @@ def pull_http_bundle(url: str, dest: str, *, progress: Progress | None = None) -
     manifest.json, and the packs, whose chunks are checked whenever they are read. The
     client is the registry's (registry.Registry, its requests and checked downloads).
     Returns the image id."""
-    from btrfs_ublk_image.bundle import MANIFEST, PACKS, parse_manifest, read_bundle_file
 
     parts = urllib.parse.urlsplit(url)
     if (
@@ -458,7 +468,6 @@ def _pulling_into(dest: str, reg: Registry) -> Iterator[None]:
 
 def _check_files(dest: str, files: dict[str, Any], text: str) -> None:
     """meta.img and the blockmap in ``dest`` are the files manifest.json names."""
-    from btrfs_ublk_image.bundle import BLOCKMAP, MANIFEST, META_IMG, file_sha256
 
     for name in (META_IMG, BLOCKMAP):
         want = files.get(name, {}).get("sha256")
@@ -470,7 +479,6 @@ def _check_files(dest: str, files: dict[str, Any], text: str) -> None:
 def _unpatch(dest: str, name: str, entry: dict[str, Any], want: dict[str, Any], text: str) -> None:
     """``name`` made from its patch base and patch in ``dest``, each checked against the
     manifest first (the result is checked by the caller)."""
-    from btrfs_ublk_image.bundle import file_sha256, read_bundle_file
 
     for rel, e in ((patch.base_path(name), entry["base"]), (patch.patch_path(name), entry)):
         path = os.path.join(dest, rel)

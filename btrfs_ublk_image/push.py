@@ -33,23 +33,23 @@ from typing import Any
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image import patch
 from btrfs_ublk_image import trace as trace_format
-from btrfs_ublk_image.bundle import (
+from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.hashing import BackgroundSha256, file_sha256
+from btrfs_ublk_image.manifest import (
     BLOCKMAP,
     MANIFEST,
     META_IMG,
     PACKS,
-    file_sha256,
     parse_manifest,
     read_bundle_file,
 )
-from btrfs_ublk_image.errors import ImageError
-from btrfs_ublk_image.hashing import BackgroundSha256
+from btrfs_ublk_image.ocispec import MT_OCI_CONFIG, host_platform_name
+from btrfs_ublk_image.ocispec import MT_OCI_INDEX as MT_OCI_INDEX
+from btrfs_ublk_image.ocispec import MT_OCI_MANIFEST as MT_OCI_MANIFEST
 from btrfs_ublk_image.progress import Progress, human_bytes
 
 # the registry client lives in registry.py (shared with pulls); these names stay importable
 from btrfs_ublk_image.registry import AUTH_ENV as AUTH_ENV
-from btrfs_ublk_image.registry import MT_OCI_INDEX as MT_OCI_INDEX
-from btrfs_ublk_image.registry import MT_OCI_MANIFEST as MT_OCI_MANIFEST
 from btrfs_ublk_image.registry import Blob as Blob
 from btrfs_ublk_image.registry import Reference as Reference
 from btrfs_ublk_image.registry import Registry as Registry
@@ -399,7 +399,6 @@ def push_image(
     """Push ``bundle`` as its artifact (tag ``TAG-bundle``) and a runnable image that
     names it (tag ``TAG``) for containerd's snapshotter (runnable.py, docs/containerd.md)."""
     from btrfs_ublk_image import runnable
-    from btrfs_ublk_image.sources.oci import host_platform_name
 
     ref = parse_reference(reference)
     bundle_ref = Reference(ref.registry, ref.repo, runnable.bundle_tag(ref.tag))
@@ -417,7 +416,7 @@ def push_image(
         runnable.image_config(
             manifest.get("image_config"), pushed.image_id, diff_id, host_platform_name()
         ),
-        runnable.MT_IMAGE_CONFIG,
+        MT_OCI_CONFIG,
     )
     layer = bytes_blob(layer_gz, runnable.MT_LAYER_GZIP)
     location = f"oci://{ref.registry}/{ref.repo}@{pushed.manifest_digest}"

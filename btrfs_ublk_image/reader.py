@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image.btrfs import ondisk as d
-from btrfs_ublk_image.bundle import BLOCKMAP, META_IMG, read_bundle_file, read_manifest
 from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.manifest import BLOCKMAP, META_IMG, read_bundle_file, read_manifest
 
 # --- on-disk layouts (little-endian) ----------------------------------------------------
 # struct btrfs_super_block from offset 0x20 (after csum[32]) up to dev_item

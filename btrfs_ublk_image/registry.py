@@ -35,15 +35,17 @@ from typing import Any
 
 from btrfs_ublk_image import __version__
 from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.ocispec import (
+    ANNOTATION_TITLE,
+    MT_DOCKER_LIST,
+    MT_DOCKER_MANIFEST,
+    MT_OCI_INDEX,
+    MT_OCI_MANIFEST,
+)
 from btrfs_ublk_image.progress import Progress
 
-MT_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-MT_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-MT_DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
-MT_DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
 # what a pull accepts for a manifest, by tag or digest
 ACCEPT_MANIFESTS = ", ".join((MT_OCI_INDEX, MT_OCI_MANIFEST, MT_DOCKER_LIST, MT_DOCKER_MANIFEST))
-ANNOTATION_TITLE = "org.opencontainers.image.title"
 AUTH_ENV = "BUI_REGISTRY_AUTH"
 MAX_MANIFEST = 4 << 20  # manifests are read whole: bounded
 

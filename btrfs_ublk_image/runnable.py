@@ -25,7 +25,6 @@ from typing import Any
 
 from btrfs_ublk_image.errors import ImageError
 
-MT_IMAGE_CONFIG = "application/vnd.oci.image.config.v1+json"
 MT_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 # containerd hands descriptor annotations with this prefix to the snapshotter as labels
 SNAPSHOT_LABEL_PREFIX = "containerd.io/snapshot/btrfs-ublk-image."

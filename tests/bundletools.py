@@ -24,9 +24,9 @@ from pathlib import Path
 from types import ModuleType
 
 from btrfs_ublk_image import blockmap as bmap
-from btrfs_ublk_image.bundle import BLOCKMAP, META_IMG, read_manifest
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.listing import TYPES
+from btrfs_ublk_image.manifest import BLOCKMAP, META_IMG, read_manifest
 from btrfs_ublk_image.tree import Tree
 
 # system.posix_acl_access: version 2; user::rwx user:1000:r-x group::r-x mask::r-x other::r--

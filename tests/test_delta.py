@@ -24,10 +24,10 @@ import pytest
 from servers import Registry, docker_registry, nginx_serving
 
 from btrfs_ublk_image import blockmap as bmap
-from btrfs_ublk_image.bundle import BLOCKMAP, read_manifest
 from btrfs_ublk_image.cli import main as cli
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.listing import from_bundle, from_directory
+from btrfs_ublk_image.manifest import BLOCKMAP, read_manifest
 
 pytestmark = pytest.mark.unit
 

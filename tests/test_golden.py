@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from btrfs_ublk_image import listing
-from btrfs_ublk_image.bundle import read_manifest
 from btrfs_ublk_image.cli import main as cli
+from btrfs_ublk_image.manifest import read_manifest
 
 from bundletools import (
     DEBIAN_CACHE,

@@ -14,9 +14,9 @@ from ocitools import Layout, archive, docker_archive, entry, sha, tar_bytes
 
 from btrfs_ublk_image.cli import main as cli
 from btrfs_ublk_image.errors import SourceError
+from btrfs_ublk_image.ocispec import host_platform_name
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.sources import SourceRecord, build_sources
-from btrfs_ublk_image.sources.oci import host_platform_name
 from btrfs_ublk_image.spec import load_spec
 from btrfs_ublk_image.tree import FileType, Tree
 

@@ -24,8 +24,8 @@ import zstandard
 from servers import Registry, TokenService, docker_registry, htpasswd_auth
 
 from btrfs_ublk_image import trace as trace_format
-from btrfs_ublk_image.bundle import BLOCKMAP, MANIFEST, META_IMG, read_manifest
 from btrfs_ublk_image.cli import main as cli
+from btrfs_ublk_image.manifest import BLOCKMAP, MANIFEST, META_IMG, read_manifest
 from btrfs_ublk_image.push import (
     ARTIFACT_BUNDLE,
     ARTIFACT_TRACE,

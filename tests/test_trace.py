@@ -31,8 +31,8 @@ from test_ublkd import (
 from test_ublkd import no_leftovers as no_leftovers  # noqa: F401  (a fixture)
 
 from btrfs_ublk_image import trace
-from btrfs_ublk_image.bundle import read_manifest
 from btrfs_ublk_image.cli import main as cli
+from btrfs_ublk_image.manifest import read_manifest
 
 from bundletools import DEBIAN_CACHE, prepare_debian_inputs
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from btrfs_ublk_image import trace
-from btrfs_ublk_image.bundle import read_manifest
 from btrfs_ublk_image.cli import main as cli
 from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.manifest import read_manifest
 from btrfs_ublk_image.reader import BundleReader, DataDevice
 
 pytestmark = pytest.mark.unit

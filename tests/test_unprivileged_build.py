@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from btrfs_ublk_image.bundle import read_manifest
 from btrfs_ublk_image.cli import main as cli
+from btrfs_ublk_image.manifest import read_manifest
 
 pytestmark = pytest.mark.root
 

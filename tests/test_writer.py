@@ -14,8 +14,9 @@ import pytest
 from btrfs_ublk_image import blockmap, listing, native
 from btrfs_ublk_image.btrfs import ondisk, treeblocks
 from btrfs_ublk_image.btrfs.writer import WriterOptions
-from btrfs_ublk_image.bundle import BuildResult, read_manifest, write_bundle
+from btrfs_ublk_image.bundle import BuildResult, write_bundle
 from btrfs_ublk_image.errors import ImageError
+from btrfs_ublk_image.manifest import read_manifest
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.tree import FileType, Inode, Tree
 
