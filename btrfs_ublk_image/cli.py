@@ -507,17 +507,21 @@ def _without_pydantic_plugins() -> None:
 
 
 def run() -> NoReturn:
-    """The program (``btrfs-ublk-image``, ``python -m btrfs_ublk_image``): ``main``, then
-    the process ends without the interpreter's teardown, which frees every module and
-    object one by one (40-60 ms of CPU after a Debian build here) while nothing is left
-    to do: output flushed, atexit handlers run, no other non-daemon thread alive (else
-    the ordinary exit)."""
+    """The program (``btrfs-ublk-image``, ``python -m btrfs_ublk_image``): ``main``; after
+    ``build``, the process ends without the interpreter's teardown, which frees every
+    module and object one by one (40-60 ms of CPU after a Debian build here), once
+    nothing is left to do: output flushed, atexit handlers run, no other non-daemon
+    thread alive (else the ordinary exit). A build closes every file it writes itself;
+    the other commands keep the ordinary exit."""
     _without_pydantic_plugins()
-    rc = main()
+    args = parser().parse_args()
+    rc = _main(args)
+    if args.func is not cmd_build:
+        sys.exit(rc)
     if rc == 0:
         from btrfs_ublk_image import readahead
 
-        readahead.remember_modules()  # after a build: for the next one's start
+        readahead.remember_modules()  # for the next build's start
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
     if any(t.is_alive() and not t.daemon for t in others):
         sys.exit(rc)
@@ -531,7 +535,10 @@ def run() -> NoReturn:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    return _main(parser().parse_args(argv))
+
+
+def _main(args: argparse.Namespace) -> int:
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if on_main else None
     try:
