@@ -1,3 +1,3 @@
-from btrfs_ublk_image.cli import run
+from btrfs_ublk_image.cli import main
 
-run()
+raise SystemExit(main())

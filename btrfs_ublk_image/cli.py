@@ -4,16 +4,14 @@ push-trace | convert``."""
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import signal
 import sys
 import threading
-import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from btrfs_ublk_image import __version__
 from btrfs_ublk_image.errors import ImageError
@@ -32,10 +30,6 @@ SWITCH_INTERVAL = 250e-6
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from btrfs_ublk_image import readahead
-
-    readahead.start(args.spec)  # the disk reads the inputs while the imports below run
-    # here, not at the top: the writer, packs and sources load after the readahead starts
     from btrfs_ublk_image.bundle import build_spec
     from btrfs_ublk_image.spec import OciLayer, load_spec
 
@@ -494,51 +488,8 @@ def _terminate(signum: int, frame: object) -> None:
     raise Terminated
 
 
-def _without_pydantic_plugins() -> None:
-    """The program's spec models take no pydantic plugins. pydantic (2.14, pinned) looks
-    for them when it builds the first model, through ``pydantic.plugin._loader``, whose
-    import loads ``importlib.metadata`` (with ``email``, ``zipfile``, ``csv``...: ~25
-    modules, 27 ms of CPU per build here, more files to read cold) even where
-    ``PYDANTIC_DISABLE_PLUGINS`` turns the lookup off; this loader finds none. Only in
-    the program (``run``): a process that imports this package keeps pydantic's own."""
-    loader = types.ModuleType("pydantic.plugin._loader")
-    loader.get_plugins = tuple  # type: ignore[attr-defined] # no plugins: ()
-    sys.modules.setdefault(loader.__name__, loader)
-
-
-def run() -> NoReturn:
-    """The program (``btrfs-ublk-image``, ``python -m btrfs_ublk_image``): ``main``; after
-    ``build``, the process ends without the interpreter's teardown, which frees every
-    module and object one by one (40-60 ms of CPU after a Debian build here), once
-    nothing is left to do: output flushed, atexit handlers run, no other non-daemon
-    thread alive (else the ordinary exit). A build closes every file it writes itself;
-    the other commands keep the ordinary exit."""
-    _without_pydantic_plugins()
-    args = parser().parse_args()
-    rc = _main(args)
-    if args.func is not cmd_build:
-        sys.exit(rc)
-    if rc == 0:
-        from btrfs_ublk_image import readahead
-
-        readahead.remember_modules()  # for the next build's start
-    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
-    if any(t.is_alive() and not t.daemon for t in others):
-        sys.exit(rc)
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except OSError:
-        sys.exit(rc)  # the ordinary exit reports it (a closed pipe: status 120)
-    atexit._run_exitfuncs()
-    os._exit(rc)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    return _main(parser().parse_args(argv))
-
-
-def _main(args: argparse.Namespace) -> int:
+    args = parser().parse_args(argv)
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if on_main else None
     try:

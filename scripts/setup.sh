@@ -13,7 +13,6 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 APT_PACKAGES=(
   btrfs-progs       # mkfs.btrfs/btrfs check: oracles in tests, baseline in bench
   e2fsprogs attr acl kmod util-linux  # chattr/lsattr, getfattr/setfattr, getfacl, modprobe, losetup
-  util-linux-extra  # fincore: what is in the page cache (tests of the build's input readahead)
   fuse3 libfuse3-dev pkg-config       # ublkd's fuse frontend
   libclang-dev clang                  # bindgen for the libublk crate
   umoci skopeo      # OCI images: oracle and baseline in tests and bench
