@@ -1,8 +1,10 @@
 """The bundle: manifest.json, meta.img, blockmap, packs/ (format: docs/bundle-format.md).
 
-A bundle appears atomically: everything is written into a hidden sibling
-directory that is renamed onto the destination only when complete; any error
-removes the sibling, so nothing is left at the destination.
+A bundle appears atomically and durably: everything is written into a hidden sibling
+directory; every file's fsync is started as soon as it is complete (``files.Syncer``:
+the packs' own writers fsync them), and once all of them and the directories' fsyncs
+have returned, the sibling is renamed onto the destination and the parent directory
+fsynced. Any error removes the sibling, so nothing is left at the destination.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from btrfs_ublk_image.blockmap import VERSION, VERSION_COMPRESSED, BlockMap, Pac
 from btrfs_ublk_image.btrfs import ondisk
 from btrfs_ublk_image.btrfs.writer import ImageLayout, WriterOptions, inline_max, write_image
 from btrfs_ublk_image.errors import ImageError
-from btrfs_ublk_image.files import link_or_copy
+from btrfs_ublk_image.files import Syncer, link_or_copy, sync_dir
 from btrfs_ublk_image.hashing import file_sha256
 from btrfs_ublk_image.manifest import (
     BLOCKMAP,
@@ -150,8 +152,10 @@ def write_bundle(
     base: str | None = None,
 ) -> BuildResult:
     out_dir = _unused_output(out_dir)
-    tmp = _new_temporary_dir(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.")
+    parent = os.path.dirname(out_dir)
+    tmp = _new_temporary_dir(parent, f".{os.path.basename(out_dir)}.")
     base_image = None
+    syncer = Syncer()
     try:
         base_image = _open_base(base, chunk_size, progress)
         result = _write_into(
@@ -165,16 +169,26 @@ def write_bundle(
             prefetch,
             pack_compression,
             base_image,
+            syncer,
         )
         os.unlink(os.path.join(tmp, BUILDING))
         os.chmod(tmp, 0o755)
+        syncer.start(tmp)  # its entries
+        syncer.wait()  # every file and directory on disk: only then the rename
         os.rename(tmp, out_dir)
     except BaseException:
+        syncer.close()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         if base_image is not None:
             base_image.close()
+    try:
+        sync_dir(parent)  # the rename
+    except OSError as e:
+        raise ImageError(
+            f"{parent}: fsync after renaming {out_dir} into it: {e.strerror}"
+        ) from None
     return BuildResult(out_dir, result[0], result[1], result[2])
 
 
@@ -280,6 +294,7 @@ def _write_into(
     prefetch: Sequence[str],
     pack_compression: str,
     base: BaseImage | None,
+    syncer: Syncer,
 ) -> tuple[str, dict[str, Any], ImageLayout]:
     packs_dir = os.path.join(tmp, PACKS)
     os.mkdir(packs_dir)
@@ -304,12 +319,13 @@ def _write_into(
             packer.encoded,
             None if base is None else base.layout(),
         )
+        syncer.start(os.path.join(tmp, META_IMG))
         # device 2's own superblock is pack content like any other, mapped at 64 KiB
         sb = packer.put_pack_tail(layout.data_super)
     except BaseException:
         packer.abort()
         raise
-    pack_infos = packer.finish()
+    pack_infos = packer.finish()  # each pack fsynced, renamed to its id
     ranges = [Range(ondisk.SUPER_INFO_OFFSET, len(layout.data_super), sb.pack, sb.offset)]
     ranges.extend(Range(r.dev_offset, r.length, r.pack, r.pack_offset) for r in layout.data_ranges)
     n_base = 0 if base is None else len(base.packs)
@@ -323,6 +339,7 @@ def _write_into(
     for old in keep:
         if 1 <= old <= n_base:
             _link_base_pack(pack_infos[renumber[old]], packs_dir)
+    syncer.start(packs_dir)  # the packs' names
     compressed = pack_compression == "zstd" or any(
         p.stored is not None and any(c.zstd for c in p.stored) for p in pack_infos
     )
@@ -342,8 +359,7 @@ def _write_into(
     bm.check()
     with open(os.path.join(tmp, BLOCKMAP), "wb") as f:
         f.write(bm.encode())
-        f.flush()
-        os.fsync(f.fileno())
+    syncer.start(os.path.join(tmp, BLOCKMAP))
     files = {
         fname: {
             "sha256": file_sha256(os.path.join(tmp, fname)),
@@ -390,12 +406,11 @@ def _write_into(
     if base is not None:  # only then: the manifests (ids) of other builds are unchanged
         manifest["base"] = base.image_id
         manifest["format_version"] = FORMAT_VERSION_PATCHES
-        manifest["patches"] = _write_patches(tmp, base.bundle)
+        manifest["patches"] = _write_patches(tmp, base.bundle, syncer)
     data = encode_manifest(manifest)
     with open(os.path.join(tmp, MANIFEST), "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    syncer.start(os.path.join(tmp, MANIFEST))
     iid = image_id(data)
     if prefetch:
         from btrfs_ublk_image import trace  # only with prefetch globs
@@ -424,7 +439,7 @@ def _link_base_pack(info: PackInfo, packs_dir: str) -> None:
         raise ImageError(f"{info.path}: cannot link or copy into {packs_dir}: {e}") from None
 
 
-def _write_patches(tmp: str, base_bundle: str) -> dict[str, dict[str, Any]]:
+def _write_patches(tmp: str, base_bundle: str, syncer: Syncer) -> dict[str, dict[str, Any]]:
     """meta.img and blockmap as patches against the lineage's patch base: the base's own
     patch base when it has one (so every version patches against the files that the
     registry and hosts already hold), else the base's files. The patch base goes into
@@ -455,11 +470,11 @@ def _write_patches(tmp: str, base_bundle: str) -> dict[str, dict[str, Any]]:
         data = patch.make(ref, read_bundle_file(os.path.join(tmp, name)))
         with open(os.path.join(tmp, patch.patch_path(name)), "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        syncer.start(os.path.join(tmp, patch.patch_path(name)))
         out[name] = {
             "sha256": "sha256:" + hashlib.sha256(data).hexdigest(),
             "size": len(data),
             "base": got,
         }
+    syncer.start(os.path.join(tmp, patch.BASE_DIR))  # its entries (the links)
     return out

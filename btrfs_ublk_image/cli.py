@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from btrfs_ublk_image import __version__
-from btrfs_ublk_image.bundle import build_spec
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.manifest import read_manifest
 from btrfs_ublk_image.progress import Progress, human_bytes
@@ -31,6 +30,7 @@ SWITCH_INTERVAL = 250e-6
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    from btrfs_ublk_image.bundle import build_spec
     from btrfs_ublk_image.spec import OciLayer, load_spec
 
     sys.setswitchinterval(SWITCH_INTERVAL)

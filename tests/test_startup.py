@@ -20,6 +20,14 @@ NOT_AT_START = ("zstandard", "crc32c", "btrfs_ublk_image.trace")
 # what reading a spec costs (pydantic and the models: ~80 ms of CPU, docs/sources.md):
 # commands that read no spec never load it
 SPEC_ONLY = ("pydantic", "pydantic_core", "btrfs_ublk_image.spec", "importlib.metadata")
+# the program building examples/hello (add "-o", OUT)
+BUILD_HELLO = [
+    sys.executable,
+    "-m",
+    "btrfs_ublk_image",
+    "build",
+    str(ROOT / "examples/hello/spec.yaml"),
+]
 
 
 @pytest.mark.unit
@@ -77,3 +85,19 @@ def test_commands_that_read_no_spec_never_import_pydantic(tmp_path: Path) -> Non
         [sys.executable, "-c", code, spec], capture_output=True, text=True, check=True
     )
     assert {"pydantic", "btrfs_ublk_image.spec"} <= set(json.loads(out.stdout))
+
+
+@pytest.mark.unit
+def test_build_program_prints_and_exits_with_the_command_status(tmp_path: Path) -> None:
+    # the program's output and exit status, as a user's shell sees them
+    cmd = BUILD_HELLO
+    out = tmp_path / "hello.bundle"
+    ok = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith(f"{out}: sha256:") and ok.stdout.endswith("\n")
+    again = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True, check=False)
+    assert again.returncode == 1
+    assert (
+        again.stderr
+        == f"btrfs-ublk-image: error: {out}: already exists (a bundle is never overwritten; remove it first)\n"
+    )

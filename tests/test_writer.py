@@ -454,3 +454,53 @@ def test_many_hardlinks_mount(tmp_path: Path) -> None:
         inos = {os.lstat(m.mountpoint / "d" / n).st_ino for n in names}
         st = os.stat(m.mountpoint / "other" / "link")
     assert len(names) == 1000 and inos == {st.st_ino} and st.st_nlink == 1001
+
+
+@pytest.mark.unit
+def test_failed_fsync_fails_the_build_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the bundle's files are fsynced on threads and waited for together: a failure on one
+    # of them must still fail the build, name the file and remove the temporary bundle
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("/blockmap"):
+            raise OSError(5, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(ImageError, match=r"/blockmap: fsync failed: Input/output error"):
+        build(tmp_path, every_type)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.unit
+def test_bundle_files_and_directories_are_fsynced_before_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real_fsync, real_rename = os.fsync, os.rename
+    renamed: list[tuple[str, list[str]]] = []
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def rename(src: str, dst: str) -> None:
+        renamed.append((str(dst), list(synced)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    res = build(tmp_path, every_type)
+    final = [before for dst, before in renamed if dst == res.path]
+    assert len(final) == 1
+    tmp = {os.path.dirname(p) for p in final[0] if p.endswith("/manifest.json")}
+    assert len(tmp) == 1
+    t = tmp.pop()
+    # every file and both directories were on disk before the bundle was renamed into place
+    want = {f"{t}/{n}" for n in ("meta.img", "blockmap", "manifest.json", "packs")} | {t}
+    assert want <= set(final[0])
+    # and the parent directory after it (the rename itself)
+    assert synced[-1] == str(tmp_path)

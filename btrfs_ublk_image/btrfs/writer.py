@@ -1152,9 +1152,9 @@ def write_image(
     encoded: EncodedExtents | None = None,
     base: BaseLayout | None = None,
 ) -> ImageLayout:
-    """Write ``meta.img`` (device 1) for ``tree``; return device 2's layout. ``encoded``:
-    the blobs' btrfs extents when the packs store them so (btrfs-zstd). ``base``: the
-    layout of the base image to keep (``build --base``)."""
+    """Write ``meta.img`` (device 1) for ``tree`` (not fsynced: the caller's job); return
+    device 2's layout. ``encoded``: the blobs' btrfs extents when the packs store them so
+    (btrfs-zstd). ``base``: the layout of the base image to keep (``build --base``)."""
     # the fs tree's leaf payloads wait on disk (unnamed, next to meta.img), not in memory
     with tempfile.TemporaryFile(
         "w+b", buffering=SPILL_BUFFER, dir=os.path.dirname(meta_path) or "."
@@ -1344,8 +1344,7 @@ def _write_image(
             if mirror + d.SUPER_INFO_SIZE <= dev_sizes[0]:
                 f.seek(mirror)
                 f.write(pack_super(fields, dev_items[0][1], bytenr=mirror))
-        f.flush()
-        os.fsync(f.fileno())
+        # not fsynced here: the bundle syncs it together with its other files (files.Syncer)
     super2 = pack_super(fields, dev_items[1][1])
 
     stats = dict(fs.stats)
