@@ -773,7 +773,7 @@ def _emit_runtime(doc: dict[str, Any], args: argparse.Namespace) -> list[str]:
     if "delta" in doc:
         from bench.delta import delta_section, delta_table
 
-        print("\nv2 after v1 (Debian image, 1% of its files changed):\n")
+        print("\nv2 after v1 (Debian image, a few packages replaced):\n")
         print(delta_table(doc["delta"]))
         if args.update_docs:
             update_doc(path, "delta", delta_section(doc))

@@ -1,14 +1,16 @@
 """Delta section (issue 24): what v2 of an image moves when v1 is already there.
 
-v1 is the Debian minbase tarball; v2 is v1 with every 100th regular file larger than
-4 KiB given new bytes of the same size (1% of those files). Measured:
+v1 is the Debian minbase tarball; v2 is v1 with a few packages replaced by made-up other
+versions (``make_v2_packages_tar``: every file they list rewritten at 90-110 % of its
+size, one removed and one added per package). Measured:
 
 * ours: v1 bundle, v2 bundle built with ``--base`` v1; pushed to docker-registry on
   loopback (v1, then v2), and mounted over nginx (v1 read whole, then v2 read whole on
   the same host: ublkd finds v2's reused chunks in v1's cache);
 * baseline: the ordinary OCI image of each tarball (one layer), re-pushed with
   ``skopeo copy --dest-compress`` (gzip) after v1's; and the best case of layers, v2 as
-  v1's layer plus a layer holding the changed files.
+  v1's layer plus a layer holding the changed and added files and whiteouts of the
+  removed ones.
 
 Pushed bytes: the sizes of the blobs that appeared in the registry's storage during v2's
 push (the same count for both). Fetched bytes, v2 after v1 on one host: ours from
@@ -20,6 +22,8 @@ layout has).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 import subprocess
 import tarfile
@@ -31,34 +35,7 @@ from bench.measure import remove
 from bench.mounts import Ublkd
 from tests.servers import Registry, docker_registry, nginx_serving
 
-EVERY = 100  # every EVERY-th regular file > 4 KiB changes
 REF = "delta"
-
-
-def make_v2_tar(v1: Path, v2: Path, changed_tar: Path) -> tuple[int, int, int]:
-    """v2 = v1 with every EVERY-th regular file > 4 KiB rewritten (same size, new bytes);
-    ``changed_tar`` holds only the rewritten files. -> (files, changed files, changed bytes)."""
-    files = changed = nbytes = 0
-    big = 0
-    with (
-        tarfile.open(v1) as src,
-        tarfile.open(v2, "w", format=tarfile.PAX_FORMAT) as dst,
-        tarfile.open(changed_tar, "w", format=tarfile.PAX_FORMAT) as diff,
-    ):
-        for m in src:
-            f = src.extractfile(m) if m.isreg() else None
-            files += m.isreg()
-            if f is not None and m.size > 4096:
-                big += 1
-                if big % EVERY == 0:
-                    data = random.Random(m.name).randbytes(m.size)
-                    changed += 1
-                    nbytes += m.size
-                    dst.addfile(m, _Bytes(data))
-                    diff.addfile(m, _Bytes(data))
-                    continue
-            dst.addfile(m, f)
-    return files, changed, nbytes
 
 
 # a few packages "replaced" by make_v2_packages_tar: small to mid-sized, as a day's updates
@@ -66,12 +43,14 @@ PACKAGES = ("gzip", "sed", "grep", "tar", "libzstd1:amd64")
 
 
 def make_v2_packages_tar(
-    v1: Path, v2: Path, packages: tuple[str, ...] = PACKAGES
+    v1: Path, v2: Path, packages: tuple[str, ...] = PACKAGES, changed_tar: Path | None = None
 ) -> tuple[int, int, int]:
     """v2 = v1 with ``packages`` replaced by another version, made up: each regular file the
     package lists (/var/lib/dpkg/info/PKG.list) rewritten with new bytes 90-110 % of its
     size, its last listed file removed, a new file (/usr/share/doc/PKG/NEWS.v2) added.
-    -> (files in v2, changed or added files, their bytes)."""
+    ``changed_tar``: also v2 as a layer over v1 (the rewritten and added files, an OCI
+    whiteout ``.wh.NAME`` for each removed one). -> (files in v2, changed or added files,
+    their bytes)."""
     with tarfile.open(v1) as src:
         members = src.getmembers()
         by_name = {m.name.lstrip("./").lstrip("/"): m for m in members}
@@ -86,10 +65,27 @@ def make_v2_packages_tar(
             removed.add(regular[-1])
             owned.update((n, pkg) for n in regular[:-1])
         files = changed = nbytes = 0
-        with tarfile.open(v2, "w", format=tarfile.PAX_FORMAT) as dst:
+        with contextlib.ExitStack() as stack:
+            dst = stack.enter_context(tarfile.open(v2, "w", format=tarfile.PAX_FORMAT))
+            layer = None
+            if changed_tar is not None:
+                layer = stack.enter_context(
+                    tarfile.open(changed_tar, "w", format=tarfile.PAX_FORMAT)
+                )
+
+            def add(m: tarfile.TarInfo, data: bytes) -> None:
+                dst.addfile(m, _Bytes(data))
+                if layer is not None:
+                    layer.addfile(m, _Bytes(data))
+
             for m in members:
                 name = m.name.lstrip("./").lstrip("/")
                 if name in removed:
+                    if layer is not None:
+                        head, _, tail = m.name.rpartition("/")
+                        wh = tarfile.TarInfo(f"{head}/.wh.{tail}" if head else f".wh.{tail}")
+                        wh.mtime = m.mtime
+                        layer.addfile(wh)
                     continue
                 files += m.isreg()
                 pkg = owned.get(name)
@@ -99,7 +95,7 @@ def make_v2_packages_tar(
                 rnd = random.Random(name)
                 data = rnd.randbytes(max(1, m.size * rnd.randint(90, 110) // 100))
                 m.size = len(data)
-                dst.addfile(m, _Bytes(data))
+                add(m, data)
                 changed += 1
                 nbytes += len(data)
             for pkg in packages:
@@ -107,7 +103,7 @@ def make_v2_packages_tar(
                 data = random.Random(pkg).randbytes(3000)
                 info = tarfile.TarInfo(f"./{doc}/NEWS.v2")
                 info.size, info.mtime, info.mode = len(data), 1700000000, 0o644
-                dst.addfile(info, _Bytes(data))
+                add(info, data)
                 files += 1
                 changed += 1
                 nbytes += len(data)
@@ -170,7 +166,7 @@ def measure_delta(v1_tar: Path, work: Path, ublkd: Ublkd) -> dict[str, Any]:
     v1.hardlink_to(v1_tar) if v1_tar.stat().st_dev == work.stat().st_dev else subprocess.run(
         ["cp", v1_tar, v1], check=True
     )
-    files, changed, changed_bytes = make_v2_tar(v1, v2, diff)
+    files, changed, changed_bytes = make_v2_packages_tar(v1, v2, changed_tar=diff)
     b1, b2 = site / "v1.bundle", site / "v2.bundle"
     subprocess.run(_bui("build", _spec(work / "v1.yaml", "v1.tar"), "-o", b1), check=True)
     subprocess.run(
@@ -184,9 +180,12 @@ def measure_delta(v1_tar: Path, work: Path, ublkd: Ublkd) -> dict[str, Any]:
     for name, tars in (("v1", [v1]), ("v2", [v2]), ("v2-layered", [v1, diff])):
         layouts[name] = work / f"oci-{name}"
         write_oci_layout(layouts[name], tars[0], REF, extra_layers=tars[1:])
+    patches = json.loads((b2 / "manifest.json").read_bytes())["patches"]
     out: dict[str, Any] = {
+        "packages": list(PACKAGES),
         "files": files,
         "changed_files": changed,
+        "patch_bytes": {name: e["size"] for name, e in patches.items()},
         "changed_bytes": changed_bytes,
         "diff_delta": predicted,
     }
@@ -258,7 +257,7 @@ def delta_table(d: dict[str, Any]) -> str:
         f"| OCI, one layer, `skopeo copy --dest-compress`; pulled with `skopeo copy` into"
         f" a layout holding v1 | {human(d['oci_push_v1'])} | {human(d['oci_push_v2'])}"
         f" | {human(d['oci_pull_v2'])} |",
-        f"| OCI, v1's layer + a layer of the changed files | {human(d['oci_push_v1'])}"
+        f"| OCI, v1's layer + a layer of the changes | {human(d['oci_push_v1'])}"
         f" | {human(d['oci_push_v2-layered'])} | {human(d['oci_pull_v2-layered'])} |",
     ]
     return "\n".join(rows) + "\n"
@@ -272,12 +271,16 @@ def delta_section(doc: dict[str, Any]) -> str:
     bound = d["changed_bytes"] * 11 // 10
     return (
         f"Run `{doc.get('command', 'bench/run')}` on {machine_line(doc['machine'])}.\n\n"
-        f"v1: the Debian minbase tarball ({d['files']:,} regular files); v2: v1 with"
-        f" {d['changed_files']} of its files larger than 4 KiB rewritten (every 100th,"
-        f" {d['changed_bytes']:,} bytes). `diff --delta v1 v2`: {p['changed']} changed,"
-        f" fetch {p['fetch_bytes']:,} bytes in {p['fetch_chunks']} chunks plus"
-        f" {p['meta_bytes']:,} of metadata (manifest.json and the meta.img and blockmap"
-        f" patches), push {p['push_bytes']:,}. The bound (changed bytes + 10 %):"
+        f"v1: the Debian minbase tarball; v2: v1 with {len(d['packages'])} packages"
+        f" replaced ({', '.join(d['packages'])}: every file they list rewritten at 90-110 %"
+        " of its size, one removed and one added each; bench/delta.py),"
+        f" {d['files']:,} regular files, {d['changed_files']} of them new or rewritten,"
+        f" {d['changed_bytes']:,} bytes. `diff --delta v1 v2`: {p['changed']} changed,"
+        f" {p['added']} added, {p['removed']} removed, fetch {p['fetch_bytes']:,} bytes in"
+        f" {p['fetch_chunks']} chunks plus {p['meta_bytes']:,} of metadata (manifest.json and"
+        f" the meta.img and blockmap patches: {d['patch_bytes']['meta.img']:,} and"
+        f" {d['patch_bytes']['blockmap']:,} bytes), push {p['push_bytes']:,}."
+        " The bound (changed bytes + 10 %):"
         f" {bound:,} bytes; ours pushed {d['ours_push_v2']:,} and fetched"
         f" {d['ours_fetch_v2_all']:,} (HTTP) and {d['ours_oci_fetch_v2_all']:,} (OCI)."
         " Pushed: blobs the registry gained during v2's push; fetched: nginx's and the"

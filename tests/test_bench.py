@@ -296,30 +296,10 @@ def test_tar_stats_counts_an_input_we_did_not_generate(tmp_path: Path) -> None:
     assert st.tar_bytes == tar.stat().st_size
 
 
-def test_delta_v2_tar_rewrites_every_100th_big_file(tmp_path: Path) -> None:
-    from bench.delta import make_v2_tar
-
-    v1, v2, changed = tmp_path / "v1.tar", tmp_path / "v2.tar", tmp_path / "changed.tar"
-    with tarfile.open(v1, "w", format=tarfile.PAX_FORMAT) as t:
-        for i in range(250):
-            m = tarfile.TarInfo(f"d/f{i:03}")
-            data = os.urandom(5000 if i % 2 else 100)
-            m.size = len(data)
-            t.addfile(m, io.BytesIO(data))
-    files, n, nbytes = make_v2_tar(v1, v2, changed)
-    assert (files, n, nbytes) == (250, 1, 5000)  # 125 big files: the 100th changes
-    with tarfile.open(v1) as a, tarfile.open(v2) as b, tarfile.open(changed) as c:
-        old = {m.name: a.extractfile(m).read() for m in a}  # type: ignore[union-attr]
-        new = {m.name: b.extractfile(m).read() for m in b}  # type: ignore[union-attr]
-        diff = {m.name: c.extractfile(m).read() for m in c}  # type: ignore[union-attr]
-    assert old.keys() == new.keys()
-    assert {k for k in old if old[k] != new[k]} == set(diff) == {"d/f199"}
-    assert len(diff["d/f199"]) == 5000 and diff["d/f199"] == new["d/f199"]
-
-
 def test_delta_v2_packages_replaces_the_listed_files(tmp_path: Path) -> None:
     """make_v2_packages_tar: the files a package lists get new bytes of 90-110 % of their
-    size, its last listed file goes, a NEWS.v2 comes; every other member is unchanged."""
+    size, its last listed file goes, a NEWS.v2 comes; every other member is unchanged; the
+    layer tar holds the changed and new files and a whiteout of the removed one."""
     from bench.delta import make_v2_packages_tar
 
     v1, v2 = tmp_path / "v1.tar", tmp_path / "v2.tar"
@@ -337,10 +317,14 @@ def test_delta_v2_packages_replaces_the_listed_files(tmp_path: Path) -> None:
             m = tarfile.TarInfo(name)
             m.size = len(data)
             t.addfile(m, io.BytesIO(data))
-    n, changed, nbytes = make_v2_packages_tar(v1, v2, ("pkg:amd64",))
-    with tarfile.open(v2) as b:
+    layer = tmp_path / "layer.tar"
+    n, changed, nbytes = make_v2_packages_tar(v1, v2, ("pkg:amd64",), layer)
+    with tarfile.open(v2) as b, tarfile.open(layer) as c:
         new = {m.name: b.extractfile(m).read() for m in b if m.isreg()}  # type: ignore[union-attr]
+        diff = {m.name: c.extractfile(m).read() for m in c if m.isreg()}  # type: ignore[union-attr]
     assert set(new) == set(files) - {"./usr/bin/p2"} | {"./usr/share/doc/pkg/NEWS.v2"}
+    # the layer over v1: what changed or came, and a whiteout of what went
+    assert diff == {k: v for k, v in new.items() if files.get(k) != v} | {"./usr/bin/.wh.p2": b""}
     for i in range(2):
         old, got = files[f"./usr/bin/p{i}"], new[f"./usr/bin/p{i}"]
         assert got != old and 0.9 * len(old) <= len(got) <= 1.1 * len(old)
