@@ -562,6 +562,7 @@ def test_100k_files_resized_one_added_one_removed_within_the_bound(tmp_path: Pat
     from bench.meta_patch import changed_bytes, make_v2
 
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    v1.mkdir()
     inputs.generate_tree(v1, inputs.InputParams(files=100_000, large_bytes=0, large_count=0))
     make_v2(v1, v2, "bound")
     changed = changed_bytes(v1, v2)
