@@ -248,6 +248,42 @@ def test_compressed_base_uncompressed_v2(tmp_path: Path, trees: tuple[Path, Path
     assert contents(str(b2)) == contents(str(v2))
 
 
+def test_btrfs_zstd_v2_lays_data_out_afresh_below_metadata(tmp_path: Path) -> None:
+    """btrfs-zstd on both: v2's data is laid out afresh (the base's compressed extents are
+    not kept) and, 2 MiB more of it, ends above where v1's metadata began, so v2's metadata
+    starts after its data (not at v1's start); inode numbers still follow v1; btrfs check
+    passes and every file reads right."""
+    from btrfs_ublk_image.reader import Filesystem
+
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    make_v1(v1)
+    shutil.copytree(v1, v2)
+    (v2 / "d0" / "big").write_bytes(random.Random(5).randbytes(2 << 20))
+    (v2 / "d5" / "f5").unlink()
+    zstd = "pack_compression: btrfs-zstd\n"
+    b1, b2 = tmp_path / "v1.bundle", tmp_path / "v2.bundle"
+    build(write_spec(tmp_path / "v1.yaml", v1, zstd), b1)
+    build(write_spec(tmp_path / "v2.yaml", v2, zstd), b2, "--base", b1)
+
+    def starts(bundle: Path) -> tuple[int, int]:
+        """(end of the DATA chunks, start of the METADATA chunks) in the logical space."""
+        with Filesystem(str(bundle)) as fs:
+            data = max(c.logical + c.length for c in fs.chunks if c.type & 1)
+            return data, min(c.logical for c in fs.chunks if c.type & 4)
+
+    (data1, meta1), (data2, meta2) = starts(b1), starts(b2)
+    assert data1 <= meta1 < data2 <= meta2, (data1, meta1, data2, meta2)
+    old, _ = layout_of(b1)
+    new, _ = layout_of(b2)
+    assert all(new[p][0] == old[p][0] for p in new.keys() & old.keys())
+    assert new[b"/d0/big"][0] > max(ino for ino, _, _ in old.values())
+    check = subprocess.run(
+        ["btrfs", "check", "--readonly", b2 / "meta.img"], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert contents(str(b2)) == contents(str(v2))
+
+
 def test_unused_base_pack_is_dropped(tmp_path: Path) -> None:
     """Nothing of the base in the new image: no base pack is listed or linked."""
     a, b = tmp_path / "a", tmp_path / "b"

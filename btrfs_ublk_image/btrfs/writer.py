@@ -1076,12 +1076,13 @@ def _item_key(item: tuple[d.Key, object]) -> d.Key:
 
 
 def _no_overlap(meta_chunks: list[Chunk], data_chunks: list[Chunk]) -> None:
-    """A base's data and the new metadata share the logical space: they must not meet."""
+    """Data and metadata share the logical space, and a base fixes where both begin (its
+    kept data chunks, its metadata start): they must not meet."""
     start, end = meta_chunks[0].logical, meta_chunks[-1].end
     for c in data_chunks:
         if c.logical < end and start < c.end:
             raise ImageError(
-                f"metadata at logical {start}..{end} would overlap the base's data chunk at"
+                f"metadata at logical {start}..{end} would overlap the data chunk at"
                 f" {c.logical}: the base's layout leaves no room"
             )
 
