@@ -593,7 +593,8 @@ def test_100k_files_resized_one_added_one_removed_within_the_bound(tmp_path: Pat
     `bound`). Built on v1, what a registry or a host holding v1 gets for v2 (new chunks,
     manifest, patches: `diff --delta`) is within the changed bytes + 10 %, which takes
     both the base's inode numbers and extents and its leaves kept (docs/bundle-format.md,
-    "Patches"); btrfs check passes."""
+    "Patches": 1.050x the changed bytes; 3.49x keeping numbers and extents only, 1.149x
+    keeping the leaves only, 3.54x keeping neither); btrfs check passes."""
     from bench import inputs
     from bench.meta_patch import changed_bytes, make_v2
 
