@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image import patch
 from btrfs_ublk_image.btrfs import ondisk as d
+from btrfs_ublk_image.btrfs.layout import Chunk
+from btrfs_ublk_image.btrfs.writer import BaseLayout
 from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.manifest import BLOCKMAP, MANIFEST, read_bundle_file, read_manifest
@@ -61,6 +63,8 @@ class BaseImage:
         self.first = first
         bm = fs.dev2.bm
         self.chunk_size = bm.chunk_size
+        self._blobs: list[Blob] | None = None
+        self._extents: dict[Blob, tuple[tuple[int, int, int, int], ...]] = {}
         self.packs = [
             BasePack(entry, path, p["path"])
             for entry, path, p in zip(
@@ -84,6 +88,40 @@ class BaseImage:
     def blobs(self) -> list[Blob]:
         """Every distinct content of a regular file of the base that lies in one run of one
         pack, in the base's walk order (so a build with this base is deterministic)."""
+        if self._blobs is None:
+            self._blobs = self._index()
+        return self._blobs
+
+    def layout(self) -> BaseLayout:
+        """What the writer keeps of the base: inode numbers and dir indexes by path, the
+        extents of the content ``blobs`` lists, the DATA chunks, where metadata starts."""
+        fs = self.reader.fs
+        if fs.root_dirid != d.FIRST_FREE_OBJECTID:
+            raise ImageError(f"{fs.meta_path}: root directory is inode {fs.root_dirid}, not 256")
+        self.blobs()
+        dirs = {
+            ino: {e.name: (e.ino, e.index) for e in node.entries}
+            for ino, node in self.reader.inodes.items()
+            if node.is_dir
+        }
+        data = [
+            Chunk(c.logical, c.length, c.type, 2, c.stripes[0].offset)
+            for c in fs.chunks
+            if c.type & d.BLOCK_GROUP_DATA and [s.devid for s in c.stripes] == [2]
+        ]
+        meta = [c.logical for c in fs.chunks if c.type & d.BLOCK_GROUP_METADATA]
+        if not meta:
+            raise ImageError(f"{fs.meta_path}: no METADATA chunk")
+        return BaseLayout(
+            dirs=dirs,
+            max_ino=max(self.reader.inodes),
+            extents=self._extents,
+            data_chunks=data,
+            data_size=fs.dev2.bm.device_size,
+            meta_logical=min(meta),
+        )
+
+    def _index(self) -> list[Blob]:
         inodes: set[int] = set()
         seen: set[Blob] = set()
         out: list[Blob] = []
@@ -105,7 +143,41 @@ class BaseImage:
             if blob not in seen:  # hard links and reflinked copies: one blob
                 seen.add(blob)
                 out.append(blob)
+                extents = self._placed(node)
+                if extents is not None:
+                    self._extents[blob] = extents
         return out
+
+    def _placed(self, node: Inode) -> tuple[tuple[int, int, int, int], ...] | None:
+        """The file's extents as the writer places a blob: (file offset, logical, disk
+        bytes, device-2 offset), whole extents back to back from file offset 0, each in
+        one DATA chunk on device 2, the last holding the file's end; else None (the
+        content is placed anew)."""
+        size, pos = node.item.size, 0
+        out = []
+        for ext in node.extents:
+            disk = ext.disk_num_bytes
+            if (
+                ext.kind != d.FILE_EXTENT_REG
+                or ext.compression
+                or ext.offset
+                or ext.num_bytes != disk
+                or ext.file_offset != pos
+                or disk % d.SECTORSIZE
+                or pos >= size
+            ):
+                return None
+            try:
+                _chunk, devid, physical = self.reader.fs.map_logical(ext.disk_bytenr, disk)
+            except ImageError:
+                return None
+            if devid != 2:
+                return None
+            out.append((pos, ext.disk_bytenr, disk, physical))
+            pos += disk
+        if not out or not size <= pos < size + d.SECTORSIZE:
+            return None
+        return tuple(out)
 
     def _run(self, node: Inode) -> tuple[int, int] | None:
         """(base pack, offset) when the file's bytes are one run of one pack, else None."""

@@ -5,7 +5,10 @@ holds only DATA chunks. Both skip the first MiB (superblock) and keep every
 chunk clear of the superblock mirror windows (64 MiB, 256 GiB; the kernel
 excludes ``STRIPE_LEN`` bytes there), so no block group needs excluded ranges.
 The logical address space is: SYSTEM, then DATA, then METADATA, contiguous, so
-data addresses are known before the metadata is sized.
+data addresses are known before the metadata is sized. A build with a base keeps the
+base's chunks where they were (its DATA chunks that it still uses, its METADATA start)
+and puts new DATA chunks at ``DELTA_DATA_LOGICAL`` + their device-2 offset: above any
+metadata, so metadata never moves for new data, and in device order across a lineage.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ CHUNK_ALIGN = 1 * MiB
 SYSTEM_CHUNK_SIZE = 1 * MiB  # 64 chunk-tree blocks: thousands of chunks
 MAX_CHUNK_SIZE = 1 * GiB  # conventional: mkfs/kernel data chunks are 1 GiB
 SYSTEM_LOGICAL = 1 * MiB
+DELTA_DATA_LOGICAL = 1 << 50  # 1 PiB: new data of a build with a base (see above)
 
 
 @dataclass(frozen=True, slots=True)

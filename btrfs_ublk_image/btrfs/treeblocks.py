@@ -137,15 +137,7 @@ class LeafPacker:
     ) -> None:
         """A directory's entries (``names`` sorted): DIR_ITEMs by name hash, then DIR_INDEXes
         from 2 in name order."""
-        packed = [
-            d.pack_dir_item((child, d.INODE_ITEM_KEY, 0), generation, ftype, name)
-            for name, child, ftype in zip(names, inos, ftypes, strict=True)
-        ]
-        by_hash = [(d.name_hash(name), item) for name, item in zip(names, packed, strict=True)]
-        for h, data in group_by_hash(by_hash):
-            self.add((ino, d.DIR_ITEM_KEY, h), data)
-        for index, data in enumerate(packed, start=2):
-            self.add((ino, d.DIR_INDEX_KEY, index), data)
+        add_dir_items(self.add, ino, generation, names, inos, ftypes, range(2, 2 + len(names)))
 
     def _flush(self) -> None:
         items = self._items
@@ -163,6 +155,28 @@ class LeafPacker:
         if self._items or not self.leaves:
             self._flush()
         return self.leaves, None if self.digest is None else self.digest.digest()
+
+
+def add_dir_items(
+    add: Callable[[d.Key, bytes], None],
+    ino: int,
+    generation: int,
+    names: list[bytes],
+    inos: list[int],
+    ftypes: bytes,
+    indexes: Sequence[int],
+) -> None:
+    """A directory's entries (``names`` sorted, ``indexes`` their dir indexes): DIR_ITEMs
+    by name hash, then DIR_INDEXes in index order."""
+    packed = [
+        d.pack_dir_item((child, d.INODE_ITEM_KEY, 0), generation, ftype, name)
+        for name, child, ftype in zip(names, inos, ftypes, strict=True)
+    ]
+    by_hash = [(d.name_hash(name), item) for name, item in zip(names, packed, strict=True)]
+    for h, data in group_by_hash(by_hash):
+        add((ino, d.DIR_ITEM_KEY, h), data)
+    for index, data in sorted(zip(indexes, packed, strict=True)):
+        add((ino, d.DIR_INDEX_KEY, index), data)
 
 
 class _NativeLeafPacker:

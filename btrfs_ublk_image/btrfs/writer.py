@@ -2,9 +2,12 @@
 
 Order of work (each step decides the bytes named):
 1. ``_number``: inode numbers (DFS, sorted names; a hardlink reuses its inode),
-   dir indexes, nlink.
+   dir indexes, nlink. With a base (``BaseLayout``): a path the base has keeps its
+   inode number and dir index, new ones come after the base's highest.
 2. ``_DataPlacer``: every distinct ``Blob`` gets extents (<= 128 MiB) at device-2
-   offsets inside DATA chunks; identical content -> one extent, many refs.
+   offsets inside DATA chunks; identical content -> one extent, many refs. With a
+   base: content the base holds keeps its extents (logical and device-2 offsets),
+   new content goes after the base's device-2 end.
 3. ``_fs_tree_items``: INODE_ITEM, INODE_REF, XATTR_ITEM, DIR_ITEM, DIR_INDEX,
    EXTENT_DATA for every inode, generated already sorted.
 4. ``_plan_metadata``: sizes every other tree, then METADATA chunks, iterating
@@ -22,7 +25,7 @@ import sys
 import tempfile
 import uuid
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, overload
 
@@ -30,6 +33,7 @@ from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.btrfs.encoded import COMPRESS_ZSTD, EncodedExtents
 from btrfs_ublk_image.btrfs.layout import (
     CHUNK_ALIGN,
+    DELTA_DATA_LOGICAL,
     DEVICE_START,
     Chunk,
     align_up,
@@ -41,6 +45,7 @@ from btrfs_ublk_image.btrfs.superblock import SuperFields, TreeRoot, pack_super
 from btrfs_ublk_image.btrfs.treeblocks import (
     Leaf,
     TreeInfo,
+    add_dir_items,
     block_levels,
     group_by_hash,
     iter_leaves,
@@ -102,23 +107,52 @@ class ImageLayout:
     stats: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class BaseLayout:
+    """What a build with a base (``build --base``) keeps of the base's layout, read from the
+    base's meta.img (``base.py``)."""
+
+    # base directory inode -> name -> (inode number, dir index) of each entry
+    dirs: Mapping[int, Mapping[bytes, tuple[int, int]]]
+    max_ino: int  # new inodes are numbered after it
+    # content -> its extents in the base: (file offset, logical, disk bytes, device-2 offset)
+    extents: Mapping[Blob, Sequence[tuple[int, int, int, int]]]
+    data_chunks: Sequence[Chunk]  # the base's DATA chunks
+    data_size: int  # the base's device-2 size: new extents go after it
+    meta_logical: int  # where the base's METADATA chunks start in the logical space
+
+
 class _Numbering:
     """Inode numbers and the names that point at each inode.
 
     Kept as flat arrays, one row per inode in number order: an image's writer holds
-    them for every entry at once, so a row costs a few machine words, not objects. An
-    inode's number is its row (+ FIRST_FREE_OBJECTID); ``Inode.ino`` holds it only for
-    directories and hardlinked files (``once`` marks every other inode), and a
-    directory's new children (those not named earlier) take consecutive numbers from
-    ``child_base``, so ``child_inos`` finds every child's number without an int object
-    per inode.
+    them for every entry at once, so a row costs a few machine words, not objects.
+    Without a base an inode's number is its row (+ FIRST_FREE_OBJECTID); ``Inode.ino``
+    holds it only for directories and hardlinked files (``once`` marks every other
+    inode), and a directory's new children (those not named earlier) take consecutive
+    numbers from ``child_base``, so ``child_inos`` finds every child's number without an
+    int object per inode. With a base numbers have gaps: ``inos`` holds each row's and
+    ``Inode.ino`` every inode's.
     """
 
-    __slots__ = ("child_base", "index", "inodes", "more_refs", "name", "once", "parent")
+    __slots__ = (
+        "child_base",
+        "dir_indexes",
+        "index",
+        "inodes",
+        "inos",
+        "more_refs",
+        "name",
+        "once",
+        "parent",
+    )
 
     def __init__(self, root: Inode, once: object) -> None:
         self.once = once  # this numbering's mark of an inode with one name
-        self.inodes: list[Inode] = [root]  # ino - FIRST_FREE_OBJECTID -> inode
+        self.inodes: list[Inode] = [root]  # row -> inode
+        self.inos: array[int] | None = None  # row -> inode number, with a base
+        # with a base: dir ino -> its entries' dir indexes in name order (else 2, 3, ...)
+        self.dir_indexes: dict[int, array[int]] = {}
         # the first name of each inode: parent dir's ino, dir index, name
         self.parent = array("Q", [d.FIRST_FREE_OBJECTID])
         self.index = array("Q", [0])
@@ -127,16 +161,17 @@ class _Numbering:
         self.more_refs: dict[int, list[tuple[int, int, bytes]]] = {}
         self.child_base: dict[int, int] = {}  # dir ino -> the number of its first new child
 
-    def refs(self, ino: int) -> list[tuple[int, int, bytes]]:
-        n = ino - d.FIRST_FREE_OBJECTID
+    def refs(self, n: int, ino: int) -> list[tuple[int, int, bytes]]:
+        """Every name of inode ``ino`` (row ``n``)."""
         return [(self.parent[n], self.index[n], self.name[n]), *self.more_refs.get(ino, ())]
-
-    def nlink(self, ino: int) -> int:
-        more = self.more_refs.get(ino)
-        return 1 if more is None else 1 + len(more)
 
     def child_inos(self, dir_ino: int, children: Iterable[Inode]) -> Iterator[int]:
         """The numbers of a directory's children, given in sorted name order."""
+        if self.inos is not None:  # with a base: every inode holds its number
+            for child in children:
+                assert isinstance(child.ino, int)
+                yield child.ino
+            return
         once, k = self.once, self.child_base[dir_ino]
         for child in children:
             ino = child.ino
@@ -160,9 +195,9 @@ def _kernel_rdev(rdev: int) -> int:
     return (os.major(rdev) << 20) | os.minor(rdev)
 
 
-def _number(tree: Tree) -> _Numbering:
+def _number(tree: Tree, base: BaseLayout | None = None) -> _Numbering:
     """DFS, sorted names; a directory's new children take consecutive numbers when it is
-    reached; a hardlink reuses its inode's number."""
+    reached; a hardlink reuses its inode's number. With a base: see ``_number_on_base``."""
     # pass 1: which inodes have more than one name (marks of this run: whatever ``ino``
     # held before is overwritten)
     once, more = object(), object()
@@ -186,6 +221,8 @@ def _number(tree: Tree) -> _Numbering:
     first = d.FIRST_FREE_OBJECTID
     root.ino = first
     num = _Numbering(root, once)
+    if base is not None:
+        return _number_on_base(num, base, more)
     inodes, parents, indexes, names = num.inodes, num.parent, num.index, num.name
     dirs = [(root, first)]
     while dirs:
@@ -214,15 +251,83 @@ def _number(tree: Tree) -> _Numbering:
     return num
 
 
+def _number_on_base(num: _Numbering, base: BaseLayout, more: object) -> _Numbering:
+    """Pass 2 of ``_number`` with a base: a name the base has (same parent directory,
+    same name) keeps its dir index, and its inode keeps the base's number unless an
+    inode reached earlier took it (hardlinks split); new names get dir indexes after the
+    highest of their directory in the base, new inodes numbers after the base's highest
+    (a removed path's number is not reused). Same DFS as without a base."""
+    once, first = num.once, d.FIRST_FREE_OBJECTID
+    inodes, parents, indexes, names = num.inodes, num.parent, num.index, num.name
+    inos = array("Q", [first])
+    taken = {first}
+    next_ino = max(base.max_ino, first) + 1
+    dirs: list[tuple[Inode, int]] = [(inodes[0], first)]
+    while dirs:
+        parent, pino = dirs.pop()
+        entries = parent.entries
+        old = base.dirs.get(pino)  # the same path's directory in the base, if it was one
+        next_index = 2 if not old else max(i for _, i in old.values()) + 1
+        pending: list[tuple[Inode, int]] = []
+        dir_indexes = num.dir_indexes[pino] = array("Q")
+        for name in sorted(entries):
+            child = entries[name]
+            was = None if old is None else old.get(name)
+            if was is None:
+                index, next_index = next_index, next_index + 1
+            else:
+                index = was[1]
+            dir_indexes.append(index)
+            mark = child.ino
+            if mark is not once and mark is not more:  # numbered already: another name
+                assert isinstance(mark, int)
+                num.more_refs.setdefault(mark, []).append((pino, index, name))
+                continue
+            if was is not None and was[0] not in taken:
+                ino = was[0]
+            else:
+                ino, next_ino = next_ino, next_ino + 1
+            taken.add(ino)
+            child.ino = ino
+            if child.type is FileType.DIR:
+                pending.append((child, ino))
+            inodes.append(child)
+            inos.append(ino)
+            parents.append(pino)
+            indexes.append(index)
+            names.append(name)
+        dirs.extend(reversed(pending))
+    # rows in number order: the fs tree's items are made in that order
+    order = sorted(range(len(inos)), key=inos.__getitem__)
+    num.inodes = [inodes[i] for i in order]
+    num.inos = array("Q", [inos[i] for i in order])
+    num.parent = array("Q", [parents[i] for i in order])
+    num.index = array("Q", [indexes[i] for i in order])
+    num.name = [names[i] for i in order]
+    return num
+
+
 class _DataPlacer:
     """Lays extents out on device 2, chunk after chunk, in first-use order.
 
-    Extents are rows of flat arrays in placement order (which is also logical and
-    device order); a blob's extents are consecutive rows, the first with file offset 0.
+    Extents are rows of flat arrays in placement order; a blob's extents are
+    consecutive rows, the first with file offset 0. Without a base, placement order is
+    also logical and device order. With a base (``base``), content the base holds gets
+    its base extents (in the base's chunks, kept) and new content new chunks after the
+    base's device-2 end, at logical ``DELTA_DATA_LOGICAL + device offset`` (clear of the
+    base's metadata, which stays where it was); ``order`` then lists the rows in logical
+    (and device) order.
     """
 
-    def __init__(self, data_logical: int, encoded: EncodedExtents | None = None) -> None:
+    def __init__(
+        self,
+        data_logical: int,
+        encoded: EncodedExtents | None = None,
+        base: BaseLayout | None = None,
+    ) -> None:
         self.chunks: list[Chunk] = []
+        self.base = base
+        self.order: Sequence[int] = range(0)  # rows in logical order, set by finish()
         # btrfs-zstd: blobs stored as btrfs extents (their own cut, compressed or not,
         # checksummed); these columns are filled only then
         self.encoded = encoded
@@ -237,7 +342,7 @@ class _DataPlacer:
         self.length = array("Q")  # bytes of content (the rest of disk_bytes is zeros)
         self.pack = array("Q")
         self.pack_offset = array("Q")
-        self._ranges_iter = device_ranges(DEVICE_START)
+        self._ranges_iter = device_ranges(DEVICE_START if base is None else base.data_size)
         self._logical = data_logical
         self._cur = 0  # physical cursor
         self._end = 0  # physical end of the current chunk range
@@ -249,6 +354,8 @@ class _DataPlacer:
         self._close_chunk()
         self._chunk_phys, self._end = next(self._ranges_iter)
         self._cur = self._chunk_phys
+        if self.base is not None:
+            self._logical = DELTA_DATA_LOGICAL + self._chunk_phys
         self._chunk_logical = self._logical
 
     def _close_chunk(self) -> None:
@@ -274,6 +381,19 @@ class _DataPlacer:
         first = len(self.logical)
         if self.encoded is not None:
             self._place_encoded(blob)
+            self.first_extent[blob] = first
+            return range(first, len(self.logical))
+        held = None if self.base is None else self.base.extents.get(blob)
+        if held is not None:  # where the base has it
+            for file_offset, logical, disk, dev_offset in held:
+                self.logical.append(logical)
+                self.disk_bytes.append(disk)
+                self.file_offset.append(file_offset)
+                self.dev_offset.append(dev_offset)
+                self.length.append(min(disk, size - file_offset))
+                self.pack.append(blob.pack)
+                self.pack_offset.append(blob.offset + file_offset)
+                self.used += disk
             self.first_extent[blob] = first
             return range(first, len(self.logical))
         done = 0
@@ -349,14 +469,60 @@ class _DataPlacer:
         return items
 
     def finish(self) -> list[Chunk]:
+        """The DATA chunks, in logical order (with a base: the base's that hold an extent
+        of this image, then the new ones)."""
         self._close_chunk()
         self.first_extent = {}  # placing is over
+        n = len(self.logical)
+        self.order = range(n)
+        if self.base is not None:
+            logical = self.logical
+            self.order = array("Q", sorted(range(n), key=logical.__getitem__))
+            new_chunks, self.chunks = self.chunks, []
+            rows = iter(self.order)
+            row = next(rows, None)
+            for c in sorted(self.base.data_chunks, key=lambda c: c.logical):
+                if row is not None and logical[row] < c.logical:
+                    raise AssertionError(f"data extent at logical {logical[row]} is in no chunk")
+                if row is not None and logical[row] < c.end:
+                    self.chunks.append(c)
+                while row is not None and logical[row] < c.end:
+                    row = next(rows, None)
+            self.chunks.extend(new_chunks)
+            prev_end = prev_dev = 0
+            for row in self.order:  # the base's extents: valid, so never overlapping
+                if logical[row] < prev_end or self.dev_offset[row] < prev_dev:
+                    raise AssertionError(f"data extent at logical {logical[row]} overlaps")
+                prev_end = logical[row] + self.disk_bytes[row]
+                prev_dev = self.dev_offset[row] + self.disk_bytes[row]
         if not self.chunks:  # no data at all: still one (empty) DATA block group
             self.chunks.append(
                 Chunk(self._logical, CHUNK_ALIGN, d.BLOCK_GROUP_DATA, 2, DEVICE_START)
             )
         self._end = 0
         return self.chunks
+
+    def block_groups(self, chunks: Sequence[Chunk]) -> dict[int, list[tuple[int, int]]]:
+        """Free ranges (logical, length) of each DATA chunk (by its logical address): the
+        gaps between its extents and its tail."""
+        free: dict[int, list[tuple[int, int]]] = {}
+        logical, disk = self.logical, self.disk_bytes
+        rows = iter(self.order)
+        row = next(rows, None)
+        for c in chunks:
+            gaps: list[tuple[int, int]] = []
+            cur = c.logical
+            while row is not None and logical[row] < c.end:
+                if logical[row] > cur:
+                    gaps.append((cur, logical[row] - cur))
+                cur = logical[row] + disk[row]
+                row = next(rows, None)
+            if cur < c.end:
+                gaps.append((cur, c.end - cur))
+            free[c.logical] = gaps
+        if row is not None:
+            raise AssertionError(f"data extent at logical {logical[row]} is in no chunk")
+        return free
 
     @property
     def ranges(self) -> _DataRanges:
@@ -369,6 +535,7 @@ class _DataRanges(Sequence[DataRange]):
 
     def __init__(self, placer: _DataPlacer) -> None:
         self._p = _RangeColumns(placer.dev_offset, placer.length, placer.pack, placer.pack_offset)
+        self._order = placer.order  # device order
 
     def __len__(self) -> int:
         return len(self._p.dev_offset)
@@ -380,7 +547,7 @@ class _DataRanges(Sequence[DataRange]):
     def __getitem__(self, i: int | slice) -> DataRange | list[DataRange]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        p = self._p
+        p, i = self._p, self._order[i]
         return DataRange(p.dev_offset[i], p.length[i], p.pack[i], p.pack_offset[i])
 
 
@@ -424,7 +591,9 @@ def _fs_tree_items(
     encoded = placer.encoded is not None
     ext_num, ext_comp = placer.num_bytes, placer.compression
     reg_flags = 0 if encoded else d.INODE_NODATASUM | d.INODE_NODATACOW
-    for ino, node in enumerate(num.inodes, start=d.FIRST_FREE_OBJECTID):
+    inos, first, dir_indexes = num.inos, d.FIRST_FREE_OBJECTID, num.dir_indexes
+    for n, node in enumerate(num.inodes):
+        ino = n + first if inos is None else inos[n]
         ftype, perm, uid, gid, xattrs = node.meta()
         size, nbytes, flags = 0, 0, 0
         more = more_refs.get(ino)
@@ -486,7 +655,6 @@ def _fs_tree_items(
         if nlink > LINK_MAX:
             raise ImageError(f"inode {ino} has {nlink} hardlinks; btrfs allows {LINK_MAX}")
         mtime, atime, ctime = node.times()
-        n = ino - d.FIRST_FREE_OBJECTID
         add_inode(
             ino, gen, size, nbytes, 1 if ftype is dir_ else nlink, uid, gid,
             int(ftype) | (perm & 0o7777), rdev, flags, mtime if atime is None else atime,
@@ -498,7 +666,7 @@ def _fs_tree_items(
             # INODE_EXTREF items (EXTENDED_IREF), as the kernel does when a ref item is full
             by_parent: dict[int, bytes] = {}
             extrefs: dict[int, bytes] = {}
-            for parent, index, name in sorted(num.refs(ino)):
+            for parent, index, name in sorted(num.refs(n, ino)):
                 ref = d.pack_inode_ref(index, name)
                 data = by_parent.get(parent, b"")
                 if len(data) + len(ref) <= d.MAX_ITEM_DATA:
@@ -523,13 +691,13 @@ def _fs_tree_items(
         if entries:
             names = sorted(entries)
             children = [entries[name] for name in names]
-            add_dir(
-                ino,
-                gen,
-                names,
-                list(num.child_inos(ino, children)),
-                bytes([_FT[child.type] for child in children]),
-            )
+            child_inos = list(num.child_inos(ino, children))
+            ftypes = bytes([_FT[child.type] for child in children])
+            indexes = dir_indexes.get(ino)
+            if indexes is None or indexes.tolist() == list(range(2, 2 + len(names))):
+                add_dir(ino, gen, names, child_inos, ftypes)
+            else:  # a base's indexes: not 2, 3, ... in name order
+                add_dir_items(add, ino, gen, names, child_inos, ftypes, indexes)
         for key, data in file_extents:
             add(key, data)
     stats = {
@@ -562,11 +730,7 @@ class _DataExtentItems:
 
     def __init__(self, fs: _FsTree) -> None:
         placer = fs.placer
-        self.logical, self.disk_bytes, self.file_offset = (
-            placer.logical,
-            placer.disk_bytes,
-            placer.file_offset,
-        )
+        self.logical, self.disk_bytes, self.order = placer.logical, placer.disk_bytes, placer.order
         n = len(self.logical)
         start = array("Q", bytes(8 * (n + 1)))
         for e in fs.ref_extent:
@@ -585,8 +749,9 @@ class _DataExtentItems:
     def sizes(self) -> Iterator[tuple[d.Key, int]]:
         """(key, item size) of every item, keyed refs with a stand-in offset: enough to
         order them among other extent tree items (their objectid and type decide)."""
-        start = self.start
-        for e, logical in enumerate(self.logical):
+        start, logicals = self.start, self.logical
+        for e in self.order:
+            logical = logicals[e]
             nrefs = start[e + 1] - start[e]
             if nrefs <= _INLINE_ROOM:
                 yield (
@@ -601,8 +766,9 @@ class _DataExtentItems:
     def items(self) -> Iterator[tuple[d.Key, bytes]]:
         gen = GENERATION
         root = d.FS_TREE_OBJECTID
-        start, inos, offsets = self.start, self.ino, self.offset
-        for e, logical in enumerate(self.logical):
+        start, inos, offsets, logicals = self.start, self.ino, self.offset, self.logical
+        for e in self.order:
+            logical = logicals[e]
             refs = inos[start[e] : start[e + 1]]
             head = d.pack_extent_item(len(refs), gen, d.EXTENT_FLAG_DATA)
             key = (logical, d.EXTENT_ITEM_KEY, self.disk_bytes[e])
@@ -714,7 +880,7 @@ class _Metadata:
             )
             for devid in (1, 2)
         ]
-        for c in chunks:
+        for c in sorted(chunks, key=lambda c: c.logical):
             items.append(self.chunk_item(c))
         return items
 
@@ -770,20 +936,23 @@ class _Metadata:
         return items
 
     def free_space_tree(
-        self, chunks: list[Chunk], used: dict[int, int]
+        self,
+        chunks: list[Chunk],
+        used: dict[int, int],
+        data_free: dict[int, list[tuple[int, int]]],
     ) -> list[tuple[d.Key, bytes]]:
-        # every block group is filled from its start: free space is its tail
+        """``data_free``: the free ranges of each DATA chunk; every other block group is
+        filled from its start: its free space is its tail."""
         items: list[tuple[d.Key, bytes]] = []
         for c in sorted(chunks, key=lambda c: c.logical):
-            u = used.get(c.logical, 0)
+            free = data_free.get(c.logical)
+            if free is None:
+                u = used.get(c.logical, 0)
+                free = [(c.logical + u, c.length - u)] if u < c.length else []
             items.append(
-                (
-                    (c.logical, d.FREE_SPACE_INFO_KEY, c.length),
-                    d.pack_free_space_info(1 if u < c.length else 0),
-                )
+                ((c.logical, d.FREE_SPACE_INFO_KEY, c.length), d.pack_free_space_info(len(free)))
             )
-            if u < c.length:
-                items.append(((c.logical + u, d.FREE_SPACE_EXTENT_KEY, c.length - u), b""))
+            items.extend(((start, d.FREE_SPACE_EXTENT_KEY, n), b"") for start, n in free)
         return items
 
     def root_tree(
@@ -874,6 +1043,17 @@ def _item_key(item: tuple[d.Key, object]) -> d.Key:
     return item[0]
 
 
+def _no_overlap(meta_chunks: list[Chunk], data_chunks: list[Chunk]) -> None:
+    """A base's data and the new metadata share the logical space: they must not meet."""
+    start, end = meta_chunks[0].logical, meta_chunks[-1].end
+    for c in data_chunks:
+        if c.logical < end and start < c.end:
+            raise ImageError(
+                f"metadata at logical {start}..{end} would overlap the base's data chunk at"
+                f" {c.logical}: the base's layout leaves no room"
+            )
+
+
 def _assign(
     levels: dict[int, list[int]],
     sys_chunk: Chunk,
@@ -904,16 +1084,20 @@ def _assign(
 
 
 def write_image(
-    tree: Tree, meta_path: str, opts: WriterOptions, encoded: EncodedExtents | None = None
+    tree: Tree,
+    meta_path: str,
+    opts: WriterOptions,
+    encoded: EncodedExtents | None = None,
+    base: BaseLayout | None = None,
 ) -> ImageLayout:
     """Write ``meta.img`` (device 1) for ``tree`` (not fsynced: the caller's job); return
     device 2's layout. ``encoded``: the blobs' btrfs extents when the packs store them so
-    (btrfs-zstd)."""
+    (btrfs-zstd). ``base``: the layout of the base image to keep (``build --base``)."""
     # the fs tree's leaf payloads wait on disk (unnamed, next to meta.img), not in memory
     with tempfile.TemporaryFile(
         "w+b", buffering=SPILL_BUFFER, dir=os.path.dirname(meta_path) or "."
     ) as spill:
-        return _write_image(tree, meta_path, opts, spill, encoded)
+        return _write_image(tree, meta_path, opts, spill, encoded, base)
 
 
 def _write_image(
@@ -922,21 +1106,20 @@ def _write_image(
     opts: WriterOptions,
     spill: IO[bytes],
     encoded: EncodedExtents | None,
+    base: BaseLayout | None,
 ) -> ImageLayout:
     imax = inline_max(opts)
-    numbering = _number(tree)
+    numbering = _number(tree, base)
     sys_chunk = system_chunk()
-    placer = _DataPlacer(sys_chunk.end, encoded)
+    # btrfs-zstd: extents are laid out afresh (the base's content is not reused as it lies)
+    data_base = base if encoded is None else None
+    placer = _DataPlacer(sys_chunk.end, encoded, data_base)
     fs = _fs_tree_items(numbering, placer, imax, spill)
     del numbering  # it is in the items now
     data_chunks = placer.finish()
     csum_items = placer.csum_items()
-    data_used = {c.logical: 0 for c in data_chunks}
-    owner = data_chunks[0]
-    for logical, length in zip(placer.logical, placer.disk_bytes, strict=True):
-        if not owner.logical <= logical < owner.end:
-            owner = next(c for c in data_chunks if c.logical <= logical < c.end)
-        data_used[owner.logical] += length
+    data_free = placer.block_groups(data_chunks)
+    data_used = {c.logical: c.length - sum(n for _, n in data_free[c.logical]) for c in data_chunks}
 
     # identity: derived from the fs tree's items unless the spec fixes the fsid
     fsid = opts.fsid or _derive_uuid(fs.digest, b"fsid")
@@ -953,7 +1136,8 @@ def _write_image(
 
     # Plan: block counts per tree -> chunks -> addresses -> real items -> block counts,
     # until nothing changes (the extent tree lists every block, including its own).
-    meta_logical = max(c.end for c in data_chunks)
+    # With a base, metadata starts where the base's did (new data lies far above it).
+    meta_logical = max(c.end for c in data_chunks) if data_base is None else data_base.meta_logical
     uuid_items, reloc_items = meta.uuid_tree(), meta.data_reloc_tree()
     placeholder = {t: TreeInfo(t, 0, 0) for t in _META_TREES}
     levels: dict[int, list[int]] = {
@@ -974,6 +1158,7 @@ def _write_image(
         meta_chunks = allocate(
             n_meta * d.NODESIZE, d.BLOCK_GROUP_METADATA, 1, sys_chunk.end, meta_logical
         )
+        _no_overlap(meta_chunks, data_chunks)
         chunks = [sys_chunk, *data_chunks, *meta_chunks]
         dev_sizes = (meta_chunks[-1].physical + meta_chunks[-1].length, data_end)
         addr_of, blocks, used = _assign(levels, sys_chunk, meta_chunks, data_used)
@@ -982,7 +1167,7 @@ def _write_image(
             d.DEV_TREE_OBJECTID: meta.dev_tree(chunks),
             d.CSUM_TREE_OBJECTID: csum_items,
             d.UUID_TREE_OBJECTID: uuid_items,
-            d.FREE_SPACE_TREE_OBJECTID: meta.free_space_tree(chunks, used),
+            d.FREE_SPACE_TREE_OBJECTID: meta.free_space_tree(chunks, used, data_free),
             d.DATA_RELOC_TREE_OBJECTID: reloc_items,
             d.CHUNK_TREE_OBJECTID: meta.chunk_tree(chunks, dev_sizes),
         }
