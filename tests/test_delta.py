@@ -18,6 +18,7 @@ import random
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -440,3 +441,83 @@ def test_base_from_a_web_server_gives_the_same_bundle(
         "meta.img.patch",
     ], v2_files
     assert sorted(p.name for p in out.iterdir()) == ["v2.bundle", "v3.bundle"]
+
+
+def layout_of(bundle: Path) -> tuple[dict[bytes, Any], int]:
+    """path -> (inode number, names (parent, dir index, name), extents as (logical,
+    device-2 offset, disk bytes)) of every entry, read from meta.img; device 2's size."""
+    from btrfs_ublk_image.reader import BundleReader
+
+    with BundleReader(str(bundle)) as r:
+        out: dict[bytes, Any] = {}
+        for path, node in r.walk():
+            extents = [
+                (e.disk_bytenr, r.fs.map_logical(e.disk_bytenr, 1)[2], e.disk_num_bytes)
+                for e in node.extents
+                if e.disk_bytenr
+            ]
+            out[path] = (node.item.ino, sorted(node.refs), extents)
+        return out, r.fs.dev2.bm.device_size
+
+
+def test_v2_keeps_the_base_inode_numbers_dir_indexes_and_extents(tmp_path: Path) -> None:
+    """v2 (files rewritten with other sizes, one added, one removed, a new directory, a
+    hardlink kept, one split) built on v1: every path v1 has keeps its inode number and
+    dir index, new ones come after v1's highest (the removed one's is not reused); content
+    v1 holds keeps its extents (logical and device-2 offsets), new content lies after
+    v1's device-2 end. `btrfs check` finds no error; every file reads back right."""
+    from btrfs_ublk_image.btrfs.layout import DELTA_DATA_LOGICAL
+
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    make_v1(v1)
+    (v1 / "d1" / "hl").hardlink_to(v1 / "d1" / "f1")
+    (v1 / "d2" / "hl").hardlink_to(v1 / "d2" / "f2")
+    subprocess.run(["cp", "-a", v1, v2], check=True)  # hard links kept
+    rnd = random.Random(3)
+    for name in CHANGED:
+        (v2 / name).write_bytes(rnd.randbytes(rnd.randint(1_000, 120_000)))
+    (v2 / "d4" / "f4").write_bytes((v1 / "d4" / "f4").read_bytes() + b"grown")
+    (v2 / "d0" / "added").write_bytes(rnd.randbytes(30_000))
+    (v2 / "d5" / "f5").unlink()
+    (v2 / "new" / "deeper").mkdir(parents=True)
+    (v2 / "new" / "deeper" / "x").write_bytes(rnd.randbytes(9_000))
+    (v2 / "d2" / "hl").unlink()  # the link to d2/f2 becomes a file of its own
+    (v2 / "d2" / "hl").write_bytes((v1 / "d2" / "f2").read_bytes())
+    b1, b2 = tmp_path / "v1.bundle", tmp_path / "v2.bundle"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
+    old, old_size = layout_of(b1)
+    new, _ = layout_of(b2)
+    top = max(ino for ino, _, _ in old.values())
+    rewritten = {b"/" + n.encode() for n in (*CHANGED, "d4/f4")}
+    split = b"/d2/hl"
+    for path, (ino, refs, extents) in new.items():
+        if path in old and path != split:
+            assert ino == old[path][0], path
+            # this name's parent and dir index: as in v1
+            name = path.rsplit(b"/", 1)[1]
+            mine = [(p, i) for p, i, n in refs if n == name]
+            assert mine == [(p, i) for p, i, n in old[path][1] if n == name], path
+            if path not in rewritten:
+                assert extents == old[path][2], path
+                continue
+        else:  # new, or the hard link v2 split off: a number after v1's highest
+            assert ino > top, path
+            if path == split:  # v1's content: its extent
+                assert extents == old[b"/d2/f2"][2]
+                continue
+        # content v1 lacks: new extents after v1's device 2, far above v1's metadata
+        for logical, dev_offset, _disk in extents:
+            assert logical >= DELTA_DATA_LOGICAL and dev_offset >= old_size, (path, extents)
+            assert logical - DELTA_DATA_LOGICAL == dev_offset
+    assert new[b"/d1/hl"][0] == new[b"/d1/f1"][0] == old[b"/d1/f1"][0]
+    assert old[b"/d5/f5"][0] not in {ino for ino, _, _ in new.values()}
+    # a new name's dir index follows the highest of its directory in v1
+    d0 = old[b"/d0"][0]
+    top_index = max(i for ino, refs, _ in old.values() for p, i, _ in refs if p == d0)
+    assert [i for p, i, _ in new[b"/d0/added"][1]] == [top_index + 1]
+    check = subprocess.run(
+        ["btrfs", "check", "--readonly", b2 / "meta.img"], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert contents(str(b2)) == contents(str(v2))
