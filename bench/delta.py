@@ -61,6 +61,59 @@ def make_v2_tar(v1: Path, v2: Path, changed_tar: Path) -> tuple[int, int, int]:
     return files, changed, nbytes
 
 
+# a few packages "replaced" by make_v2_packages_tar: small to mid-sized, as a day's updates
+PACKAGES = ("gzip", "sed", "grep", "tar", "libzstd1:amd64")
+
+
+def make_v2_packages_tar(
+    v1: Path, v2: Path, packages: tuple[str, ...] = PACKAGES
+) -> tuple[int, int, int]:
+    """v2 = v1 with ``packages`` replaced by another version, made up: each regular file the
+    package lists (/var/lib/dpkg/info/PKG.list) rewritten with new bytes 90-110 % of its
+    size, its last listed file removed, a new file (/usr/share/doc/PKG/NEWS.v2) added.
+    -> (files in v2, changed or added files, their bytes)."""
+    with tarfile.open(v1) as src:
+        members = src.getmembers()
+        by_name = {m.name.lstrip("./").lstrip("/"): m for m in members}
+        owned: dict[str, str] = {}  # path -> package
+        removed: set[str] = set()
+        for pkg in packages:
+            listed = by_name[f"var/lib/dpkg/info/{pkg}.list"]
+            f = src.extractfile(listed)
+            assert f is not None
+            files = [n.lstrip("/") for n in f.read().decode().split("\n")]
+            regular = [n for n in files if n in by_name and by_name[n].isreg()]
+            removed.add(regular[-1])
+            owned.update((n, pkg) for n in regular[:-1])
+        files = changed = nbytes = 0
+        with tarfile.open(v2, "w", format=tarfile.PAX_FORMAT) as dst:
+            for m in members:
+                name = m.name.lstrip("./").lstrip("/")
+                if name in removed:
+                    continue
+                files += m.isreg()
+                pkg = owned.get(name)
+                if pkg is None:
+                    dst.addfile(m, src.extractfile(m) if m.isreg() else None)
+                    continue
+                rnd = random.Random(name)
+                data = rnd.randbytes(max(1, m.size * rnd.randint(90, 110) // 100))
+                m.size = len(data)
+                dst.addfile(m, _Bytes(data))
+                changed += 1
+                nbytes += len(data)
+            for pkg in packages:
+                doc = f"usr/share/doc/{pkg.split(':')[0]}"
+                data = random.Random(pkg).randbytes(3000)
+                info = tarfile.TarInfo(f"./{doc}/NEWS.v2")
+                info.size, info.mtime, info.mode = len(data), 1700000000, 0o644
+                dst.addfile(info, _Bytes(data))
+                files += 1
+                changed += 1
+                nbytes += len(data)
+    return files, changed, nbytes
+
+
 class _Bytes:
     def __init__(self, data: bytes) -> None:
         self.data, self.pos = data, 0
