@@ -317,6 +317,38 @@ def test_delta_v2_tar_rewrites_every_100th_big_file(tmp_path: Path) -> None:
     assert len(diff["d/f199"]) == 5000 and diff["d/f199"] == new["d/f199"]
 
 
+def test_delta_v2_packages_replaces_the_listed_files(tmp_path: Path) -> None:
+    """make_v2_packages_tar: the files a package lists get new bytes of 90-110 % of their
+    size, its last listed file goes, a NEWS.v2 comes; every other member is unchanged."""
+    from bench.delta import make_v2_packages_tar
+
+    v1, v2 = tmp_path / "v1.tar", tmp_path / "v2.tar"
+    files = {f"./usr/bin/p{i}": os.urandom(1000 * (i + 1)) for i in range(3)}
+    files["./usr/bin/other"] = os.urandom(777)
+    files["./var/lib/dpkg/info/pkg:amd64.list"] = b"/.\n/usr\n/usr/bin\n" + b"".join(
+        f"/usr/bin/p{i}\n".encode() for i in range(3)
+    )
+    with tarfile.open(v1, "w", format=tarfile.PAX_FORMAT) as t:
+        for name in ("./", "./usr", "./usr/bin", "./usr/share/doc/pkg"):
+            m = tarfile.TarInfo(name)
+            m.type = tarfile.DIRTYPE
+            t.addfile(m)
+        for name, data in files.items():
+            m = tarfile.TarInfo(name)
+            m.size = len(data)
+            t.addfile(m, io.BytesIO(data))
+    n, changed, nbytes = make_v2_packages_tar(v1, v2, ("pkg:amd64",))
+    with tarfile.open(v2) as b:
+        new = {m.name: b.extractfile(m).read() for m in b if m.isreg()}  # type: ignore[union-attr]
+    assert set(new) == set(files) - {"./usr/bin/p2"} | {"./usr/share/doc/pkg/NEWS.v2"}
+    for i in range(2):
+        old, got = files[f"./usr/bin/p{i}"], new[f"./usr/bin/p{i}"]
+        assert got != old and 0.9 * len(old) <= len(got) <= 1.1 * len(old)
+    assert new["./usr/bin/other"] == files["./usr/bin/other"]
+    assert (n, changed) == (5, 3)
+    assert nbytes == sum(len(new[k]) for k in new if k not in files or new[k] != files[k])
+
+
 def test_passthrough_table_rows_errors_and_crash_runs() -> None:
     """bench/passthrough.py's table: one row per fio job with each target's IOPS, CPU split
     and server reads (a failed job as its error), the mount times, one row per crash run;
