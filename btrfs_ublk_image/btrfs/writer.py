@@ -483,16 +483,16 @@ class _DataPlacer:
             row = next(rows, None)
             for c in sorted(self.base.data_chunks, key=lambda c: c.logical):
                 if row is not None and logical[row] < c.logical:
-                    raise AssertionError(f"data extent at logical {logical[row]} is in no chunk")
+                    raise ImageError(f"base: data extent at logical {logical[row]} is in no chunk")
                 if row is not None and logical[row] < c.end:
                     self.chunks.append(c)
                 while row is not None and logical[row] < c.end:
                     row = next(rows, None)
             self.chunks.extend(new_chunks)
             prev_end = prev_dev = 0
-            for row in self.order:  # the base's extents: valid, so never overlapping
+            for row in self.order:  # only a damaged base has overlapping extents
                 if logical[row] < prev_end or self.dev_offset[row] < prev_dev:
-                    raise AssertionError(f"data extent at logical {logical[row]} overlaps")
+                    raise ImageError(f"base: data extents overlap at logical {logical[row]}")
                 prev_end = logical[row] + self.disk_bytes[row]
                 prev_dev = self.dev_offset[row] + self.disk_bytes[row]
         if not self.chunks:  # no data at all: still one (empty) DATA block group
