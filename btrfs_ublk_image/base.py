@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image import patch
 from btrfs_ublk_image.btrfs import ondisk as d
+from btrfs_ublk_image.btrfs.treeblocks import Breaks
+from btrfs_ublk_image.btrfs.writer import BaseTrees
 from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.manifest import BLOCKMAP, MANIFEST, read_bundle_file, read_manifest
@@ -80,6 +82,23 @@ class BaseImage:
     def read(self, pack: int, offset: int, length: int) -> bytes:
         """Bytes of base pack ``pack`` (numbered in the new bundle), from verified chunks."""
         return self.reader.fs.dev2.pack_bytes(pack - self.first, offset, length)
+
+    def trees(self) -> BaseTrees:
+        """The base's metadata layout (where each tree's blocks begin, and their addresses),
+        for the writer to keep (``writer.BaseTrees``)."""
+        fs = self.reader.fs
+        meta_start = min(
+            c.logical for c in fs.chunks if c.type & d.BLOCK_GROUP_METADATA
+        )  # every tree but the chunk tree lives in METADATA chunks
+        breaks: dict[int, Breaks] = {}
+        offsets: dict[tuple[int, int, d.Key], int] = {}
+        for tree_id, (bytenr, level) in fs.tree_roots().items():
+            firsts: list[list[d.Key]] = [[] for _ in range(level + 1)]
+            for lvl, key, at in fs.blocks(bytenr, level, tree_id):
+                firsts[lvl].append(key)
+                offsets[(tree_id, lvl, key)] = at - meta_start
+            breaks[tree_id] = Breaks(tuple(tuple(sorted(ks)) for ks in firsts))
+        return BaseTrees(breaks, offsets, meta_start)
 
     def blobs(self) -> list[Blob]:
         """Every distinct content of a regular file of the base that lies in one run of one

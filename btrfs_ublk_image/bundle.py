@@ -312,7 +312,13 @@ def _write_into(
         tree, sources, image_config = fill(packer)
         if progress is not None:
             progress.phase("writing metadata")
-        layout = write_image(tree, os.path.join(tmp, META_IMG), opts, packer.encoded)
+        layout = write_image(
+            tree,
+            os.path.join(tmp, META_IMG),
+            opts,
+            packer.encoded,
+            None if base is None else base.trees(),
+        )
         syncer.start(os.path.join(tmp, META_IMG))
         # device 2's own superblock is pack content like any other, mapped at 64 KiB
         sb = packer.put_pack_tail(layout.data_super)

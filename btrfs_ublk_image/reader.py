@@ -507,6 +507,41 @@ class Filesystem:
             prev = key
             yield from self._walk(child, level - 1, owner, key)
 
+    def blocks(
+        self, bytenr: int, level: int, owner: int
+    ) -> Iterator[tuple[int, tuple[int, int, int], int]]:
+        """(level, first key, bytenr) of every block of a tree, from its root down; leaves
+        are named by their parents' pointers (only a root leaf is read)."""
+        block = self.read_block(bytenr, level, owner)
+        nritems = _HEADER.unpack_from(block, 0)[7]
+        if level == 0:
+            first = (0, 0, 0) if nritems == 0 else _ITEM.unpack_from(block, d.HEADER_SIZE)[:3]
+            yield 0, first, bytenr
+            return
+        if nritems == 0 or d.HEADER_SIZE + nritems * d.KEY_PTR_SIZE > self.nodesize:
+            where = f"{self.meta_path}: {_TREE_NAMES.get(owner, f'tree {owner}')} block {bytenr}"
+            raise ImageError(f"{where}: bad pointer count {nritems}")
+        ptrs = [
+            _KEY_PTR.unpack_from(block, d.HEADER_SIZE + i * d.KEY_PTR_SIZE) for i in range(nritems)
+        ]
+        yield level, ptrs[0][:3], bytenr
+        for oid, type_, off, child, _gen in ptrs:
+            if level == 1:
+                yield 0, (oid, type_, off), child
+            else:
+                yield from self.blocks(child, level - 1, owner)
+
+    def tree_roots(self) -> dict[int, tuple[int, int]]:
+        """tree id -> (root bytenr, level) of the root tree and every tree it lists."""
+        roots = {d.ROOT_TREE_OBJECTID: (self.sb.root, self.sb.root_level)}
+        for (oid, type_, _off), data in self.items(
+            self.sb.root, self.sb.root_level, d.ROOT_TREE_OBJECTID
+        ):
+            if type_ == d.ROOT_ITEM_KEY:
+                f = _ROOT_ITEM.unpack_from(data, d.INODE_ITEM_SIZE)
+                roots[oid] = (f[2], f[10])
+        return roots
+
     def _find_root(self, objectid: int) -> tuple[int, int, int]:
         found = None
         for (oid, type_, _off), data in self.items(

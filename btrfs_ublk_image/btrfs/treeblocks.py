@@ -11,6 +11,11 @@ items are generated (``leaf_packer``), so its items never sit in memory as a lis
 and its payloads wait in a spill file (not in memory) until their addresses and
 the fsid are known. That packer is the native extension's (``native/src/leaves.rs``,
 the same bytes, one call per item) when it is built, else ``LeafPacker``.
+
+Built with a base image (``build --base``), every tree breaks its blocks where the base's
+did (``Breaks``): a block ends before the key that began the base's next block at its
+level, or when full, so an item that grows or appears changes only its own block (the
+blocks after it keep their bytes and, see ``writer._assign``, their addresses).
 """
 
 from __future__ import annotations
@@ -25,42 +30,105 @@ from btrfs_ublk_image import native
 from btrfs_ublk_image.btrfs import ondisk as d
 
 EMPTY_KEY: d.Key = (0, 0, 0)
+NO_KEYS: tuple[d.Key, ...] = ()
+# (level, first key) of each block of a tree, in ``serialize``'s order
+BlockPlan = list[tuple[int, d.Key]]
 
 
-def split_leaves(sizes: Sequence[int]) -> list[int]:
-    """Number of items in each leaf, filling leaves in order."""
-    counts: list[int] = []
+@dataclass(frozen=True, slots=True)
+class Breaks:
+    """Where a base image's tree began its blocks: ``levels[i]``, the sorted first keys of
+    its level-i blocks. A block ends before the key that began the base's next block at
+    its level (or when full)."""
+
+    levels: tuple[tuple[d.Key, ...], ...]
+
+    def at(self, level: int) -> Sequence[d.Key]:
+        return self.levels[level] if level < len(self.levels) else NO_KEYS
+
+
+class _Cuts:
+    """One level's breaks, walked in key order: ``ends_before(first, key)`` says whether a
+    block that began at ``first`` must end before ``key``."""
+
+    __slots__ = ("i", "keys")
+
+    def __init__(self, keys: Sequence[d.Key]) -> None:
+        self.keys = keys
+        self.i = 0
+
+    def ends_before(self, first: d.Key, key: d.Key) -> bool:
+        keys, i = self.keys, self.i
+        while i < len(keys) and keys[i] <= first:
+            i += 1
+        self.i = i
+        return i < len(keys) and keys[i] <= key
+
+
+def split_leaves(
+    items: Iterable[tuple[d.Key, int]], breaks: Sequence[d.Key] = NO_KEYS
+) -> list[d.Key]:
+    """The first key of each leaf of these (key, item size), filling leaves in order and
+    breaking where ``breaks`` (the base's leaves' first keys) say."""
+    firsts: list[d.Key] = []
+    cuts = _Cuts(breaks) if breaks else None
     used = 0
-    n = 0
-    for size in sizes:
+    first: d.Key | None = None
+    for key, size in items:
         if size > d.MAX_ITEM_DATA:
             raise ValueError(f"item of {size} bytes does not fit in a {d.NODESIZE}-byte leaf")
         need = d.ITEM_SIZE + size
-        if used + need > d.LEAF_DATA_SIZE:
-            counts.append(n)
-            used, n = 0, 0
+        if first is not None and (
+            used + need > d.LEAF_DATA_SIZE or (cuts is not None and cuts.ends_before(first, key))
+        ):
+            firsts.append(first)
+            first = None
+        if first is None:
+            first, used = key, 0
         used += need
+    firsts.append(EMPTY_KEY if first is None else first)  # an empty tree is one empty leaf
+    return firsts
+
+
+def group_nodes(firsts: Sequence[d.Key], breaks: Sequence[d.Key] = NO_KEYS) -> list[int]:
+    """How many of one level's blocks (given by first key) each block of the level above
+    points at: up to a node's capacity, breaking where ``breaks`` say."""
+    counts: list[int] = []
+    cuts = _Cuts(breaks) if breaks else None
+    n = 0
+    first = EMPTY_KEY
+    for key in firsts:
+        if n and (n == d.NODEPTRS_PER_BLOCK or (cuts is not None and cuts.ends_before(first, key))):
+            counts.append(n)
+            n = 0
+        if n == 0:
+            first = key
         n += 1
-    counts.append(n)  # an empty tree is one empty leaf
+    counts.append(n)
     return counts
 
 
-def level_sizes(n_leaves: int) -> list[int]:
-    """Blocks per level, leaves first: [leaves, level-1 nodes, ..., 1]."""
-    sizes = [n_leaves]
-    while sizes[-1] > 1:
-        sizes.append(-(-sizes[-1] // d.NODEPTRS_PER_BLOCK))
-    return sizes
+def plan_blocks(leaf_firsts: Sequence[d.Key], breaks: Breaks | None = None) -> BlockPlan:
+    """(level, first key) of every block of a tree with leaves beginning at these keys,
+    in ``serialize``'s order (leaves, then each level of nodes up to the root)."""
+    plan: BlockPlan = [(0, k) for k in leaf_firsts]
+    level = list(leaf_firsts)
+    height = 0
+    while len(level) > 1:
+        height += 1
+        upper = []
+        at = 0
+        for n in group_nodes(level, NO_KEYS if breaks is None else breaks.at(height)):
+            upper.append(level[at])
+            at += n
+        plan.extend((height, k) for k in upper)
+        level = upper
+    return plan
 
 
-def levels_for_leaves(n_leaves: int) -> list[int]:
-    """The level of each block of a tree with ``n_leaves`` leaves, in ``serialize``'s order."""
-    return [lvl for lvl, n in enumerate(level_sizes(n_leaves)) for _ in range(n)]
-
-
-def block_levels(sizes: Sequence[int]) -> list[int]:
-    """The level of each block of a tree with these item sizes, in ``serialize``'s order."""
-    return levels_for_leaves(len(split_leaves(sizes)))
+def plan_items(items: Iterable[tuple[d.Key, int]], breaks: Breaks | None = None) -> BlockPlan:
+    """``plan_blocks`` of a tree of these (key, item size), in key order."""
+    return plan_blocks(split_leaves(items, NO_KEYS if breaks is None else breaks.at(0)), breaks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,22 +150,33 @@ def group_by_hash(entries: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
 class LeafPacker:
     """Packs sorted items into leaves as they arrive (same split as ``split_leaves``);
     with ``spill``, the payloads go to that file (see ``unspill``); with ``digest``, every
-    item's disk key and data are hashed, in order."""
+    item's disk key and data are hashed, in order; with ``breaks``, a leaf also ends before
+    each of these keys (the base's leaves' first keys)."""
 
-    def __init__(self, spill: IO[bytes] | None = None, digest: bool = False) -> None:
+    def __init__(
+        self,
+        spill: IO[bytes] | None = None,
+        digest: bool = False,
+        breaks: Sequence[d.Key] = NO_KEYS,
+    ) -> None:
         self.leaves: list[Leaf] = []
         self.spill = spill
         self.digest = hashlib.sha256() if digest else None
         self._spill_pos = 0
         self._items: list[tuple[d.Key, bytes]] = []
         self._used = 0
+        self._cuts = _Cuts(breaks) if breaks else None
 
     def add(self, key: d.Key, data: bytes) -> None:
         size = len(data)
         if size > d.MAX_ITEM_DATA:
             raise ValueError(f"item of {size} bytes does not fit in a {d.NODESIZE}-byte leaf")
         used = self._used + d.ITEM_SIZE + size
-        if used > d.LEAF_DATA_SIZE:
+        if used > d.LEAF_DATA_SIZE or (
+            self._cuts is not None
+            and self._items
+            and self._cuts.ends_before(self._items[0][0], key)
+        ):
             self._flush()
             used = d.ITEM_SIZE + size
         self._items.append((key, data))
@@ -200,13 +279,15 @@ class _NativeLeafPacker:
 Packer = LeafPacker | _NativeLeafPacker
 
 
-def leaf_packer(spill: IO[bytes] | None = None, digest: bool = False) -> Packer:
+def leaf_packer(
+    spill: IO[bytes] | None = None, digest: bool = False, breaks: Sequence[d.Key] = NO_KEYS
+) -> Packer:
     """The native packer when the extension is built (and ``BUI_NATIVE`` is not 0), else
-    ``LeafPacker``."""
+    ``LeafPacker``; with ``breaks`` (a build with a base), ``LeafPacker``."""
     nat = native.module()
     packer_class = getattr(nat, "LeafPacker", None)  # None too for an extension built before it
-    if packer_class is None:
-        return LeafPacker(spill, digest)
+    if packer_class is None or breaks:
+        return LeafPacker(spill, digest, breaks)
     return _NativeLeafPacker(packer_class, spill, digest)
 
 
@@ -224,16 +305,22 @@ def unspill(leaves: Sequence[Leaf], spill: IO[bytes]) -> Iterator[Leaf]:
         yield Leaf(leaf.first_key, leaf.nritems, payload)
 
 
-def iter_leaves(items: Iterable[tuple[d.Key, bytes]]) -> Iterator[Leaf]:
+def iter_leaves(
+    items: Iterable[tuple[d.Key, bytes]], breaks: Sequence[d.Key] = NO_KEYS
+) -> Iterator[Leaf]:
     """Sorted items -> leaves, each made as soon as it is full (same split as ``split_leaves``):
     a large tree's items and leaves need not sit in memory together."""
     batch: list[tuple[d.Key, bytes]] = []
     used = 0
+    cuts = _Cuts(breaks) if breaks else None
     for key, data in items:
         need = d.ITEM_SIZE + len(data)
         if len(data) > d.MAX_ITEM_DATA:
             raise ValueError(f"item of {len(data)} bytes does not fit in a {d.NODESIZE}-byte leaf")
-        if used + need > d.LEAF_DATA_SIZE:
+        if batch and (
+            used + need > d.LEAF_DATA_SIZE
+            or (cuts is not None and cuts.ends_before(batch[0][0], key))
+        ):
             yield Leaf(batch[0][0], len(batch), d.pack_leaf_payload(batch))
             batch, used = [], 0
         batch.append((key, data))
@@ -241,8 +328,10 @@ def iter_leaves(items: Iterable[tuple[d.Key, bytes]]) -> Iterator[Leaf]:
     yield Leaf(batch[0][0] if batch else EMPTY_KEY, len(batch), d.pack_leaf_payload(batch))
 
 
-def pack_leaves(items: Iterable[tuple[d.Key, bytes]]) -> list[Leaf]:
-    return list(iter_leaves(items))
+def pack_leaves(
+    items: Iterable[tuple[d.Key, bytes]], breaks: Sequence[d.Key] = NO_KEYS
+) -> list[Leaf]:
+    return list(iter_leaves(items, breaks))
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,8 +352,10 @@ def serialize(
     fsid: bytes,
     chunk_tree_uuid: bytes,
     sink: BlockSink,
+    breaks: Breaks | None = None,
 ) -> tuple[TreeInfo, int]:
-    """Emit every block of one tree to ``sink``; one address per block from ``addresses``.
+    """Emit every block of one tree to ``sink``; one address per block from ``addresses``
+    (nodes grouped as ``plan_blocks`` does).
 
     Returns the tree's root and the number of blocks emitted.
     """
@@ -284,8 +375,11 @@ def serialize(
     while len(level) > 1:
         height += 1
         upper: list[tuple[d.Key, int]] = []
-        for i in range(0, len(level), d.NODEPTRS_PER_BLOCK):
-            ptrs = level[i : i + d.NODEPTRS_PER_BLOCK]
+        at = 0
+        cuts = NO_KEYS if breaks is None else breaks.at(height)
+        for count in group_nodes([k for k, _ in level], cuts):
+            ptrs = level[at : at + count]
+            at += count
             bytenr = next(addresses)
             payload = d.pack_node_payload(ptrs, generation)
             sink(

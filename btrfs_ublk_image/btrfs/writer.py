@@ -11,12 +11,22 @@ Order of work (each step decides the bytes named):
    until the extent tree (which lists every tree block) stops growing.
 5. Addresses, real items, tree blocks, both superblocks; ``meta.img`` written.
 The result says which device-2 ranges hold which pack bytes (the blockmap).
+
+With a base image (``BaseTrees``, ``build --base``), metadata changes stay local: every
+tree breaks its blocks where the base's did (``treeblocks.Breaks``), a block beginning at
+the key (and level) of a base block takes that block's address (relative to the start
+of metadata), and the other blocks take the slots the base's unused blocks left, then
+addresses after the base's last block. So a new version's meta.img differs from the
+base's in the blocks whose items changed (and in every block header's fsid and
+checksum), which is what its patch (patch.py) carries.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
+import itertools
 import os
 import sys
 import tempfile
@@ -39,14 +49,18 @@ from btrfs_ublk_image.btrfs.layout import (
 )
 from btrfs_ublk_image.btrfs.superblock import SuperFields, TreeRoot, pack_super
 from btrfs_ublk_image.btrfs.treeblocks import (
+    EMPTY_KEY,
+    NO_KEYS,
+    BlockPlan,
+    Breaks,
     Leaf,
     TreeInfo,
-    block_levels,
     group_by_hash,
     iter_leaves,
     leaf_packer,
-    levels_for_leaves,
     pack_leaves,
+    plan_blocks,
+    plan_items,
     serialize,
     unspill,
 )
@@ -78,6 +92,17 @@ class WriterOptions:
     label: str = ""
     fsid: uuid.UUID | None = None  # None: derived from the content
     time_ns: int = 0  # timestamps of objects the writer itself creates
+
+
+@dataclass(frozen=True, slots=True)
+class BaseTrees:
+    """The metadata layout of a base image that a build with it keeps (see the module's
+    docstring): per tree, where its blocks began; per block, its address."""
+
+    breaks: dict[int, Breaks]  # tree id -> its blocks' first keys, level by level
+    # (tree id, level, first key) -> the block's address - the base's start of metadata
+    offsets: dict[tuple[int, int, d.Key], int]
+    meta_start: int  # the base's start of metadata (logical)
 
 
 @dataclass(frozen=True, slots=True)
@@ -406,11 +431,15 @@ class _FsTree:
 
 
 def _fs_tree_items(
-    num: _Numbering, placer: _DataPlacer, imax: int, spill: IO[bytes] | None = None
+    num: _Numbering,
+    placer: _DataPlacer,
+    imax: int,
+    spill: IO[bytes] | None = None,
+    breaks: Sequence[d.Key] = NO_KEYS,
 ) -> _FsTree:
     gen = GENERATION
     # with the sha256 over every item's disk key and data, in order
-    packer = leaf_packer(spill, digest=True)
+    packer = leaf_packer(spill, digest=True, breaks=breaks)
     add, add_inode, add_dir = packer.add, packer.add_inode, packer.add_dir
     ref_extent = array("Q")
     ref_ino = array("Q")
@@ -585,16 +614,14 @@ class _DataExtentItems:
     def sizes(self) -> Iterator[tuple[d.Key, int]]:
         """(key, item size) of every item, keyed refs with a stand-in offset: enough to
         order them among other extent tree items (their objectid and type decide)."""
-        start = self.start
+        start, disk_bytes = self.start, self.disk_bytes
         for e, logical in enumerate(self.logical):
             nrefs = start[e + 1] - start[e]
+            key = (logical, d.EXTENT_ITEM_KEY, disk_bytes[e])
             if nrefs <= _INLINE_ROOM:
-                yield (
-                    (logical, d.EXTENT_ITEM_KEY, 0),
-                    _EXTENT_HEAD_SIZE + nrefs * (_INLINE_DATA_REF_SIZE),
-                )
+                yield key, _EXTENT_HEAD_SIZE + nrefs * _INLINE_DATA_REF_SIZE
                 continue
-            yield (logical, d.EXTENT_ITEM_KEY, 0), _EXTENT_HEAD_SIZE
+            yield key, _EXTENT_HEAD_SIZE
             for _ in range(nrefs):
                 yield (logical, d.EXTENT_DATA_REF_KEY, 0), _DATA_REF_SIZE
 
@@ -745,10 +772,11 @@ class _Metadata:
 
     def extent_tree_sizes(
         self, chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
-    ) -> list[int]:
-        """The item sizes of ``extent_tree``, in order, without making the data extents' items."""
+    ) -> Iterator[tuple[d.Key, int]]:
+        """(key, item size) of ``extent_tree``, in order, without making the data extents'
+        items (keyed data refs with a stand-in offset, see ``_DataExtentItems.sizes``)."""
         others = ((key, len(data)) for key, data in self._block_items(chunks, used, blocks))
-        return [size for _, size in heapq.merge(self.data_extents.sizes(), others, key=_item_key)]
+        return heapq.merge(self.data_extents.sizes(), others, key=_item_key)
 
     @staticmethod
     def _block_items(
@@ -770,20 +798,30 @@ class _Metadata:
         return items
 
     def free_space_tree(
-        self, chunks: list[Chunk], used: dict[int, int]
+        self, chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
     ) -> list[tuple[d.Key, bytes]]:
-        # every block group is filled from its start: free space is its tail
+        """A DATA block group is filled from its start (free space is its tail); a metadata
+        one holds ``blocks`` (sorted), with gaps where a base's unused blocks were."""
+        starts = [bytenr for bytenr, _, _ in blocks]
         items: list[tuple[d.Key, bytes]] = []
         for c in sorted(chunks, key=lambda c: c.logical):
-            u = used.get(c.logical, 0)
+            free: list[tuple[int, int]] = []
+            if c.type & d.BLOCK_GROUP_DATA:
+                taken = [(c.logical, used.get(c.logical, 0))]
+            else:
+                lo, hi = bisect.bisect_left(starts, c.logical), bisect.bisect_left(starts, c.end)
+                taken = [(b, d.NODESIZE) for b in starts[lo:hi]]
+            at = c.logical
+            for start, length in taken:
+                if start > at:
+                    free.append((at, start - at))
+                at = max(at, start + length)
+            if at < c.end:
+                free.append((at, c.end - at))
             items.append(
-                (
-                    (c.logical, d.FREE_SPACE_INFO_KEY, c.length),
-                    d.pack_free_space_info(1 if u < c.length else 0),
-                )
+                ((c.logical, d.FREE_SPACE_INFO_KEY, c.length), d.pack_free_space_info(len(free)))
             )
-            if u < c.length:
-                items.append(((c.logical + u, d.FREE_SPACE_EXTENT_KEY, c.length - u), b""))
+            items.extend(((start, d.FREE_SPACE_EXTENT_KEY, n), b"") for start, n in free)
         return items
 
     def root_tree(
@@ -866,8 +904,8 @@ class _Metadata:
         ]
 
 
-def _sizes(items: list[tuple[d.Key, bytes]]) -> list[int]:
-    return [len(data) for _, data in items]
+def _sizes(items: list[tuple[d.Key, bytes]]) -> Iterator[tuple[d.Key, int]]:
+    return ((key, len(data)) for key, data in items)
 
 
 def _item_key(item: tuple[d.Key, object]) -> d.Key:
@@ -875,45 +913,79 @@ def _item_key(item: tuple[d.Key, object]) -> d.Key:
 
 
 def _assign(
-    levels: dict[int, list[int]],
-    sys_chunk: Chunk,
-    meta_chunks: list[Chunk],
-    data_used: dict[int, int],
-) -> tuple[dict[int, list[int]], list[tuple[int, int, int]], dict[int, int]]:
-    """Block addresses per tree, (bytenr, level, owner) of every block, bytes used per block group."""
+    plans: dict[int, BlockPlan], sys_chunk: Chunk, meta_start: int, base: BaseTrees | None
+) -> tuple[dict[int, list[int]], list[tuple[int, int, int]], int]:
+    """Block addresses per tree, (bytenr, level, owner) of every block (sorted), and the
+    bytes from ``meta_start`` to the end of the last metadata block. Without a base, the
+    trees lie one after another; with one, see the module's docstring."""
     addr_of: dict[int, list[int]] = {}
-    blocks: list[tuple[int, int, int]] = []
-    cursor = meta_chunks[0].logical  # metadata chunks are contiguous in logical space
+    offsets = {} if base is None else base.offsets
+    taken: set[int] = set()
+    pending: list[tuple[list[int], int]] = []  # (a tree's addresses, a block's index there)
+    cursor = 0
     for tree_id in _META_TREES:
-        addr_of[tree_id] = [cursor + i * d.NODESIZE for i in range(len(levels[tree_id]))]
-        cursor += len(levels[tree_id]) * d.NODESIZE
-    chunk_levels = levels[d.CHUNK_TREE_OBJECTID]
+        addrs: list[int] = []
+        for i, (level, key) in enumerate(plans[tree_id]):
+            off = offsets.get((tree_id, level, key))
+            if off is None or off in taken:
+                if base is not None:
+                    pending.append((addrs, i))
+                off = cursor if base is None else -1
+            else:
+                taken.add(off)
+            addrs.append(off)
+            cursor += d.NODESIZE
+        addr_of[tree_id] = addrs
+    free = (off for off in itertools.count(0, d.NODESIZE) if off not in taken)
+    for addrs, i in pending:
+        addrs[i] = next(free)
+    span = 0
+    for addrs in addr_of.values():
+        for i, off in enumerate(addrs):
+            addrs[i] = meta_start + off
+            span = max(span, off + d.NODESIZE)
     addr_of[d.CHUNK_TREE_OBJECTID] = [
-        sys_chunk.logical + i * d.NODESIZE for i in range(len(chunk_levels))
+        sys_chunk.logical + i * d.NODESIZE for i in range(len(plans[d.CHUNK_TREE_OBJECTID]))
     ]
-    for tree_id, addrs in addr_of.items():
-        blocks.extend((a, lvl, tree_id) for a, lvl in zip(addrs, levels[tree_id], strict=True))
+    blocks = [
+        (a, level, tree_id)
+        for tree_id, addrs in addr_of.items()
+        for a, (level, _) in zip(addrs, plans[tree_id], strict=True)
+    ]
     blocks.sort()
+    return addr_of, blocks, span
+
+
+def _used(
+    chunks: list[Chunk], data_used: dict[int, int], blocks: list[tuple[int, int, int]]
+) -> dict[int, int]:
+    """Bytes used per block group (by its logical start): ``data_used`` for DATA, the
+    tree blocks in it for the others."""
     used = dict(data_used)
-    used[sys_chunk.logical] = len(chunk_levels) * d.NODESIZE
-    left = cursor - meta_chunks[0].logical
-    for c in meta_chunks:
-        used[c.logical] = min(left, c.length)
-        left -= used[c.logical]
-    return addr_of, blocks, used
+    starts = sorted(c.logical for c in chunks)
+    for c in chunks:
+        if not c.type & d.BLOCK_GROUP_DATA:
+            used[c.logical] = 0
+    for bytenr, _, _ in blocks:
+        used[starts[bisect.bisect_right(starts, bytenr) - 1]] += d.NODESIZE
+    return used
 
 
 def write_image(
-    tree: Tree, meta_path: str, opts: WriterOptions, encoded: EncodedExtents | None = None
+    tree: Tree,
+    meta_path: str,
+    opts: WriterOptions,
+    encoded: EncodedExtents | None = None,
+    base: BaseTrees | None = None,
 ) -> ImageLayout:
     """Write ``meta.img`` (device 1) for ``tree`` (not fsynced: the caller's job); return
     device 2's layout. ``encoded``: the blobs' btrfs extents when the packs store them so
-    (btrfs-zstd)."""
+    (btrfs-zstd); ``base``: the metadata layout to keep (a build with a base)."""
     # the fs tree's leaf payloads wait on disk (unnamed, next to meta.img), not in memory
     with tempfile.TemporaryFile(
         "w+b", buffering=SPILL_BUFFER, dir=os.path.dirname(meta_path) or "."
     ) as spill:
-        return _write_image(tree, meta_path, opts, spill, encoded)
+        return _write_image(tree, meta_path, opts, spill, encoded, base)
 
 
 def _write_image(
@@ -922,12 +994,28 @@ def _write_image(
     opts: WriterOptions,
     spill: IO[bytes],
     encoded: EncodedExtents | None,
+    base: BaseTrees | None,
 ) -> ImageLayout:
     imax = inline_max(opts)
     numbering = _number(tree)
     sys_chunk = system_chunk()
     placer = _DataPlacer(sys_chunk.end, encoded)
-    fs = _fs_tree_items(numbering, placer, imax, spill)
+
+    def breaks(tree_id: int) -> Breaks | None:
+        b = None if base is None else base.breaks.get(tree_id)
+        if b is not None and tree_id == d.EXTENT_TREE_OBJECTID:
+            # keyed data refs are planned with a stand-in offset (_DataExtentItems.sizes):
+            # no break at one, so the plan's split is the built one
+            b = Breaks(
+                tuple(tuple(k for k in ks if k[1] != d.EXTENT_DATA_REF_KEY) for ks in b.levels)
+            )
+        return b
+
+    def leaf_breaks(tree_id: int) -> Sequence[d.Key]:
+        b = breaks(tree_id)
+        return NO_KEYS if b is None else b.at(0)
+
+    fs = _fs_tree_items(numbering, placer, imax, spill, leaf_breaks(d.FS_TREE_OBJECTID))
     del numbering  # it is in the items now
     data_chunks = placer.finish()
     csum_items = placer.csum_items()
@@ -951,48 +1039,58 @@ def _write_image(
     fs.ref_extent, fs.ref_ino, fs.ref_offset = array("Q"), array("Q"), array("Q")  # grouped now
     data_end = max(c.physical + c.length for c in data_chunks)
 
-    # Plan: block counts per tree -> chunks -> addresses -> real items -> block counts,
-    # until nothing changes (the extent tree lists every block, including its own).
+    # Plan: blocks per tree -> addresses -> chunks -> real items -> blocks, until nothing
+    # changes (the extent tree lists every block, including its own).
     meta_logical = max(c.end for c in data_chunks)
+    if base is not None:
+        # addresses are kept relative to the start of metadata: keep the base's start too
+        # when the data still ends below it
+        meta_logical = max(meta_logical, base.meta_start)
     uuid_items, reloc_items = meta.uuid_tree(), meta.data_reloc_tree()
     placeholder = {t: TreeInfo(t, 0, 0) for t in _META_TREES}
-    levels: dict[int, list[int]] = {
-        d.FS_TREE_OBJECTID: levels_for_leaves(len(fs.leaves)),
-        d.EXTENT_TREE_OBJECTID: [0],
-        d.ROOT_TREE_OBJECTID: block_levels(
-            _sizes(meta.root_tree(placeholder, dict.fromkeys(_META_TREES, 0)))
+    empty = [(0, EMPTY_KEY)]
+    plans: dict[int, BlockPlan] = {
+        d.FS_TREE_OBJECTID: plan_blocks(
+            [leaf.first_key for leaf in fs.leaves], breaks(d.FS_TREE_OBJECTID)
         ),
-        d.DEV_TREE_OBJECTID: [0],
-        d.CSUM_TREE_OBJECTID: block_levels(_sizes(csum_items)),
-        d.UUID_TREE_OBJECTID: block_levels(_sizes(uuid_items)),
-        d.FREE_SPACE_TREE_OBJECTID: [0],
-        d.DATA_RELOC_TREE_OBJECTID: block_levels(_sizes(reloc_items)),
-        d.CHUNK_TREE_OBJECTID: [0],
+        d.EXTENT_TREE_OBJECTID: empty,
+        d.ROOT_TREE_OBJECTID: plan_items(
+            _sizes(meta.root_tree(placeholder, dict.fromkeys(_META_TREES, 0))),
+            breaks(d.ROOT_TREE_OBJECTID),
+        ),
+        d.DEV_TREE_OBJECTID: empty,
+        d.CSUM_TREE_OBJECTID: plan_items(_sizes(csum_items), breaks(d.CSUM_TREE_OBJECTID)),
+        d.UUID_TREE_OBJECTID: plan_items(_sizes(uuid_items), breaks(d.UUID_TREE_OBJECTID)),
+        d.FREE_SPACE_TREE_OBJECTID: empty,
+        d.DATA_RELOC_TREE_OBJECTID: plan_items(
+            _sizes(reloc_items), breaks(d.DATA_RELOC_TREE_OBJECTID)
+        ),
+        d.CHUNK_TREE_OBJECTID: empty,
     }
     for _ in range(20):
-        n_meta = sum(len(levels[t]) for t in _META_TREES)
-        meta_chunks = allocate(
-            n_meta * d.NODESIZE, d.BLOCK_GROUP_METADATA, 1, sys_chunk.end, meta_logical
-        )
+        addr_of, blocks, span = _assign(plans, sys_chunk, meta_logical, base)
+        meta_chunks = allocate(span, d.BLOCK_GROUP_METADATA, 1, sys_chunk.end, meta_logical)
         chunks = [sys_chunk, *data_chunks, *meta_chunks]
         dev_sizes = (meta_chunks[-1].physical + meta_chunks[-1].length, data_end)
-        addr_of, blocks, used = _assign(levels, sys_chunk, meta_chunks, data_used)
+        used = _used(chunks, data_used, blocks)
         # the extent tree, by far the largest of these, is made only once the layout is final
         items: dict[int, list[tuple[d.Key, bytes]]] = {
             d.DEV_TREE_OBJECTID: meta.dev_tree(chunks),
             d.CSUM_TREE_OBJECTID: csum_items,
             d.UUID_TREE_OBJECTID: uuid_items,
-            d.FREE_SPACE_TREE_OBJECTID: meta.free_space_tree(chunks, used),
+            d.FREE_SPACE_TREE_OBJECTID: meta.free_space_tree(chunks, used, blocks),
             d.DATA_RELOC_TREE_OBJECTID: reloc_items,
             d.CHUNK_TREE_OBJECTID: meta.chunk_tree(chunks, dev_sizes),
         }
-        new = dict(levels)
-        new[d.EXTENT_TREE_OBJECTID] = block_levels(meta.extent_tree_sizes(chunks, used, blocks))
+        new = dict(plans)
+        new[d.EXTENT_TREE_OBJECTID] = plan_items(
+            meta.extent_tree_sizes(chunks, used, blocks), breaks(d.EXTENT_TREE_OBJECTID)
+        )
         for tree_id in _ADDRESS_DEPENDENT:
-            new[tree_id] = block_levels(_sizes(items[tree_id]))
-        if new == levels:
+            new[tree_id] = plan_items(_sizes(items[tree_id]), breaks(tree_id))
+        if new == plans:
             break
-        levels = new
+        plans = new
     else:
         raise AssertionError("metadata layout did not converge")
 
@@ -1017,7 +1115,14 @@ def _write_image(
         def tree_blocks(tree_id: int, leaves: Iterable[Leaf]) -> TreeInfo:
             addrs = addr_of[tree_id]
             info, n = serialize(
-                leaves, iter(addrs), tree_id, GENERATION, ids.fsid, ids.chunk_tree_uuid, sink
+                leaves,
+                iter(addrs),
+                tree_id,
+                GENERATION,
+                ids.fsid,
+                ids.chunk_tree_uuid,
+                sink,
+                breaks(tree_id),
             )
             if n != len(addrs):
                 raise AssertionError(f"tree {tree_id}: planned {len(addrs)} blocks, built {n}")
@@ -1025,13 +1130,18 @@ def _write_image(
 
         infos = {d.FS_TREE_OBJECTID: tree_blocks(d.FS_TREE_OBJECTID, unspill(fs.leaves, spill))}
         infos[d.EXTENT_TREE_OBJECTID] = tree_blocks(
-            d.EXTENT_TREE_OBJECTID, iter_leaves(meta.extent_tree(chunks, used, blocks))
+            d.EXTENT_TREE_OBJECTID,
+            iter_leaves(
+                meta.extent_tree(chunks, used, blocks), leaf_breaks(d.EXTENT_TREE_OBJECTID)
+            ),
         )
         for tree_id, tree_items in items.items():
-            infos[tree_id] = tree_blocks(tree_id, pack_leaves(tree_items))
+            infos[tree_id] = tree_blocks(tree_id, pack_leaves(tree_items, leaf_breaks(tree_id)))
         nblocks = {t: len(addr_of[t]) for t in _META_TREES}
         root_items = meta.root_tree(infos, nblocks)
-        infos[d.ROOT_TREE_OBJECTID] = tree_blocks(d.ROOT_TREE_OBJECTID, pack_leaves(root_items))
+        infos[d.ROOT_TREE_OBJECTID] = tree_blocks(
+            d.ROOT_TREE_OBJECTID, pack_leaves(root_items, leaf_breaks(d.ROOT_TREE_OBJECTID))
+        )
 
         def root(tree_id: int) -> TreeRoot:
             return TreeRoot(infos[tree_id].root, infos[tree_id].level)
