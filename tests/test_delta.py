@@ -9,6 +9,7 @@ and inodes, and the registry's access log and storage for push.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import io
@@ -440,3 +441,97 @@ def test_base_from_a_web_server_gives_the_same_bundle(
         "meta.img.patch",
     ], v2_files
     assert sorted(p.name for p in out.iterdir()) == ["v2.bundle", "v3.bundle"]
+
+
+# ---- metadata locality: a delta build keeps the base's leaves and block addresses --------
+LOCAL_FILES = 3000
+HEADER = 101  # a tree block's header: checksum, fsid, ... (differs in every block)
+
+
+def _tree_blocks(bundle: Path) -> dict[tuple[int, int, tuple[int, int, int]], int]:
+    """(tree, level, first key) -> bytenr of every block of every tree of meta.img."""
+    from btrfs_ublk_image.reader import Filesystem
+
+    with Filesystem(str(bundle)) as fs:
+        return {
+            (tree, level, key): bytenr
+            for tree, (root, root_level) in fs.tree_roots().items()
+            for level, key, bytenr in fs.blocks(root, root_level, tree)
+        }
+
+
+def _fs_items(bundle: Path) -> dict[tuple[int, int, int], bytes]:
+    from btrfs_ublk_image.reader import Filesystem
+
+    with Filesystem(str(bundle)) as fs:
+        return {key: bytes(data) for key, data in fs.items(fs.fs_root, fs.fs_level, 5)}
+
+
+def _block_payloads(bundle: Path) -> dict[int, bytes]:
+    """bytenr -> the bytes after the header of every tree block (they differ in every
+    block: fsid, checksum)."""
+    from btrfs_ublk_image.reader import Filesystem
+
+    with Filesystem(str(bundle)) as fs:
+        return {
+            bytenr: fs.read_block(bytenr, level, tree)[HEADER:]
+            for tree, (root, root_level) in fs.tree_roots().items()
+            for level, _, bytenr in fs.blocks(root, root_level, tree)
+        }
+
+
+def test_delta_build_changes_only_the_changed_leaves(tmp_path: Path) -> None:
+    """v2 = v1 with an xattr on every 300th file, every 300th other file renamed to a
+    longer name in the same sort order and 10 files after the last directory's last:
+    built with v1 as base, every tree block that begins at the key a v1 block began at
+    keeps v1's address, every fs tree leaf of v1 none of whose items changed is in v2 at
+    its address with the same bytes (but for the header), and the leaves holding changed
+    items split only themselves; built without a base, most blocks change. btrfs check
+    (the oracle for the trees, free space with gaps included) passes, and v2 reads back
+    as its source."""
+    rnd = random.Random(3)
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    for i in range(LOCAL_FILES):
+        d = v1 / f"d{i % 30:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i:05d}").write_bytes(rnd.randbytes(rnd.randrange(100, 6000)))
+    shutil.copytree(v1, v2)
+    names = sorted(p for p in v2.rglob("f*"))
+    for p in names[::300]:
+        os.setxattr(p, "user.v2", b"tag")
+    for p in names[150::300]:
+        p.rename(p.with_name(p.name + "-v2"))  # f00123-v2 sorts before f00124
+    for i in range(10):
+        (v2 / "d29" / f"g{i:03d}").write_bytes(rnd.randbytes(3000))
+    b1, b2, whole = tmp_path / "b1", tmp_path / "b2", tmp_path / "whole"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
+    build(write_spec(tmp_path / "v2.yaml", v2), whole)
+    for b in (b1, b2):
+        r = subprocess.run(["btrfs", "check", "--readonly", b / "meta.img"], capture_output=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert contents(str(b2)) == contents(str(v2)) == contents(str(whole))
+
+    blocks1, blocks2 = _tree_blocks(b1), _tree_blocks(b2)
+    assert all(blocks2[k] == blocks1[k] for k in blocks2 if k in blocks1)
+    # the v1 fs leaves holding an item that changed, appeared or went
+    items1, items2 = _fs_items(b1), _fs_items(b2)
+    changed = sorted(k for k in items1.keys() | items2.keys() if items1.get(k) != items2.get(k))
+    leaves1 = sorted(
+        (key, at) for (tree, level, key), at in blocks1.items() if (tree, level) == (5, 0)
+    )
+    touched = {
+        leaves1[max(0, bisect.bisect_right([k for k, _ in leaves1], key) - 1)][1] for key in changed
+    }
+    assert 10 < len(touched) < len(leaves1) / 4, (len(touched), len(leaves1))
+    p1, p2 = _block_payloads(b1), _block_payloads(b2)
+    untouched = [at for _, at in leaves1 if at not in touched]
+    assert all(p2.get(at) == p1[at] for at in untouched)
+    leaves2 = sum(1 for tree, level, _ in blocks2 if (tree, level) == (5, 0))
+    assert leaves2 <= len(leaves1) + len(touched)
+    # beyond the fs leaves: a few blocks of the extent tree (new data extents and tree
+    # blocks), fs tree nodes and the small trees (root, free space, dev, csum, uuid)
+    local = sum(p1.get(at) != p for at, p in p2.items())
+    assert local <= len(touched) + (leaves2 - len(leaves1)) + 12, (local, len(touched))
+    moved = sum(p1.get(at) != p for at, p in _block_payloads(whole).items())
+    assert moved > 3 * local, (moved, local)

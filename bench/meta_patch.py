@@ -1,0 +1,215 @@
+"""How large a delta image's meta.img patch is, by kind of change (issue 24).
+
+v1 is a tree (the 100,000-file synthetic tree, or the Debian minbase tarball extracted);
+each v2 is v1 with one kind of change that keeps every other path's inode number and
+data offsets (the writer assigns those afresh; see docs/design.md):
+
+* ``xattr``: a ``user.`` xattr added to every 100th regular file;
+* ``rename``: every 100th regular file renamed to a longer name that sorts where its
+  old one did among its siblings;
+* ``append``: files numbering 1% of v1's regular files added to the directory walked
+  last (DFS, sorted names), with names after its last: new inodes after every old one.
+
+For each: v1 built, v2 built with ``--base`` v1, by this checkout and by a baseline
+checkout (``--baseline-src``, the same builder before this work); reported: the patch of
+meta.img (the manifest's ``patches``), meta.img's size, the 16 KiB blocks of meta.img that
+differ from v1's, and those that differ only in the block header (fsid, checksum). With
+``--levels``, also the time and size of the patch at each zstd level (patch.py's
+parameters otherwise).
+
+Run: ``.venv/bin/python -m bench.meta_patch --input synthetic --work DIR [--baseline-src SRC]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+EVERY = 100
+KINDS = ("xattr", "rename", "append")
+HEADER = 101  # bytes of a tree block's header
+
+
+def regular_files(root: Path) -> list[Path]:
+    """Every regular file with one name, in sorted path order."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            st = p.lstat()
+            if p.is_file() and not p.is_symlink() and st.st_nlink == 1:
+                out.append(p)
+    return sorted(out)
+
+
+def _own_copy(p: Path) -> None:
+    """Break ``p``'s hard link with v1's tree (v2 starts as ``cp -al``)."""
+    tmp = p.with_name(p.name + ".tmp-own")
+    shutil.copy2(p, tmp)
+    st = p.lstat()
+    os.chown(tmp, st.st_uid, st.st_gid)
+    os.rename(tmp, p)
+
+
+def make_v2(v1: Path, v2: Path, kind: str) -> int:
+    """v2 = v1 with one kind of change; -> the number of files changed."""
+    subprocess.run(["cp", "-al", v1, v2], check=True)
+    files = regular_files(v2)
+    changed = 0
+    if kind == "xattr":
+        for p in files[::EVERY]:
+            _own_copy(p)
+            st = p.lstat()
+            os.setxattr(p, "user.v2", b"tag-" + p.name.encode())
+            os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+            changed += 1
+    elif kind == "rename":
+        for p in files[::EVERY]:
+            siblings = sorted(os.listdir(p.parent))
+            new = p.name + "-v2"
+            at = siblings.index(p.name)
+            after = siblings[at + 1] if at + 1 < len(siblings) else None
+            if after is not None and not new < after:
+                continue  # it would sort elsewhere: another inode order
+            p.rename(p.with_name(new))
+            changed += 1
+    elif kind == "append":
+        last = v2
+        while True:
+            subdirs = sorted(e.name for e in os.scandir(last) if e.is_dir(follow_symlinks=False))
+            if not subdirs:
+                break
+            last = last / subdirs[-1]
+        names = sorted(os.listdir(last))
+        top = max([*names, ""])
+        for i in range(len(files) // EVERY):
+            data = os.urandom(1000 + (i * 7919) % 7000)
+            p = last / f"{top}~{i:06d}"
+            p.write_bytes(data)
+            os.utime(p, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+            changed += 1
+    else:
+        raise ValueError(kind)
+    return changed
+
+
+def _spec(path: Path, src: Path) -> Path:
+    path.write_text(
+        f"version: 1\nname: {path.stem}\nsource_date_epoch: 1700000000\n"
+        f"layers:\n  - dir: {{path: {src}}}\n"
+    )
+    return path
+
+
+def _build(src: Path | None, spec: Path, out: Path, *more: str | Path) -> float:
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = str(src)
+    t = time.monotonic()
+    cmd = [sys.executable, "-m", "btrfs_ublk_image", "build", spec, "-o", out, *more]
+    subprocess.run(cmd, check=True, env=env, cwd=src or ROOT, stdout=subprocess.DEVNULL)
+    return time.monotonic() - t
+
+
+def compare(b1: Path, b2: Path) -> dict[str, Any]:
+    m = json.loads((b2 / "manifest.json").read_text())
+    a, b = (b1 / "meta.img").read_bytes(), (b2 / "meta.img").read_bytes()
+    differ = header_only = 0
+    n = 16384
+    for off in range(0, max(len(a), len(b)), n):
+        x, y = a[off : off + n], b[off : off + n]
+        if x != y:
+            differ += 1
+            header_only += len(x) == len(y) == n and x[HEADER:] == y[HEADER:]
+    return {
+        "meta_img_bytes": len(b),
+        "patch_bytes": m["patches"]["meta.img"]["size"],
+        "blocks_differing": differ,
+        "blocks_header_only": header_only,
+    }
+
+
+def level_times(b1: Path, b2: Path, levels: list[int]) -> list[dict[str, Any]]:
+    from btrfs_ublk_image import patch
+
+    base, new = (b1 / "meta.img").read_bytes(), (b2 / "meta.img").read_bytes()
+    out = []
+    saved = patch.LEVEL
+    try:
+        for level in levels:
+            patch.LEVEL = level
+            t = time.process_time()
+            p = patch.make(base, new)
+            out.append({"level": level, "patch_bytes": len(p), "cpu_s": time.process_time() - t})
+    finally:
+        patch.LEVEL = saved
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--input", choices=("synthetic", "debian"), required=True)
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--files", type=int, default=100_000, help="synthetic tree's entries")
+    ap.add_argument("--debian-tar", type=Path, help="the Debian minbase rootfs.tar")
+    ap.add_argument("--baseline-src", type=Path, help="a checkout of the builder to compare")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--levels", default="", help="zstd levels to time, e.g. 3,9,19")
+    args = ap.parse_args()
+    work = args.work
+    work.mkdir(parents=True, exist_ok=True)
+    v1 = work / "v1"
+    if not v1.exists():
+        tmp = work / "v1.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        if args.input == "synthetic":
+            from bench.inputs import InputParams, generate_tree
+
+            generate_tree(tmp, InputParams(files=args.files, large_bytes=0, large_count=0))
+        else:
+            subprocess.run(["tar", "-xf", args.debian_tar, "-C", tmp], check=True)
+        tmp.rename(v1)
+    b1 = work / "b1"
+    if not b1.exists():
+        _build(None, _spec(work / "v1.yaml", v1), b1)
+    builders: dict[str, Path | None] = {"ours": None}
+    if args.baseline_src is not None:
+        builders["baseline"] = args.baseline_src.resolve()
+    results: dict[str, Any] = {
+        "input": args.input,
+        "v1_meta_img_bytes": (b1 / "meta.img").stat().st_size,
+    }
+    for kind in args.kinds.split(","):
+        v2 = work / f"v2-{kind}"
+        shutil.rmtree(v2, ignore_errors=True)
+        changed = make_v2(v1, v2, kind)
+        row: dict[str, Any] = {"files_changed": changed}
+        for name, src in builders.items():
+            b2 = work / f"b2-{kind}-{name}"
+            shutil.rmtree(b2, ignore_errors=True)
+            secs = _build(src, _spec(work / f"v2-{kind}.yaml", v2), b2, "--base", b1)
+            row[name] = {"build_s": round(secs, 2), **compare(b1, b2)}
+            check = subprocess.run(
+                ["btrfs", "check", "--readonly", b2 / "meta.img"], capture_output=True, text=True
+            )
+            row[name]["btrfs_check_rc"] = check.returncode
+            if args.levels:
+                row[name]["levels"] = level_times(b1, b2, [int(x) for x in args.levels.split(",")])
+        results[kind] = row
+        print(json.dumps({kind: row}), flush=True)
+    (work / "results.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
