@@ -62,8 +62,8 @@ def _own_copy(p: Path) -> None:
 
 def make_v2(v1: Path, v2: Path, kind: str) -> int:
     """v2 = v1 with one kind of change; -> the number of files changed."""
+    files = [v2 / p.relative_to(v1) for p in regular_files(v1)]
     subprocess.run(["cp", "-al", v1, v2], check=True)
-    files = regular_files(v2)
     changed = 0
     if kind == "xattr":
         for p in files[::EVERY]:

@@ -535,3 +535,46 @@ def test_delta_build_changes_only_the_changed_leaves(tmp_path: Path) -> None:
     assert local <= len(touched) + (leaves2 - len(leaves1)) + 12, (local, len(touched))
     moved = sum(p1.get(at) != p for at, p in _block_payloads(whole).items())
     assert moved > 3 * local, (moved, local)
+
+
+def make_shrunk(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """v1, and v2 = v1 without its second half of directories plus an xattr on every
+    50th file left: v2 built with v1 as base keeps blocks at v1's addresses and leaves
+    gaps where v1's other blocks were. -> (v2's source, v1's bundle, v2's bundle)."""
+    rnd = random.Random(4)
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    for i in range(LOCAL_FILES):
+        d = v1 / f"d{i % 20:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i:05d}").write_bytes(rnd.randbytes(rnd.randrange(100, 6000)))
+    shutil.copytree(v1, v2)
+    for i in range(10, 20):
+        shutil.rmtree(v2 / f"d{i:02d}")
+    for p in sorted(v2.rglob("f*"))[::50]:
+        os.setxattr(p, "user.v2", b"kept")
+    b1, b2 = tmp_path / "b1", tmp_path / "b2"
+    build(write_spec(tmp_path / "v1.yaml", v1), b1)
+    build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
+    return v2, b1, b2
+
+
+def test_delta_build_of_a_smaller_tree_leaves_checked_gaps(tmp_path: Path) -> None:
+    """A v2 with half of v1's files takes fewer blocks than v1: the kept ones stay at
+    v1's addresses, the free space tree lists the gaps, and btrfs check (which compares
+    the free space tree with the extent tree) passes; v2 reads back as its source."""
+    from btrfs_ublk_image.reader import Filesystem
+
+    v2, b1, b2 = make_shrunk(tmp_path)
+    r = subprocess.run(["btrfs", "check", "--readonly", b2 / "meta.img"], capture_output=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert contents(str(b2)) == contents(str(v2))
+    blocks1, blocks2 = _tree_blocks(b1), _tree_blocks(b2)
+    assert len(blocks2) < len(blocks1) - 20
+    kept = [k for k in blocks2 if k in blocks1]
+    assert len(kept) > len(blocks2) / 2 and all(blocks2[k] == blocks1[k] for k in kept)
+    with Filesystem(str(b2)) as fs:
+        root, level = fs.tree_roots()[10]  # the free space tree
+        free = [key for key, _ in fs.items(root, level, 10) if key[1] == 199]
+        meta = [c for c in fs.chunks if c.type & 4]
+    gaps = [k for k in free if any(c.logical <= k[0] < c.logical + c.length for c in meta)]
+    assert len(gaps) > 1, gaps  # holes among the blocks, not only the chunk's tail

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 from servers import docker_registry, nginx_serving
-from test_delta import build, make_v1, make_v2, write_spec
+from test_delta import build, make_shrunk, make_v1, make_v2, write_spec
 from test_remote import cache_dir, image_hex, pack_bytes, settled_status
 from test_ublkd import CHUNK, fresh_seed, no_leftovers, read_file, status_of, ublkd
+
+from bundletools import dmesg_btrfs_problems, dmesg_len, list_dir, mounted_bundle
 
 __all__ = ["cache_dir", "no_leftovers"]  # the fixture, used by name
 
@@ -272,3 +274,27 @@ def test_one_cache_bound_for_every_image_least_recently_used_first(
         chunk_bytes(a),
         chunk_bytes(b),
     )
+
+
+@pytest.mark.root
+def test_kernel_mounts_and_sprouts_a_delta_build_with_gaps(tmp_path: Path) -> None:
+    """The v2 of test_delta's smaller tree (blocks at v1's addresses, gaps in its metadata
+    chunk): the kernel mounts it with v2's tree and no btrfs complaint, and a sprouted
+    writable mount takes new files."""
+    v2, _b1, b2 = make_shrunk(tmp_path)
+    rw = tmp_path / "rw.img"
+    with open(rw, "wb") as f:
+        f.truncate(512 << 20)
+    before = dmesg_len()
+    with mounted_bundle(b2, tmp_path, rw=rw) as m:
+        got = list_dir(m.mountpoint)
+        (m.mountpoint / "new").write_bytes(b"x" * 100_000)
+        os.sync()
+        assert (m.mountpoint / "new").read_bytes() == b"x" * 100_000
+
+    def unclamped(listing: dict[str, dict[str, object]]) -> dict[str, dict[str, object]]:
+        # the spec's source_date_epoch clamps every mtime
+        return {p: {k: v for k, v in e.items() if k != "mtime_ns"} for p, e in listing.items()}
+
+    assert unclamped(got) == unclamped(list_dir(v2))
+    assert dmesg_btrfs_problems(before, m.loops) == []
