@@ -282,6 +282,24 @@ def test_native_leaf_packer_packs_as_the_python_one(spilled: bool) -> None:
         (leaf.first_key, leaf.payload) for leaf in want[0]
     ]
     assert got[1] == want[1]
+    # a build with a base: leaves also end before the base's leaves' first keys
+    ordered = sorted(items)
+    keys = [k for k, _ in ordered]
+    breaks = sorted({*keys[::37], (300, 7, 0), (9999, 0, 0), *keys[5:9]})
+    for part in (ordered, ordered[:1], []):
+        got, want = (
+            _packed(packer, part, None)
+            for packer in (
+                treeblocks._NativeLeafPacker(native.module().LeafPacker, None, True, breaks),  # type: ignore[union-attr]
+                treeblocks.LeafPacker(None, True, breaks),
+            )
+        )
+        assert got == want
+        if part is ordered:
+            firsts = [leaf[0] for leaf in want[0]]
+    assert firsts == treeblocks.split_leaves(((k, len(v)) for k, v in ordered), breaks)
+    greedy = treeblocks.split_leaves((k, len(v)) for k, v in ordered)
+    assert set(keys[::37]) <= set(firsts) and len(firsts) > len(greedy)
     too_big = bytes(ondisk.MAX_ITEM_DATA + 1)
     for packer in (treeblocks.LeafPacker(), treeblocks.leaf_packer()):
         with pytest.raises(ValueError, match="item of 16259 bytes does not fit in a 16384-byte"):

@@ -253,9 +253,10 @@ class _NativeLeafPacker:
 
     def __init__(
         self,
-        packer_class: Callable[[int | None, bool], object],
+        packer_class: Callable[..., object],
         spill: IO[bytes] | None,
         digest: bool,
+        breaks: Sequence[d.Key] = NO_KEYS,
     ) -> None:
         fd = None
         if spill is not None:
@@ -263,7 +264,7 @@ class _NativeLeafPacker:
             if spill.tell() != 0:
                 raise AssertionError("the leaf spill file must be empty")
             fd = spill.fileno()
-        packer: Any = packer_class(fd, digest)
+        packer: Any = packer_class(fd, digest, breaks) if breaks else packer_class(fd, digest)
         self._packer = packer
         self.add = packer.add
         self.add_inode = packer.add_inode
@@ -283,12 +284,15 @@ def leaf_packer(
     spill: IO[bytes] | None = None, digest: bool = False, breaks: Sequence[d.Key] = NO_KEYS
 ) -> Packer:
     """The native packer when the extension is built (and ``BUI_NATIVE`` is not 0), else
-    ``LeafPacker``; with ``breaks`` (a build with a base), ``LeafPacker``."""
+    ``LeafPacker``."""
     nat = native.module()
     packer_class = getattr(nat, "LeafPacker", None)  # None too for an extension built before it
-    if packer_class is None or breaks:
+    # and an extension built before breaks packs only builds without a base
+    if packer_class is None or (
+        breaks and "breaks" not in (getattr(packer_class, "__text_signature__", None) or "")
+    ):
         return LeafPacker(spill, digest, breaks)
-    return _NativeLeafPacker(packer_class, spill, digest)
+    return _NativeLeafPacker(packer_class, spill, digest, breaks)
 
 
 def unspill(leaves: Sequence[Leaf], spill: IO[bytes]) -> Iterator[Leaf]:

@@ -73,6 +73,10 @@ pub struct Packer {
     spill_pos: u64,
     spill_buf: Vec<u8>,
     digest: Option<Sha256>,
+    /// a build with a base: a leaf also ends before each of these keys (sorted: the base's
+    /// leaves' first keys), `next_break` the first one after the current leaf's first key
+    breaks: Vec<Key>,
+    next_break: usize,
 }
 
 fn disk_key(key: Key) -> [u8; DISK_KEY_SIZE] {
@@ -86,7 +90,7 @@ fn disk_key(key: Key) -> [u8; DISK_KEY_SIZE] {
 impl Packer {
     /// `spill_fd`: payloads go to this file (from offset 0) instead of memory; `digest`:
     /// hash every item's disk key and data.
-    pub fn new(spill_fd: Option<i32>, digest: bool) -> Packer {
+    pub fn new(spill_fd: Option<i32>, digest: bool, breaks: Vec<Key>) -> Packer {
         Packer {
             keys: Vec::new(),
             ends: Vec::new(),
@@ -99,7 +103,21 @@ impl Packer {
             spill_pos: 0,
             spill_buf: Vec::new(),
             digest: digest.then(Sha256::new),
+            breaks,
+            next_break: 0,
         }
+    }
+
+    /// Whether the current leaf (not empty) must end before `key`: a base's leaf began at
+    /// a key after the current leaf's first and at or before `key`.
+    fn ends_before(&mut self, key: Key) -> bool {
+        let Some(&first) = self.keys.first() else {
+            return false;
+        };
+        while self.next_break < self.breaks.len() && self.breaks[self.next_break] <= first {
+            self.next_break += 1;
+        }
+        self.next_break < self.breaks.len() && self.breaks[self.next_break] <= key
     }
 
     /// One item, in key order: an InvalidInput error for one larger than a leaf holds, others
@@ -113,7 +131,7 @@ impl Packer {
             ));
         }
         let mut used = self.used + ITEM_SIZE + size;
-        if used > LEAF_DATA_SIZE {
+        if used > LEAF_DATA_SIZE || (!self.breaks.is_empty() && self.ends_before(key)) {
             self.flush()?;
             used = ITEM_SIZE + size;
         }
@@ -287,7 +305,7 @@ mod tests {
 
     #[test]
     fn layout_of_one_leaf() {
-        let mut p = Packer::new(None, true);
+        let mut p = Packer::new(None, true, Vec::new());
         p.add((256, 1, 0), b"abc").unwrap();
         p.add((256, 12, 256), b"de").unwrap();
         let digest = p.finish().unwrap().unwrap();
@@ -312,18 +330,35 @@ mod tests {
 
     #[test]
     fn leaves_split_when_full_and_empty_tree_is_one_leaf() {
-        let mut p = Packer::new(None, false);
+        let mut p = Packer::new(None, false, Vec::new());
         for i in 0..3 {
             p.add((i, 1, 0), &vec![7u8; MAX_ITEM_DATA / 2]).unwrap();
         }
         p.finish().unwrap();
         assert_eq!(p.leaves.iter().map(|l| l.nritems).collect::<Vec<_>>(), vec![1, 1, 1]);
-        let mut empty = Packer::new(None, false);
+        let mut empty = Packer::new(None, false, Vec::new());
         empty.finish().unwrap();
         assert_eq!(empty.leaves.len(), 1);
         assert_eq!(empty.leaves[0].nritems, 0);
-        assert!(Packer::new(None, false)
+        assert!(Packer::new(None, false, Vec::new())
             .add((1, 1, 0), &vec![0u8; MAX_ITEM_DATA + 1])
             .is_err());
+    }
+
+    #[test]
+    fn leaves_end_before_a_break_or_when_full() {
+        let mut p = Packer::new(None, false, vec![(1, 1, 0), (3, 1, 5), (9, 1, 0)]);
+        for i in 0..8 {
+            p.add((i, 1, 0), b"x").unwrap();
+        }
+        for i in 8..12 {
+            p.add((i, 1, 0), &vec![7u8; MAX_ITEM_DATA / 2]).unwrap();
+        }
+        p.finish().unwrap();
+        let firsts: Vec<Key> = p.leaves.iter().map(|l| l.first_key).collect();
+        assert_eq!(
+            firsts,
+            vec![(0, 1, 0), (1, 1, 0), (4, 1, 0), (9, 1, 0), (10, 1, 0), (11, 1, 0)]
+        );
     }
 }

@@ -398,12 +398,13 @@ struct LeafPacker {
 #[pymethods]
 impl LeafPacker {
     /// `spill_fd`: payloads go to this file (the caller's, kept open while packing) from
-    /// offset 0; `digest`: hash every item's disk key and data.
+    /// offset 0; `digest`: hash every item's disk key and data; `breaks`: a leaf also ends
+    /// before each of these keys (sorted; a build with a base: its leaves' first keys).
     #[new]
-    #[pyo3(signature = (spill_fd, digest))]
-    fn new(spill_fd: Option<i32>, digest: bool) -> Self {
+    #[pyo3(signature = (spill_fd, digest, breaks=Vec::new()))]
+    fn new(spill_fd: Option<i32>, digest: bool, breaks: Vec<leaves::Key>) -> Self {
         LeafPacker {
-            inner: leaves::Packer::new(spill_fd, digest),
+            inner: leaves::Packer::new(spill_fd, digest, breaks),
             done: false,
         }
     }
