@@ -87,18 +87,37 @@ class BaseImage:
         """The base's metadata layout (where each tree's blocks begin, and their addresses),
         for the writer to keep (``writer.BaseTrees``)."""
         fs = self.reader.fs
+        # every tree but the chunk tree lives in METADATA chunks
         meta_start = min(
-            c.logical for c in fs.chunks if c.type & d.BLOCK_GROUP_METADATA
-        )  # every tree but the chunk tree lives in METADATA chunks
+            (c.logical for c in fs.chunks if c.type & d.BLOCK_GROUP_METADATA), default=0
+        )
+        meta_size = os.path.getsize(fs.meta_path)
         breaks: dict[int, Breaks] = {}
         offsets: dict[tuple[int, int, d.Key], int] = {}
         for tree_id, (bytenr, level) in fs.tree_roots().items():
             firsts: list[list[d.Key]] = [[] for _ in range(level + 1)]
             for lvl, key, at in fs.blocks(bytenr, level, tree_id):
                 firsts[lvl].append(key)
-                offsets[(tree_id, lvl, key)] = at - meta_start
+                if self._metadata_block(at, meta_start, meta_size):
+                    offsets[(tree_id, lvl, key)] = at - meta_start
             breaks[tree_id] = Breaks(tuple(tuple(sorted(ks)) for ks in firsts))
         return BaseTrees(breaks, offsets, meta_start)
+
+    def _metadata_block(self, bytenr: int, meta_start: int, meta_size: int) -> bool:
+        """Whether a base block's address is one this builder could have given it: in a
+        METADATA chunk, in meta.img, a whole block after the start of metadata (a base made
+        otherwise lends its breaks, not such an address)."""
+        try:
+            chunk, devid, physical = self.reader.fs.map_logical(bytenr, d.NODESIZE)
+        except ImageError:
+            return False
+        return (
+            devid == 1
+            and bool(chunk.type & d.BLOCK_GROUP_METADATA)
+            and physical + d.NODESIZE <= meta_size
+            and bytenr >= meta_start
+            and (bytenr - meta_start) % d.NODESIZE == 0
+        )
 
     def blobs(self) -> list[Blob]:
         """Every distinct content of a regular file of the base that lies in one run of one
