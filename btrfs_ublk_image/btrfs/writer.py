@@ -1001,15 +1001,20 @@ def _write_image(
     sys_chunk = system_chunk()
     placer = _DataPlacer(sys_chunk.end, encoded)
 
-    def breaks(tree_id: int) -> Breaks | None:
-        b = None if base is None else base.breaks.get(tree_id)
-        if b is not None and tree_id == d.EXTENT_TREE_OBJECTID:
-            # keyed data refs are planned with a stand-in offset (_DataExtentItems.sizes):
-            # no break at one, so the plan's split is the built one
-            b = Breaks(
-                tuple(tuple(k for k in ks if k[1] != d.EXTENT_DATA_REF_KEY) for ks in b.levels)
+    tree_breaks = {} if base is None else dict(base.breaks)
+    extent_breaks = tree_breaks.get(d.EXTENT_TREE_OBJECTID)
+    if extent_breaks is not None:
+        # keyed data refs are planned with a stand-in offset (_DataExtentItems.sizes): no
+        # break at one, so the planned split is the built one
+        tree_breaks[d.EXTENT_TREE_OBJECTID] = Breaks(
+            tuple(
+                tuple(k for k in keys if k[1] != d.EXTENT_DATA_REF_KEY)
+                for keys in extent_breaks.levels
             )
-        return b
+        )
+
+    def breaks(tree_id: int) -> Breaks | None:
+        return tree_breaks.get(tree_id)
 
     def leaf_breaks(tree_id: int) -> Sequence[d.Key]:
         b = breaks(tree_id)
