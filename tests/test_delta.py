@@ -460,6 +460,17 @@ def _tree_blocks(bundle: Path) -> dict[tuple[int, int, tuple[int, int, int]], in
         }
 
 
+def _small_files(tmp_path: Path, rnd: random.Random, dirs: int) -> tuple[Path, Path]:
+    """v1: LOCAL_FILES files of 100-6,000 random bytes in ``dirs`` directories; v2 its copy."""
+    v1, v2 = tmp_path / "v1", tmp_path / "v2"
+    for i in range(LOCAL_FILES):
+        d = v1 / f"d{i % dirs:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i:05d}").write_bytes(rnd.randbytes(rnd.randrange(100, 6000)))
+    shutil.copytree(v1, v2)
+    return v1, v2
+
+
 def _fs_items(bundle: Path) -> dict[tuple[int, int, int], bytes]:
     from btrfs_ublk_image.reader import Filesystem
 
@@ -490,12 +501,7 @@ def test_delta_build_changes_only_the_changed_leaves(tmp_path: Path) -> None:
     (the oracle for the trees, free space with gaps included) passes, and v2 reads back
     as its source."""
     rnd = random.Random(3)
-    v1, v2 = tmp_path / "v1", tmp_path / "v2"
-    for i in range(LOCAL_FILES):
-        d = v1 / f"d{i % 30:02d}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"f{i:05d}").write_bytes(rnd.randbytes(rnd.randrange(100, 6000)))
-    shutil.copytree(v1, v2)
+    v1, v2 = _small_files(tmp_path, rnd, 30)
     names = sorted(p for p in v2.rglob("f*"))
     for p in names[::300]:
         os.setxattr(p, "user.v2", b"tag")
@@ -541,13 +547,7 @@ def make_shrunk(tmp_path: Path) -> tuple[Path, Path, Path]:
     """v1, and v2 = v1 without its second half of directories plus an xattr on every
     50th file left: v2 built with v1 as base keeps blocks at v1's addresses and leaves
     gaps where v1's other blocks were. -> (v2's source, v1's bundle, v2's bundle)."""
-    rnd = random.Random(4)
-    v1, v2 = tmp_path / "v1", tmp_path / "v2"
-    for i in range(LOCAL_FILES):
-        d = v1 / f"d{i % 20:02d}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"f{i:05d}").write_bytes(rnd.randbytes(rnd.randrange(100, 6000)))
-    shutil.copytree(v1, v2)
+    v1, v2 = _small_files(tmp_path, random.Random(4), 20)
     for i in range(10, 20):
         shutil.rmtree(v2 / f"d{i:02d}")
     for p in sorted(v2.rglob("f*"))[::50]:
