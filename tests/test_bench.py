@@ -352,3 +352,43 @@ def test_passthrough_table_rows_errors_and_crash_runs() -> None:
     assert "| page: the server (restarted) | 27,927 | 0 | 101.8 | 27,501, 101.8 |" in lines
     assert any(ln.startswith("| passthrough: the supervisor (connection ends) |") for ln in lines)
     assert _ticks(os.getpid()) > 0 and _ticks(2**31) == 0
+
+
+def test_meta_patch_changes_keep_every_other_path(tmp_path: Path) -> None:
+    """bench/meta_patch.py's v2 of each kind: v1 untouched (v2 starts as its hard links),
+    xattr and rename on every 100th single-name file (renamed ones sorting where they
+    did), append after the last directory's last name; other paths as in v1."""
+    from bench.meta_patch import EVERY, make_v2, regular_files
+
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    inputs.generate_tree(v1, inputs.InputParams(files=300, large_bytes=0, large_count=0))
+    before = {p: p.read_bytes() for p in regular_files(v1)}
+    n = len(before)
+    assert n >= 2 * EVERY
+    for kind in ("xattr", "rename", "append"):
+        v2 = tmp_path / f"v2-{kind}"
+        changed = make_v2(v1, v2, kind)
+        assert changed == (len(range(0, n, EVERY)) if kind != "append" else n // EVERY)
+        assert {p: p.read_bytes() for p in before} == before
+        assert all(not os.listxattr(p) for p in before)
+        names = sorted(str(p.relative_to(v2)) for p in v2.rglob("*"))
+        old = sorted(str(p.relative_to(v1)) for p in v1.rglob("*"))
+        if kind == "xattr":
+            assert names == old
+            assert sum(1 for p in v2.rglob("*") if p.is_file() and os.listxattr(p)) == changed
+        elif kind == "rename":
+            renamed = [s for s in names if s.endswith("-v2")]
+            assert len(renamed) == changed and len(names) == len(old)
+            for s in renamed:  # the same place among its siblings
+                parent = (v2 / s).parent
+                sib_new = sorted(os.listdir(parent))
+                sib_old = sorted(os.listdir(v1 / parent.relative_to(v2)))
+                assert sib_new.index(Path(s).name) == sib_old.index(Path(s).name[: -len("-v2")])
+        else:
+            added = sorted(set(names) - set(old))
+            assert len(added) == changed and set(old) <= set(names)
+            last = Path(added[0]).parent
+            assert all(Path(a).parent == last for a in added)
+            assert max(os.listdir(v2 / last)) == Path(added[-1]).name
+        shutil.rmtree(v2)  # as the bench does: its hard links would hide v1's files
