@@ -8,7 +8,12 @@ data offsets (the writer assigns those afresh; see docs/design.md):
 * ``rename``: every 100th regular file renamed to a longer name that sorts where its
   old one did among its siblings;
 * ``append``: files numbering 1% of v1's regular files added to the directory walked
-  last (DFS, sorted names), with names after its last: new inodes after every old one.
+  last (DFS, sorted names), with names after its last: new inodes after every old one;
+* ``resize``: every 100th regular file given new bytes of another size (+-50%);
+* ``addremove``: every 100th regular file removed and a new one added beside it.
+
+The last two renumber inodes and move extents with the writer of main; they stay put
+only where the writer keeps the base's inode numbers and device-2 offsets.
 
 For each: v1 built, v2 built with ``--base`` v1, by this checkout and by a baseline
 checkout (``--baseline-src``, the same builder before this work); reported: the patch of
@@ -34,7 +39,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 EVERY = 100
-KINDS = ("xattr", "rename", "append")
+KINDS = ("xattr", "rename", "append", "resize", "addremove")
 HEADER = 101  # bytes of a tree block's header
 
 
@@ -95,6 +100,19 @@ def make_v2(v1: Path, v2: Path, kind: str) -> int:
             data = os.urandom(1000 + (i * 7919) % 7000)
             p = last / f"{top}~{i:06d}"
             p.write_bytes(data)
+            os.utime(p, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+            changed += 1
+    elif kind in ("resize", "addremove"):
+        for i, p in enumerate(files[::EVERY]):
+            size = p.stat().st_size
+            data = os.urandom(max(1, size + (i % 11 - 5) * size // 10))
+            if kind == "resize":
+                p.unlink()  # v1's file is a hard link of this one
+                p.write_bytes(data)
+            else:
+                p.unlink()
+                p = p.with_name(p.name + "-new")
+                p.write_bytes(data)
             os.utime(p, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
             changed += 1
     else:

@@ -357,7 +357,8 @@ def test_passthrough_table_rows_errors_and_crash_runs() -> None:
 def test_meta_patch_changes_keep_every_other_path(tmp_path: Path) -> None:
     """bench/meta_patch.py's v2 of each kind: v1 untouched (v2 starts as its hard links),
     xattr and rename on every 100th single-name file (renamed ones sorting where they
-    did), append after the last directory's last name; other paths as in v1."""
+    did), append after the last directory's last name, resize and addremove (new bytes of
+    another size, under the same name or a new one beside it); other paths as in v1."""
     from bench.meta_patch import EVERY, make_v2, regular_files
 
     v1 = tmp_path / "v1"
@@ -366,7 +367,7 @@ def test_meta_patch_changes_keep_every_other_path(tmp_path: Path) -> None:
     before = {p: p.read_bytes() for p in regular_files(v1)}
     n = len(before)
     assert n >= 2 * EVERY
-    for kind in ("xattr", "rename", "append"):
+    for kind in ("xattr", "rename", "append", "resize", "addremove"):
         v2 = tmp_path / f"v2-{kind}"
         changed = make_v2(v1, v2, kind)
         assert changed == (len(range(0, n, EVERY)) if kind != "append" else n // EVERY)
@@ -385,6 +386,13 @@ def test_meta_patch_changes_keep_every_other_path(tmp_path: Path) -> None:
                 sib_new = sorted(os.listdir(parent))
                 sib_old = sorted(os.listdir(v1 / parent.relative_to(v2)))
                 assert sib_new.index(Path(s).name) == sib_old.index(Path(s).name[: -len("-v2")])
+        elif kind in ("resize", "addremove"):
+            gone, came = set(old) - set(names), set(names) - set(old)
+            assert len(gone) == len(came) == (0 if kind == "resize" else changed)
+            assert {g + "-new" for g in gone} == came
+            if kind == "resize":
+                differ = [p for p in before if (v2 / p.relative_to(v1)).read_bytes() != before[p]]
+                assert len(differ) == changed
         else:
             added = sorted(set(names) - set(old))
             assert len(added) == changed and set(old) <= set(names)
