@@ -2,8 +2,8 @@
 
 A tree is built in two steps because block addresses and item contents depend
 on each other (the extent tree lists every tree block, including its own):
-``split_leaves``/``block_levels`` need only item sizes and say how many blocks
-a tree takes; ``serialize`` takes the addresses and emits the blocks.
+``plan_items``/``plan_blocks`` need only item keys and sizes and say which blocks
+(level, first key) a tree takes; ``serialize`` takes their addresses and emits them.
 
 Leaves are packed once into ``Leaf`` payloads (the block minus its header,
 which holds the address). The fs tree, by far the largest, is packed while its
