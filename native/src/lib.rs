@@ -97,22 +97,27 @@ impl Pack {
         dedupe: bool,
     ) -> PyResult<(u32, u32, u64)> {
         let core = self.core()?;
-        let start = core.size;
+        let mark = core.begin_stream();
         let mut crc = 0u32;
         let mut got = 0u64;
-        for piece in pieces.try_iter()? {
-            let piece = piece?;
-            let b = piece.cast::<PyBytes>()?.as_bytes();
-            crc = crc32c::crc32c_append(crc, b);
-            got += b.len() as u64;
-            core.write_piece(b).map_err(os_err)?;
+        let mut take = || -> PyResult<()> {
+            for piece in pieces.try_iter()? {
+                let piece = piece?;
+                let b = piece.cast::<PyBytes>()?.as_bytes();
+                crc = crc32c::crc32c_append(crc, b);
+                got += b.len() as u64;
+                core.write_piece(b).map_err(os_err)?;
+            }
+            if got != size {
+                return Err(PyValueError::new_err(got));
+            }
+            Ok(())
+        };
+        if let Err(e) = take() {
+            core.rollback(mark).map_err(os_err)?;
+            return Err(e);
         }
-        if got != size {
-            return Err(PyValueError::new_err(got));
-        }
-        let put = py
-            .detach(|| core.end_stream(start, size, crc, dedupe))
-            .map_err(os_err)?;
+        let put = py.detach(|| core.end_stream(mark, size, crc, dedupe)).map_err(os_err)?;
         let (pack::Put::New(loc) | pack::Put::Dup(loc)) = put;
         Ok((crc, loc.0, loc.1))
     }
