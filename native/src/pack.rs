@@ -23,6 +23,9 @@ use sha2::{Digest, Sha256};
 use crate::stream::{Buf, Pool, Span};
 
 const COMPARE_STEP: usize = 1 << 20;
+/// content up to this size is gathered in memory and deduplicated before it is written;
+/// larger content is written as it streams and rolled back on a match
+pub const MEM_MAX: u64 = 4 << 20;
 /// the pack is handed to the kernel's write-back each time it grew this much (`FLUSH_STEP`)
 const FLUSH_STEP: u64 = 16 << 20;
 /// bytes go to the hasher in batches of about this many
@@ -357,22 +360,26 @@ impl PackCore {
     }
 
     /// Content in shared blocks, all of it at hand: deduplicated before anything is
-    /// written, then written and hashed from the blocks.
-    pub fn put(&mut self, spans: &[Span], crc: u32) -> io::Result<Put> {
+    /// written (when `dedupe`), then written and hashed from the blocks.
+    pub fn put(&mut self, spans: &[Span], crc: u32, dedupe: bool) -> io::Result<Put> {
         let size: u64 = spans.iter().map(|s| (s.end - s.start) as u64).sum();
         self.bytes_in += size;
         let key = size << 32 | crc as u64;
-        for loc in self.candidates(key) {
-            if self.same_as_spans(loc, spans)? {
-                self.bytes_deduped += size;
-                return Ok(Put::Dup(loc));
+        if dedupe {
+            for loc in self.candidates(key) {
+                if self.same_as_spans(loc, spans)? {
+                    self.bytes_deduped += size;
+                    return Ok(Put::Dup(loc));
+                }
             }
         }
         let at = self.size;
         for span in spans {
             self.write_span(span.clone())?;
         }
-        self.remember(key, (0, at));
+        if dedupe {
+            self.remember(key, (0, at));
+        }
         self.final_size();
         Ok(Put::New((0, at)))
     }
@@ -625,7 +632,7 @@ mod tests {
                 let put = match rng.below(4) {
                     0 | 1 => {
                         let spans = spans_of(&data, &mut rng);
-                        core.put(&spans, crc(&data)).unwrap()
+                        core.put(&spans, crc(&data), true).unwrap()
                     }
                     2 => {
                         let mark = core.begin_stream();

@@ -7,14 +7,11 @@
 //! and gives up (`Err`) on anything else: the caller rolls the pack back and the Python
 //! reader reads the whole archive, so its results and errors are the only ones there are.
 
-use crate::pack::{PackCore, Put};
+use crate::pack::{PackCore, Put, MEM_MAX};
 use crate::stream::{Blocks, Span};
 
 const BLOCK: usize = 512;
 const MAX_EXTENSION: u64 = 16 << 20;
-/// regular content up to this size is gathered in memory and deduplicated before it is
-/// written; larger content is written as it streams and rolled back on a match
-const MEM_MAX: u64 = 4 << 20;
 
 pub type R<T> = Result<T, String>;
 
@@ -617,7 +614,7 @@ impl<'a> Parser<'a> {
             }
             let crc = spans.iter().fold(0, |c, s| crc32c::crc32c_append(c, s.bytes()));
             let t = std::time::Instant::now();
-            let put = self.pack.put(&spans, crc).map_err(io)?;
+            let put = self.pack.put(&spans, crc, true).map_err(io)?;
             self.packing += t.elapsed();
             spans.clear(); // the blocks' references
             self.spans = spans;
