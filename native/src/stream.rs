@@ -15,7 +15,10 @@ use std::thread::JoinHandle;
 
 use sha2::{Digest, Sha256};
 
-pub const IN_SIZE: usize = 1 << 20;
+/// the raw file's read size: blocks small enough that the few in flight stay in the CPU's
+/// caches between the read, the two hashes and the pack write (1 MiB blocks: the synthetic
+/// set's native read 3.6-3.7 s user and 65 MiB peak RSS; 256 KiB: 3.2-3.3 s, 57 MiB)
+pub const IN_SIZE: usize = 256 << 10;
 const OUT_SIZE: usize = 1 << 20;
 const DEPTH: usize = 8;
 /// buffers a pool keeps for reuse: the reader's queue, the parser's block and the pack
