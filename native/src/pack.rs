@@ -111,8 +111,6 @@ enum Job {
     Mark(usize),
     Release(usize),
     Rollback(usize),
-    /// start write-back of this range of the pack (its bytes are final)
-    Flush(u64, u64),
 }
 
 /// `ChunkSums` on a thread of its own (the second core), fed batches of spans.
@@ -122,7 +120,7 @@ struct Hasher {
 }
 
 impl Hasher {
-    fn new(file: Arc<File>, chunk_size: u64) -> Hasher {
+    fn new(chunk_size: u64) -> Hasher {
         let (tx, rx) = sync_channel::<Job>(HASH_DEPTH);
         let thread = std::thread::Builder::new()
             .name("pack-sha256".into())
@@ -138,17 +136,6 @@ impl Hasher {
                         Job::Mark(d) => sums.mark(d),
                         Job::Release(d) => sums.release(d),
                         Job::Rollback(d) => sums.rollback(d),
-                        // the disk works beside the CPU and the final fsync has little left
-                        // (errors surface there)
-                        // SAFETY: a plain syscall on an open fd
-                        Job::Flush(from, to) => unsafe {
-                            libc::sync_file_range(
-                                file.as_raw_fd(),
-                                from as i64,
-                                (to - from) as i64,
-                                libc::SYNC_FILE_RANGE_WRITE,
-                            );
-                        },
                     }
                 }
                 sums
@@ -171,6 +158,54 @@ impl Hasher {
         match self.thread.take().map(|t| t.join()) {
             Some(Ok(sums)) => Ok(sums),
             _ => Err(io::Error::other("the pack hasher thread failed")),
+        }
+    }
+}
+
+/// Starts the pack's write-back on a thread of its own: `sync_file_range` may wait for the
+/// disk (block allocation, a full request queue), and neither the parser nor the hasher
+/// (which the parser waits for) should. The disk works beside the CPU and the final fsync
+/// has little left; errors surface there.
+struct Flusher {
+    tx: Option<SyncSender<(u64, u64)>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Flusher {
+    fn new(file: Arc<File>) -> Flusher {
+        let (tx, rx) = sync_channel::<(u64, u64)>(4);
+        let thread = std::thread::Builder::new()
+            .name("pack-flush".into())
+            .spawn(move || {
+                for (from, to) in rx {
+                    // SAFETY: a plain syscall on an open fd
+                    unsafe {
+                        libc::sync_file_range(
+                            file.as_raw_fd(),
+                            from as i64,
+                            (to - from) as i64,
+                            libc::SYNC_FILE_RANGE_WRITE,
+                        );
+                    }
+                }
+            })
+            .expect("spawn pack-flush");
+        Flusher {
+            tx: Some(tx),
+            thread: Some(thread),
+        }
+    }
+
+    /// Start write-back of `from..to`; false when the flusher is busy (never waits: the
+    /// next request covers the range).
+    fn request(&self, from: u64, to: u64) -> bool {
+        self.tx.as_ref().is_some_and(|tx| tx.try_send((from, to)).is_ok())
+    }
+
+    fn stop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
         }
     }
 }
@@ -217,6 +252,7 @@ pub struct PackCore {
     index: HashMap<u64, Locs>,
     fds: HashMap<u32, RawFd>, // in-place packs (their fds are the Python side's)
     hasher: Hasher,
+    flusher: Flusher,
     /// bytes written but not yet handed to the hasher (all after the newest mark)
     pending: Vec<Span>,
     pending_bytes: usize,
@@ -241,13 +277,15 @@ pub enum Put {
 impl PackCore {
     pub fn new(file: File, chunk_size: u64) -> PackCore {
         let file = Arc::new(file);
-        let hasher = Hasher::new(Arc::clone(&file), chunk_size);
+        let hasher = Hasher::new(chunk_size);
+        let flusher = Flusher::new(Arc::clone(&file));
         PackCore {
             file,
             size: 0,
             index: HashMap::new(),
             fds: HashMap::new(),
             hasher,
+            flusher,
             pending: Vec::new(),
             pending_bytes: 0,
             copied: None,
@@ -469,8 +507,7 @@ impl PackCore {
     /// The pack's size is final (no rollback but an outer mark's can reach it): start its
     /// write-back every `FLUSH_STEP`.
     fn final_size(&mut self) {
-        if self.size >= self.flushed + FLUSH_STEP {
-            self.hasher.send(Job::Flush(self.flushed, self.size));
+        if self.size >= self.flushed + FLUSH_STEP && self.flusher.request(self.flushed, self.size) {
             self.flushed = self.size;
         }
     }
@@ -535,6 +572,7 @@ impl PackCore {
     /// All chunks hashed, the file synced: the chunk digests.
     pub fn finish(&mut self) -> io::Result<Vec<[u8; 32]>> {
         self.hand_over(true);
+        self.flusher.stop();
         let sums = self.hasher.finish()?;
         self.file.sync_all()?;
         Ok(sums.finish())
@@ -542,6 +580,7 @@ impl PackCore {
 
     pub fn abort(&mut self) {
         self.pending.clear();
+        self.flusher.stop();
         let _ = self.hasher.finish();
     }
 }
