@@ -9,7 +9,9 @@ match earlier content is compared byte by byte, then rolled back and the first
 bytes of the pack, which ublkd checks before serving a byte). So the content
 is hashed with sha256 once: by a worker thread (on the second core) that reads
 each chunk back from the page cache once every byte of it is final (no later
-rollback can touch it).
+rollback can touch it). The native pack (``core``, native/src/pack.rs) hashes the
+bytes as they are written instead, from the buffers they are written from (nothing is
+read back), and snapshots its hash state where a rollback may return to.
 
 A pack's id is sha256 over its chunk digests, so verifying every chunk verifies
 the pack; the file is stored as ``packs/<id hex>``. Another worker thread writes the

@@ -274,6 +274,47 @@ def test_fallback_after_packing_rolls_back(tmp_path: Path, fmt: str) -> None:
     assert len(fellback) == 1, fellback
 
 
+@pytest.mark.parametrize("fallback", [False, True])
+@pytest.mark.parametrize("how", ["none", "gzip"])
+def test_streamed_duplicates_and_rollbacks_same_image(
+    tmp_path: Path, fallback: bool, how: str
+) -> None:
+    """The native pack hashes its chunks from the bytes as it writes them: streamed members
+    (> 4 MiB) found to be duplicates after they were written, members cut by chunk
+    boundaries, and (``fallback``) a whole layer rolled back after them for the Python
+    reader must give the chunk digests, so the image id, of the Python path (which reads
+    the finished chunks back). A second layer from a directory appends through the same
+    pack from Python (gathered up to 4 MiB, streamed beyond)."""
+    root = tmp_path / "root"
+    root.mkdir()
+    big = os.urandom((5 << 20) + 777)
+    (root / "a-big").write_bytes(big)
+    (root / "b-small").write_bytes(os.urandom(3001))
+    (root / "c-big-dup").write_bytes(big)  # written, compared, rolled back
+    (root / "d-big-other").write_bytes(big[:-1] + bytes([big[-1] ^ 1]))
+    (root / "e-mid").write_bytes(os.urandom((1 << 20) + 5))  # spans read blocks
+    (root / "f-mid-dup").write_bytes((root / "e-mid").read_bytes())
+    if fallback:  # a GNU sparse member, sorted last: the layer goes to the Python reader
+        with open(root / "z-sparse", "wb") as f:
+            f.truncate(6 << 20)
+            f.seek(3 << 20)
+            f.write(b"data" * 1000)
+    out = tmp_path / "in.tar"
+    args = ["tar", "--format=gnu", "-S", "--sort=name", "-C", str(root), "-cf", str(out), "."]
+    subprocess.run(args + (["-z"] if how == "gzip" else []), check=True)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "same-as-big").write_bytes(big)
+    (other / "same-as-mid").write_bytes((root / "e-mid").read_bytes())
+    (other / "new-big").write_bytes(os.urandom((4 << 20) + 1))
+    (other / "new-small").write_bytes(os.urandom(5000))
+    (other / "new-small-dup").write_bytes((other / "new-small").read_bytes())
+    ref, got, fellback = both(tmp_path, "tar: {path: in.tar}\n  - dir: {path: other}")
+    assert not ref.startswith("error:"), ref
+    assert got == ref
+    assert len(fellback) == (1 if fallback else 0), fellback
+
+
 @_settings
 @given(
     entries=members(),

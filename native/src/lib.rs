@@ -17,7 +17,10 @@ use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
+use std::sync::Arc;
+
 use pack::PackCore;
+use stream::{Buf, Span};
 use tar::{Content, Parser, Records};
 
 pyo3::create_exception!(btrfs_ublk_native, Unsupported, pyo3::exceptions::PyException);
@@ -97,22 +100,48 @@ impl Pack {
         dedupe: bool,
     ) -> PyResult<(u32, u32, u64)> {
         let core = self.core()?;
-        let start = core.size;
         let mut crc = 0u32;
         let mut got = 0u64;
-        for piece in pieces.try_iter()? {
-            let piece = piece?;
-            let b = piece.cast::<PyBytes>()?.as_bytes();
-            crc = crc32c::crc32c_append(crc, b);
-            got += b.len() as u64;
-            core.write_piece(b).map_err(os_err)?;
+        if size <= pack::MEM_MAX {
+            // gathered, then deduplicated before anything is written (no rollback to hash)
+            let mut data = Vec::with_capacity(size as usize);
+            for piece in pieces.try_iter()? {
+                let piece = piece?;
+                let b = piece.cast::<PyBytes>()?.as_bytes();
+                got += b.len() as u64;
+                if got > size {
+                    break;
+                }
+                data.extend_from_slice(b);
+            }
+            if got != size {
+                return Err(PyValueError::new_err(got));
+            }
+            let crc = crc32c::crc32c(&data);
+            let span = Span::whole(Arc::new(Buf::owned(data)));
+            let put = py.detach(|| core.put(&[span], crc, dedupe)).map_err(os_err)?;
+            let (pack::Put::New(loc) | pack::Put::Dup(loc)) = put;
+            return Ok((crc, loc.0, loc.1));
         }
-        if got != size {
-            return Err(PyValueError::new_err(got));
+        let mark = core.begin_stream();
+        let mut take = || -> PyResult<()> {
+            for piece in pieces.try_iter()? {
+                let piece = piece?;
+                let b = piece.cast::<PyBytes>()?.as_bytes();
+                crc = crc32c::crc32c_append(crc, b);
+                got += b.len() as u64;
+                core.write_piece(b).map_err(os_err)?;
+            }
+            if got != size {
+                return Err(PyValueError::new_err(got));
+            }
+            Ok(())
+        };
+        if let Err(e) = take() {
+            core.rollback(mark).map_err(os_err)?;
+            return Err(e);
         }
-        let put = py
-            .detach(|| core.end_stream(start, size, crc, dedupe))
-            .map_err(os_err)?;
+        let put = py.detach(|| core.end_stream(mark, size, crc, dedupe)).map_err(os_err)?;
         let (pack::Put::New(loc) | pack::Put::Dup(loc)) = put;
         Ok((crc, loc.0, loc.1))
     }

@@ -1,27 +1,39 @@
 //! Pack 0, the bundle's written pack: appends with CRC-32C deduplication (a match is
-//! compared byte by byte, then rolled back), the chunk sha256s on a worker thread that reads
-//! each chunk back once it is final, and write-back started as the pack grows.
+//! compared byte by byte, then rolled back), the chunk sha256s on a worker thread fed the
+//! bytes as they are written (never read back from the pack), and write-back started as
+//! the pack grows.
 //!
 //! The same rules as `packs.PackWriter` (whose pack-0 side this is): the dedup key is
 //! `size << 32 | crc32c`, candidates are compared in the order they were remembered, the
-//! first equal one wins, and a chunk is hashed only when no rollback can reach it.
+//! first equal one wins. The hasher hashes bytes that a rollback may still remove (streamed
+//! content found to be a duplicate, a layer handed back to the Python reader): a mark
+//! snapshots its state (a sha256 state is ~100 bytes), a rollback restores the snapshot.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use sha2::{Digest, Sha256};
 
+use crate::stream::{Buf, Pool, Span};
+
 const COMPARE_STEP: usize = 1 << 20;
+/// content up to this size is gathered in memory and deduplicated before it is written;
+/// larger content is written as it streams and rolled back on a match
+pub const MEM_MAX: u64 = 4 << 20;
 /// the pack is handed to the kernel's write-back each time it grew this much (`FLUSH_STEP`)
 const FLUSH_STEP: u64 = 16 << 20;
-/// chunks go to the hasher this many bytes at a time (`PACK_BUFFER`)
-const SUBMIT_BYTES: u64 = 4 << 20;
+/// bytes go to the hasher in batches of about this many; with `HASH_DEPTH` this bounds the
+/// read blocks kept alive for it (synthetic set's peak RSS: 8 batches of 1 MiB 109 MiB,
+/// 2 of 512 KiB 92 MiB, reading the pack back as before 90 MiB)
+const BATCH_BYTES: usize = 512 << 10;
+/// batches waiting for the hasher (the blocks they reference stay allocated meanwhile)
+const HASH_DEPTH: usize = 2;
 
 /// A place of content: pack index and offset in it.
 pub type Loc = (u32, u64);
@@ -31,65 +43,163 @@ enum Locs {
     Many(Vec<Loc>),
 }
 
-struct Hasher {
-    tx: Option<SyncSender<u64>>,
-    thread: Option<JoinHandle<()>>,
-    out: Arc<Mutex<HashOut>>,
+/// The chunk digests of a byte stream fed in order, with snapshots to return to.
+#[derive(Clone)]
+pub struct ChunkSums {
+    chunk_size: u64,
+    digests: Vec<[u8; 32]>,
+    cur: Sha256,
+    fill: u64, // bytes in `cur`
+    marks: Vec<(usize, Sha256, u64)>,
 }
 
-/// The chunk digests so far and the first error.
-type HashOut = (Vec<[u8; 32]>, Option<String>);
+impl ChunkSums {
+    pub fn new(chunk_size: u64) -> ChunkSums {
+        ChunkSums {
+            chunk_size,
+            digests: Vec::new(),
+            cur: Sha256::new(),
+            fill: 0,
+            marks: Vec::new(),
+        }
+    }
+
+    pub fn update(&mut self, mut data: &[u8]) {
+        while !data.is_empty() {
+            let n = ((self.chunk_size - self.fill) as usize).min(data.len());
+            self.cur.update(&data[..n]);
+            self.fill += n as u64;
+            data = &data[n..];
+            if self.fill == self.chunk_size {
+                self.digests.push(self.cur.finalize_reset().into());
+                self.fill = 0;
+            }
+        }
+    }
+
+    /// Snapshot number `depth` (the marks below it stay).
+    pub fn mark(&mut self, depth: usize) {
+        self.marks.truncate(depth);
+        self.marks.push((self.digests.len(), self.cur.clone(), self.fill));
+    }
+
+    pub fn release(&mut self, depth: usize) {
+        self.marks.truncate(depth);
+    }
+
+    /// Back to snapshot `depth` (dropped with the ones above it).
+    pub fn rollback(&mut self, depth: usize) {
+        if let Some((n, cur, fill)) = self.marks.get(depth).cloned() {
+            self.digests.truncate(n);
+            self.cur = cur;
+            self.fill = fill;
+        }
+        self.marks.truncate(depth);
+    }
+
+    /// The digests, the last (short) chunk's included.
+    pub fn finish(mut self) -> Vec<[u8; 32]> {
+        if self.fill > 0 {
+            self.digests.push(self.cur.finalize().into());
+        }
+        self.digests
+    }
+}
+
+enum Job {
+    Bytes(Vec<Span>),
+    Mark(usize),
+    Release(usize),
+    Rollback(usize),
+}
+
+/// `ChunkSums` on a thread of its own (the second core), fed batches of spans.
+struct Hasher {
+    tx: Option<SyncSender<Job>>,
+    thread: Option<JoinHandle<ChunkSums>>,
+}
 
 impl Hasher {
-    fn new(file: Arc<File>, chunk_size: u64, out: Arc<Mutex<HashOut>>) -> Hasher {
-        let (tx, rx): (SyncSender<u64>, Receiver<u64>) = sync_channel(32);
-        let shared = Arc::clone(&out);
+    fn new(chunk_size: u64) -> Hasher {
+        let (tx, rx) = sync_channel::<Job>(HASH_DEPTH);
         let thread = std::thread::Builder::new()
             .name("pack-sha256".into())
             .spawn(move || {
-                let mut buf = vec![0u8; chunk_size as usize];
-                let mut since_flush = 0u64;
-                let mut flushed_to = 0u64;
-                for offset in rx {
-                    let got = read_full(&file, &mut buf, offset);
-                    let mut guard = shared.lock().unwrap_or_else(|e| e.into_inner());
-                    match got {
-                        Ok(0) => guard.1 = Some(format!("pack chunk at {offset} is missing")),
-                        Ok(n) => guard.0.push(Sha256::digest(&buf[..n]).into()),
-                        Err(e) => guard.1 = Some(format!("pack chunk at {offset}: {e}")),
-                    }
-                    drop(guard);
-                    since_flush += chunk_size;
-                    if since_flush >= FLUSH_STEP {
-                        // start write-back of what is hashed: the disk works beside the CPU
-                        // and the final fsync has little left (errors surface there)
-                        let end = offset + chunk_size;
-                        // SAFETY: a plain syscall on an open fd
-                        unsafe {
-                            libc::sync_file_range(
-                                file.as_raw_fd(),
-                                flushed_to as i64,
-                                (end - flushed_to) as i64,
-                                libc::SYNC_FILE_RANGE_WRITE,
-                            );
+                let mut sums = ChunkSums::new(chunk_size);
+                for job in rx {
+                    match job {
+                        Job::Bytes(spans) => {
+                            for s in &spans {
+                                sums.update(s.bytes());
+                            }
                         }
-                        flushed_to = end;
-                        since_flush = 0;
+                        Job::Mark(d) => sums.mark(d),
+                        Job::Release(d) => sums.release(d),
+                        Job::Rollback(d) => sums.rollback(d),
                     }
                 }
+                sums
             })
             .expect("spawn pack-sha256");
         Hasher {
             tx: Some(tx),
             thread: Some(thread),
-            out,
         }
     }
 
-    fn submit(&self, offset: u64) {
+    fn send(&self, job: Job) {
         if let Some(tx) = &self.tx {
-            let _ = tx.send(offset);
+            let _ = tx.send(job); // a dead hasher is reported by `finish`
         }
+    }
+
+    fn finish(&mut self) -> io::Result<ChunkSums> {
+        self.tx = None;
+        match self.thread.take().map(|t| t.join()) {
+            Some(Ok(sums)) => Ok(sums),
+            _ => Err(io::Error::other("the pack hasher thread failed")),
+        }
+    }
+}
+
+/// Starts the pack's write-back on a thread of its own: `sync_file_range` may wait for the
+/// disk (block allocation, a full request queue), and neither the parser nor the hasher
+/// (which the parser waits for) should. The disk works beside the CPU and the final fsync
+/// has little left; errors surface there.
+struct Flusher {
+    tx: Option<SyncSender<(u64, u64)>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Flusher {
+    fn new(file: Arc<File>) -> Flusher {
+        let (tx, rx) = sync_channel::<(u64, u64)>(4);
+        let thread = std::thread::Builder::new()
+            .name("pack-flush".into())
+            .spawn(move || {
+                for (from, to) in rx {
+                    // SAFETY: a plain syscall on an open fd
+                    unsafe {
+                        libc::sync_file_range(
+                            file.as_raw_fd(),
+                            from as i64,
+                            (to - from) as i64,
+                            libc::SYNC_FILE_RANGE_WRITE,
+                        );
+                    }
+                }
+            })
+            .expect("spawn pack-flush");
+        Flusher {
+            tx: Some(tx),
+            thread: Some(thread),
+        }
+    }
+
+    /// Start write-back of `from..to`; false when the flusher is busy (never waits: the
+    /// next request covers the range).
+    fn request(&self, from: u64, to: u64) -> bool {
+        self.tx.as_ref().is_some_and(|tx| tx.try_send((from, to)).is_ok())
     }
 
     fn stop(&mut self) {
@@ -98,18 +208,6 @@ impl Hasher {
             let _ = t.join();
         }
     }
-}
-
-fn read_full(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    let mut done = 0;
-    while done < buf.len() {
-        let n = file.read_at(&mut buf[done..], offset + done as u64)?;
-        if n == 0 {
-            break;
-        }
-        done += n;
-    }
-    Ok(done)
 }
 
 fn pread_exact(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<()> {
@@ -145,16 +243,24 @@ pub struct Mark {
     remembered: usize,
     bytes_in: u64,
     bytes_deduped: u64,
+    depth: usize, // the hasher's snapshot
 }
 
 pub struct PackCore {
     file: Arc<File>,
-    pub chunk_size: u64,
     pub size: u64,
-    submitted: u64, // chunks handed to the hasher
     index: HashMap<u64, Locs>,
     fds: HashMap<u32, RawFd>, // in-place packs (their fds are the Python side's)
     hasher: Hasher,
+    flusher: Flusher,
+    /// bytes written but not yet handed to the hasher (all after the newest mark)
+    pending: Vec<Span>,
+    pending_bytes: usize,
+    /// bytes that came without a shared block (Python's pieces), gathered for the hasher
+    copied: Option<Buf>,
+    copies: Arc<Pool>,
+    marks: usize, // open marks (the hasher's snapshots)
+    flushed: u64, // write-back started up to here
     pub bytes_in: u64,
     pub bytes_deduped: u64,
     /// keys remembered since the oldest open mark, in order (for a rollback)
@@ -171,15 +277,21 @@ pub enum Put {
 impl PackCore {
     pub fn new(file: File, chunk_size: u64) -> PackCore {
         let file = Arc::new(file);
-        let hasher = Hasher::new(Arc::clone(&file), chunk_size, Arc::new(Mutex::new((Vec::new(), None))));
+        let hasher = Hasher::new(chunk_size);
+        let flusher = Flusher::new(Arc::clone(&file));
         PackCore {
             file,
-            chunk_size,
             size: 0,
-            submitted: 0,
             index: HashMap::new(),
             fds: HashMap::new(),
             hasher,
+            flusher,
+            pending: Vec::new(),
+            pending_bytes: 0,
+            copied: None,
+            copies: Pool::new(BATCH_BYTES),
+            marks: 0,
+            flushed: 0,
             bytes_in: 0,
             bytes_deduped: 0,
             journal: None,
@@ -248,18 +360,23 @@ impl PackCore {
         }
     }
 
-    /// Is `data` equal to `size` bytes at `loc`?
-    fn same_as_buf(&mut self, loc: Loc, data: &[u8]) -> io::Result<bool> {
+    /// Are the bytes of `spans` equal to as many bytes at `loc`?
+    fn same_as_spans(&mut self, loc: Loc, spans: &[Span]) -> io::Result<bool> {
         let fd = self.pack_fd(loc.0)?;
-        let mut done = 0;
-        while done < data.len() {
-            let n = COMPARE_STEP.min(data.len() - done);
-            self.scratch.resize(n, 0);
-            pread_exact(fd, &mut self.scratch[..n], loc.1 + done as u64)?;
-            if self.scratch[..n] != data[done..done + n] {
-                return Ok(false);
+        let mut at = loc.1;
+        for span in spans {
+            let data = span.bytes();
+            let mut done = 0;
+            while done < data.len() {
+                let n = COMPARE_STEP.min(data.len() - done);
+                self.scratch.resize(n, 0);
+                pread_exact(fd, &mut self.scratch[..n], at)?;
+                if self.scratch[..n] != data[done..done + n] {
+                    return Ok(false);
+                }
+                done += n;
+                at += n as u64;
             }
-            done += n;
         }
         Ok(true)
     }
@@ -282,64 +399,117 @@ impl PackCore {
         Ok(true)
     }
 
-    /// Content held whole in memory: deduplicated before anything is written.
-    pub fn put(&mut self, data: &[u8], crc: u32) -> io::Result<Put> {
-        let size = data.len() as u64;
-        self.bytes_in += size;
-        let key = size << 32 | crc as u64;
-        for loc in self.candidates(key) {
-            if self.same_as_buf(loc, data)? {
-                self.bytes_deduped += size;
-                return Ok(Put::Dup(loc));
-            }
-        }
-        let at = self.size;
-        self.file.write_all_at(data, at)?;
-        self.size += size;
-        self.remember(key, (0, at));
-        self.submit_final();
-        Ok(Put::New((0, at)))
-    }
-
-    /// Streamed content: append a piece (see `end_stream`).
-    pub fn write_piece(&mut self, data: &[u8]) -> io::Result<()> {
-        self.file.write_all_at(data, self.size)?;
-        self.size += data.len() as u64;
-        Ok(())
-    }
-
-    /// Streamed content of `size` bytes appended since `start`: deduplicated (rolled back
-    /// on a match) and remembered when `dedupe`.
-    pub fn end_stream(&mut self, start: u64, size: u64, crc: u32, dedupe: bool) -> io::Result<Put> {
+    /// Content in shared blocks, all of it at hand: deduplicated before anything is
+    /// written (when `dedupe`), then written and hashed from the blocks.
+    pub fn put(&mut self, spans: &[Span], crc: u32, dedupe: bool) -> io::Result<Put> {
+        let size: u64 = spans.iter().map(|s| (s.end - s.start) as u64).sum();
         self.bytes_in += size;
         let key = size << 32 | crc as u64;
         if dedupe {
             for loc in self.candidates(key) {
-                if self.same_ranges(loc, (0, start), size)? {
-                    self.file.set_len(start)?;
-                    self.size = start;
+                if self.same_as_spans(loc, spans)? {
                     self.bytes_deduped += size;
                     return Ok(Put::Dup(loc));
                 }
             }
+        }
+        let at = self.size;
+        for span in spans {
+            self.write_span(span.clone())?;
+        }
+        if dedupe {
+            self.remember(key, (0, at));
+        }
+        self.final_size();
+        Ok(Put::New((0, at)))
+    }
+
+    /// Streamed content starts: the pack may be rolled back to here (`end_stream`).
+    pub fn begin_stream(&mut self) -> Mark {
+        self.mark()
+    }
+
+    /// Streamed content: append a piece of a shared block.
+    pub fn write_span(&mut self, span: Span) -> io::Result<()> {
+        let data = span.bytes();
+        self.file.write_all_at(data, self.size)?;
+        self.size += data.len() as u64;
+        self.seal_copied();
+        self.pending_bytes += data.len();
+        self.pending.push(span);
+        self.hand_over(false);
+        Ok(())
+    }
+
+    /// Streamed content: append a piece held elsewhere (copied for the hasher).
+    pub fn write_piece(&mut self, mut data: &[u8]) -> io::Result<()> {
+        self.file.write_all_at(data, self.size)?;
+        self.size += data.len() as u64;
+        while !data.is_empty() {
+            let mut buf = match self.copied.take() {
+                Some(b) => b,
+                None => self.copies.get(),
+            };
+            let at = buf.len();
+            let n = (BATCH_BYTES - at).min(data.len());
+            buf.space()[at..at + n].copy_from_slice(&data[..n]);
+            buf.set_len(at + n);
+            data = &data[n..];
+            self.pending_bytes += n;
+            self.copied = Some(buf);
+            if at + n == BATCH_BYTES {
+                self.seal_copied();
+            }
+        }
+        self.hand_over(false);
+        Ok(())
+    }
+
+    fn seal_copied(&mut self) {
+        if let Some(buf) = self.copied.take() {
+            self.pending.push(Span::whole(Arc::new(buf)));
+        }
+    }
+
+    /// Pending bytes to the hasher once a batch is full (or `now`).
+    fn hand_over(&mut self, now: bool) {
+        if self.pending_bytes >= BATCH_BYTES || (now && self.pending_bytes > 0) {
+            self.seal_copied();
+            self.hasher.send(Job::Bytes(std::mem::take(&mut self.pending)));
+            self.pending_bytes = 0;
+        }
+    }
+
+    /// Streamed content of `size` bytes appended since `mark` (`begin_stream`):
+    /// deduplicated (rolled back on a match) and remembered when `dedupe`.
+    pub fn end_stream(&mut self, mark: Mark, size: u64, crc: u32, dedupe: bool) -> io::Result<Put> {
+        let start = mark.size;
+        let key = size << 32 | crc as u64;
+        if dedupe {
+            for loc in self.candidates(key) {
+                if self.same_ranges(loc, (0, start), size)? {
+                    self.rollback(mark)?;
+                    self.bytes_in += size;
+                    self.bytes_deduped += size;
+                    return Ok(Put::Dup(loc));
+                }
+            }
+        }
+        self.release(mark);
+        self.bytes_in += size;
+        if dedupe {
             self.remember(key, (0, start));
         }
-        self.submit_final();
+        self.final_size();
         Ok(Put::New((0, start)))
     }
 
-    fn submit_final(&mut self) {
-        let step = (SUBMIT_BYTES / self.chunk_size).max(1);
-        if self.size >= (self.submitted + step) * self.chunk_size {
-            self.submit(self.size / self.chunk_size);
+    /// The pack's size is final (no rollback but an outer mark's can reach it): start its
+    /// write-back every `FLUSH_STEP`.
+    fn final_size(&mut self) {
+        if self.size >= self.flushed + FLUSH_STEP && self.flusher.request(self.flushed, self.size) {
+            self.flushed = self.size;
         }
-    }
-
-    fn submit(&mut self, upto: u64) {
-        for index in self.submitted..upto {
-            self.hasher.submit(index * self.chunk_size);
-        }
-        self.submitted = self.submitted.max(upto);
     }
 
     pub fn mark(&mut self) -> Mark {
@@ -350,19 +520,27 @@ impl PackCore {
                 0
             }
         };
+        // what is pending precedes the mark: hashed before the snapshot
+        self.hand_over(true);
+        let depth = self.marks;
+        self.hasher.send(Job::Mark(depth));
+        self.marks += 1;
         Mark {
             size: self.size,
             remembered,
             bytes_in: self.bytes_in,
             bytes_deduped: self.bytes_deduped,
+            depth,
         }
     }
 
     /// Keep what was added since the mark (the journal closes with the outermost mark).
     pub fn release(&mut self, mark: Mark) {
-        if mark.remembered == 0 {
+        if mark.remembered == 0 && mark.depth == 0 {
             self.journal = None;
         }
+        self.hasher.send(Job::Release(mark.depth));
+        self.marks = mark.depth;
     }
 
     /// Undo everything since `mark`: file size, remembered keys, counters, chunk digests.
@@ -374,22 +552,18 @@ impl PackCore {
         for key in keys.into_iter().rev() {
             self.forget_last(key);
         }
-        if mark.remembered == 0 {
+        if mark.depth == 0 {
             self.journal = None;
         }
-        // chunks past the mark may have been hashed: wait for the hasher, drop them
-        let keep = mark.size / self.chunk_size;
-        if self.submitted > keep {
-            self.hasher.stop();
-            let out = Arc::clone(&self.hasher.out);
-            let mut guard = out.lock().unwrap_or_else(|e| e.into_inner());
-            guard.0.truncate(keep as usize);
-            drop(guard);
-            self.hasher = Hasher::new(Arc::clone(&self.file), self.chunk_size, out);
-            self.submitted = keep;
-        }
+        // everything pending came after the newest mark, so after this one: never hashed
+        self.pending.clear();
+        self.pending_bytes = 0;
+        self.copied = None;
+        self.hasher.send(Job::Rollback(mark.depth));
+        self.marks = mark.depth;
         self.file.set_len(mark.size)?;
         self.size = mark.size;
+        self.flushed = self.flushed.min(mark.size);
         self.bytes_in = mark.bytes_in;
         self.bytes_deduped = mark.bytes_deduped;
         Ok(())
@@ -397,19 +571,142 @@ impl PackCore {
 
     /// All chunks hashed, the file synced: the chunk digests.
     pub fn finish(&mut self) -> io::Result<Vec<[u8; 32]>> {
-        self.submit(self.size.div_ceil(self.chunk_size));
-        self.hasher.stop();
-        let mut guard = self.hasher.out.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(e) = guard.1.take() {
-            return Err(io::Error::other(e));
-        }
-        let digests = std::mem::take(&mut guard.0);
-        drop(guard);
+        self.hand_over(true);
+        self.flusher.stop();
+        let sums = self.hasher.finish()?;
         self.file.sync_all()?;
-        Ok(digests)
+        Ok(sums.finish())
     }
 
     pub fn abort(&mut self) {
-        self.hasher.stop();
+        self.pending.clear();
+        self.flusher.stop();
+        let _ = self.hasher.finish();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    /// xorshift64*: reproducible test data without a dependency
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.next() as u8).collect()
+        }
+    }
+
+    fn shared(data: &[u8]) -> Span {
+        Span::whole(Arc::new(Buf::owned(data.to_vec())))
+    }
+
+    /// Content as the parser hands it: cut into spans of separate blocks.
+    fn spans_of(data: &[u8], rng: &mut Rng) -> Vec<Span> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at < data.len() {
+            let n = (1 + rng.below(data.len() as u64) as usize).min(data.len() - at);
+            out.push(shared(&data[at..at + n]));
+            at += n;
+        }
+        out
+    }
+
+    fn crc(data: &[u8]) -> u32 {
+        crc32c::crc32c(data)
+    }
+
+    /// The pack's chunk digests computed as the bytes are written equal sha256 of the
+    /// file's chunks read back (what the hasher did before), through duplicates rolled
+    /// back after streaming, failed streams, and a whole layer rolled back and released.
+    #[test]
+    fn chunk_digests_match_the_file_through_rollbacks() {
+        for seed in 1..=6u64 {
+            let mut rng = Rng(seed * 0x9e37_79b9_7f4a_7c15);
+            let chunk = [4096u64, 1000, 1 << 20][(seed % 3) as usize];
+            let path = std::env::temp_dir().join(format!("pack-test-{}-{seed}", std::process::id()));
+            let file = File::options()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&path)
+                .unwrap();
+            let mut core = PackCore::new(file, chunk);
+            let mut contents: Vec<Vec<u8>> = Vec::new();
+            let mut layer: Option<(Mark, usize)> = None;
+            for step in 0..300 {
+                if step % 50 == 10 {
+                    layer = Some((core.mark(), contents.len()));
+                } else if step % 50 == 40 {
+                    let (mark, n) = layer.take().unwrap();
+                    if step % 100 == 40 {
+                        core.rollback(mark).unwrap();
+                        contents.truncate(n);
+                    } else {
+                        core.release(mark);
+                    }
+                }
+                let reuse = !contents.is_empty() && rng.below(4) == 0;
+                let data = if reuse {
+                    contents[rng.below(contents.len() as u64) as usize].clone()
+                } else {
+                    let n = [1usize, 100, 5000, 70_000, 300_000][rng.below(5) as usize];
+                    let len = 1 + rng.below(n as u64) as usize;
+                    rng.bytes(len)
+                };
+                let known = contents.contains(&data);
+                let put = match rng.below(4) {
+                    0 | 1 => {
+                        let spans = spans_of(&data, &mut rng);
+                        core.put(&spans, crc(&data), true).unwrap()
+                    }
+                    2 => {
+                        let mark = core.begin_stream();
+                        for (i, s) in spans_of(&data, &mut rng).into_iter().enumerate() {
+                            if i % 2 == 0 {
+                                core.write_span(s).unwrap();
+                            } else {
+                                core.write_piece(s.bytes()).unwrap();
+                            }
+                        }
+                        core.end_stream(mark, data.len() as u64, crc(&data), true).unwrap()
+                    }
+                    _ => {
+                        // a stream that fails half way (truncated input): rolled back
+                        let mark = core.begin_stream();
+                        core.write_piece(&data[..data.len() / 2]).unwrap();
+                        core.rollback(mark).unwrap();
+                        continue;
+                    }
+                };
+                assert_eq!(matches!(put, Put::Dup(_)), known);
+                if !known {
+                    contents.push(data);
+                }
+            }
+            let size = core.size;
+            let digests = core.finish().unwrap();
+            let mut all = Vec::new();
+            File::open(&path).unwrap().read_to_end(&mut all).unwrap();
+            std::fs::remove_file(&path).unwrap();
+            assert_eq!(all.len() as u64, size);
+            let expect: Vec<[u8; 32]> = all.chunks(chunk as usize).map(|c| Sha256::digest(c).into()).collect();
+            assert_eq!(digests, expect, "seed {seed}, chunk {chunk}");
+        }
     }
 }

@@ -1,19 +1,125 @@
 //! The input side of a tar layer: the raw file read once on a thread that also hashes it
 //! (the source digest), an inflating thread for gzip/zstd (with the diff_id hashed on a
 //! third thread), and `Blocks`, the parser's view of the uncompressed stream.
+//!
+//! A block is read once into a buffer that is handed on by reference (`Shared`): the parser
+//! writes pack content straight from it and the pack's chunk hasher hashes the same bytes
+//! (`Span`), so no byte is copied between them; buffers go back to a pool once the last
+//! reference drops (fresh memory costs page faults and zeroing on every block).
 
 use std::io::{self, BufRead, Read};
+use std::ops::Deref;
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use sha2::{Digest, Sha256};
 
-pub const IN_SIZE: usize = 1 << 20;
+/// the raw file's read size: blocks small enough that the few in flight stay in the CPU's
+/// caches between the read, the two hashes and the pack write (1 MiB blocks: the synthetic
+/// set's native read 3.6-3.7 s user and 65 MiB peak RSS; 256 KiB: 3.2-3.3 s, 57 MiB)
+pub const IN_SIZE: usize = 256 << 10;
 const OUT_SIZE: usize = 1 << 20;
 const DEPTH: usize = 8;
+/// buffers a pool keeps for reuse: the reader's queue, the parser's block and the pack
+/// hasher's queue of spans all hold some
+const POOL_KEEP: usize = 48;
 
-pub type Block = Result<Arc<Vec<u8>>, String>;
+/// Spare buffers of one size, reused by whoever takes them next.
+pub struct Pool {
+    free: Mutex<Vec<Vec<u8>>>,
+    size: usize,
+}
+
+impl Pool {
+    pub fn new(size: usize) -> Arc<Pool> {
+        Arc::new(Pool {
+            free: Mutex::new(Vec::new()),
+            size,
+        })
+    }
+
+    /// A buffer of the pool's size (zeroed once, when first made), empty (`len` 0).
+    pub fn get(self: &Arc<Pool>) -> Buf {
+        let data = self.free.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        Buf {
+            data: data.unwrap_or_else(|| vec![0u8; self.size]),
+            len: 0,
+            pool: Some(Arc::clone(self)),
+        }
+    }
+}
+
+/// Bytes `data[..len]`; the buffer returns to its pool when dropped.
+pub struct Buf {
+    data: Vec<u8>,
+    len: usize,
+    pool: Option<Arc<Pool>>,
+}
+
+impl Buf {
+    pub fn owned(data: Vec<u8>) -> Buf {
+        Buf {
+            len: data.len(),
+            data,
+            pool: None,
+        }
+    }
+
+    /// The whole buffer, to fill; then `set_len`.
+    pub fn space(&mut self) -> &mut [u8] {
+        &mut self.data
+    }
+
+    pub fn set_len(&mut self, len: usize) {
+        assert!(len <= self.data.len());
+        self.len = len;
+    }
+}
+
+impl Deref for Buf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.data[..self.len]
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            let mut free = pool.free.lock().unwrap_or_else(|e| e.into_inner());
+            if free.len() < POOL_KEEP && self.data.len() == pool.size {
+                free.push(std::mem::take(&mut self.data));
+            }
+        }
+    }
+}
+
+pub type Shared = Arc<Buf>;
+
+/// A range of a shared block.
+#[derive(Clone)]
+pub struct Span {
+    pub block: Shared,
+    pub start: usize,
+    pub end: usize,
+}
+
+impl Span {
+    pub fn whole(block: Shared) -> Span {
+        Span {
+            end: block.len(),
+            block,
+            start: 0,
+        }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.block[self.start..self.end]
+    }
+}
+
+pub type Block = Result<Shared, String>;
 
 /// sha256 of a stream and its length (hex digest, bytes).
 pub type Digested = Result<(String, u64), String>;
@@ -46,6 +152,7 @@ pub fn spawn_reader(fd: i32, start: u64, length: Option<u64>) -> (Receiver<Block
             let mut hash = Sha256::new();
             let mut at = start;
             let mut total = 0u64;
+            let pool = Pool::new(IN_SIZE);
             loop {
                 let want = match length {
                     Some(l) => (l - total).min(IN_SIZE as u64) as usize,
@@ -54,8 +161,8 @@ pub fn spawn_reader(fd: i32, start: u64, length: Option<u64>) -> (Receiver<Block
                 if want == 0 {
                     break;
                 }
-                let mut buf = vec![0u8; want];
-                let n = match pread(fd, &mut buf, at) {
+                let mut buf = pool.get();
+                let n = match pread(fd, &mut buf.space()[..want], at) {
                     Ok(n) => n,
                     Err(e) => {
                         let msg = format!("read error: {e}");
@@ -66,8 +173,8 @@ pub fn spawn_reader(fd: i32, start: u64, length: Option<u64>) -> (Receiver<Block
                 if n == 0 {
                     break;
                 }
-                buf.truncate(n);
-                hash.update(&buf);
+                buf.set_len(n);
+                hash.update(&buf[..]);
                 at += n as u64;
                 total += n as u64;
                 if tx.send(Ok(Arc::new(buf))).is_err() {
@@ -88,8 +195,8 @@ pub fn spawn_reader(fd: i32, start: u64, length: Option<u64>) -> (Receiver<Block
 }
 
 /// sha256 of the blocks sent to the returned sender, on a thread.
-pub fn spawn_hasher() -> (SyncSender<Arc<Vec<u8>>>, JoinHandle<Digested>) {
-    let (tx, rx) = sync_channel::<Arc<Vec<u8>>>(DEPTH);
+pub fn spawn_hasher() -> (SyncSender<Shared>, JoinHandle<Digested>) {
+    let (tx, rx) = sync_channel::<Shared>(DEPTH);
     let handle = std::thread::Builder::new()
         .name("diff-sha256".into())
         .spawn(move || {
@@ -108,7 +215,7 @@ pub fn spawn_hasher() -> (SyncSender<Arc<Vec<u8>>>, JoinHandle<Digested>) {
 /// `Read`/`BufRead` over a channel of blocks (a decompressor's input).
 pub struct ChanReader {
     rx: Receiver<Block>,
-    cur: Arc<Vec<u8>>,
+    cur: Shared,
     pos: usize,
 }
 
@@ -116,7 +223,7 @@ impl ChanReader {
     pub fn new(rx: Receiver<Block>) -> ChanReader {
         ChanReader {
             rx,
-            cur: Arc::new(Vec::new()),
+            cur: Arc::new(Buf::owned(Vec::new())),
             pos: 0,
         }
     }
@@ -157,7 +264,7 @@ impl BufRead for ChanReader {
 pub fn spawn_inflater(
     kind: &'static str,
     input: Receiver<Block>,
-    diff: Option<SyncSender<Arc<Vec<u8>>>>,
+    diff: Option<SyncSender<Shared>>,
 ) -> (Receiver<Block>, JoinHandle<()>) {
     let (tx, rx) = sync_channel::<Block>(DEPTH);
     let handle = std::thread::Builder::new()
@@ -177,12 +284,13 @@ pub fn spawn_inflater(
     (rx, handle)
 }
 
-fn pump(mut r: impl Read, tx: &SyncSender<Block>, diff: Option<&SyncSender<Arc<Vec<u8>>>>) -> io::Result<()> {
+fn pump(mut r: impl Read, tx: &SyncSender<Block>, diff: Option<&SyncSender<Shared>>) -> io::Result<()> {
+    let pool = Pool::new(OUT_SIZE);
     loop {
-        let mut buf = vec![0u8; OUT_SIZE];
+        let mut buf = pool.get();
         let mut n = 0;
         while n < OUT_SIZE {
-            let got = r.read(&mut buf[n..])?;
+            let got = r.read(&mut buf.space()[n..])?;
             if got == 0 {
                 break;
             }
@@ -191,7 +299,7 @@ fn pump(mut r: impl Read, tx: &SyncSender<Block>, diff: Option<&SyncSender<Arc<V
         if n == 0 {
             return Ok(());
         }
-        buf.truncate(n);
+        buf.set_len(n);
         let block = Arc::new(buf);
         if let Some(d) = diff {
             d.send(Arc::clone(&block)).map_err(|_| io::Error::other("stopped"))?;
@@ -200,7 +308,7 @@ fn pump(mut r: impl Read, tx: &SyncSender<Block>, diff: Option<&SyncSender<Arc<V
     }
 }
 
-fn gunzip(input: &mut ChanReader, tx: &SyncSender<Block>, diff: Option<&SyncSender<Arc<Vec<u8>>>>) -> io::Result<()> {
+fn gunzip(input: &mut ChanReader, tx: &SyncSender<Block>, diff: Option<&SyncSender<Shared>>) -> io::Result<()> {
     loop {
         pump(flate2::bufread::GzDecoder::new(&mut *input), tx, diff)?;
         // between members: zero padding, then another member or the end
@@ -223,14 +331,14 @@ fn gunzip(input: &mut ChanReader, tx: &SyncSender<Block>, diff: Option<&SyncSend
     }
 }
 
-fn unzstd(input: &mut ChanReader, tx: &SyncSender<Block>, diff: Option<&SyncSender<Arc<Vec<u8>>>>) -> io::Result<()> {
+fn unzstd(input: &mut ChanReader, tx: &SyncSender<Block>, diff: Option<&SyncSender<Shared>>) -> io::Result<()> {
     pump(zstd::stream::read::Decoder::with_buffer(input)?, tx, diff)
 }
 
 /// The parser's view of the uncompressed stream.
 pub struct Blocks {
     rx: Receiver<Block>,
-    cur: Arc<Vec<u8>>,
+    cur: Shared,
     pos: usize,
     pub offset: u64, // stream offset of cur[pos]
     error: Option<String>,
@@ -241,7 +349,7 @@ impl Blocks {
     pub fn new(rx: Receiver<Block>) -> Blocks {
         Blocks {
             rx,
-            cur: Arc::new(Vec::new()),
+            cur: Arc::new(Buf::owned(Vec::new())),
             pos: 0,
             offset: 0,
             error: None,
@@ -287,6 +395,39 @@ impl Blocks {
         self.pos += n;
         self.offset += n as u64;
         s
+    }
+
+    /// Up to `max` bytes of the current block, by reference (None at the end).
+    pub fn span(&mut self, max: usize) -> Option<Span> {
+        if !self.fill() {
+            return None;
+        }
+        let n = max.min(self.cur.len() - self.pos);
+        let span = Span {
+            block: Arc::clone(&self.cur),
+            start: self.pos,
+            end: self.pos + n,
+        };
+        self.pos += n;
+        self.offset += n as u64;
+        Some(span)
+    }
+
+    /// Exactly `n` bytes by reference, in as many spans as blocks they lie in (None when
+    /// the stream ends first).
+    pub fn spans(&mut self, n: usize, out: &mut Vec<Span>) -> bool {
+        out.clear();
+        let mut done = 0;
+        while done < n {
+            match self.span(n - done) {
+                Some(s) => {
+                    done += s.end - s.start;
+                    out.push(s);
+                }
+                None => return false,
+            }
+        }
+        true
     }
 
     /// Fills `out` as far as the stream goes; returns how much.

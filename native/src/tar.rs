@@ -7,14 +7,11 @@
 //! and gives up (`Err`) on anything else: the caller rolls the pack back and the Python
 //! reader reads the whole archive, so its results and errors are the only ones there are.
 
-use crate::pack::{PackCore, Put};
-use crate::stream::Blocks;
+use crate::pack::{PackCore, Put, MEM_MAX};
+use crate::stream::{Blocks, Span};
 
 const BLOCK: usize = 512;
 const MAX_EXTENSION: u64 = 16 << 20;
-/// regular content up to this size is gathered in memory and deduplicated before it is
-/// written; larger content is written as it streams and rolled back on a match
-const MEM_MAX: u64 = 4 << 20;
 
 pub type R<T> = Result<T, String>;
 
@@ -299,7 +296,7 @@ pub struct Parser<'a> {
     pub done: Vec<Records>,
     pub content_bytes: u64,
     next_header: u64,
-    buf: Vec<u8>,
+    spans: Vec<Span>,
     pub packing: std::time::Duration, // in pack writes and dedup compares (BUI_NATIVE_TIMES)
 }
 
@@ -314,7 +311,7 @@ impl<'a> Parser<'a> {
             done: Vec::new(),
             content_bytes: 0,
             next_header: 0,
-            buf: Vec::new(),
+            spans: Vec::new(),
             packing: Default::default(),
         }
     }
@@ -610,34 +607,34 @@ impl<'a> Parser<'a> {
             return Ok(Content::Inline(at, size as usize));
         }
         if size <= MEM_MAX {
-            let mut buf = std::mem::take(&mut self.buf);
-            buf.clear();
-            if self.src.read_append(size as usize, &mut buf) as u64 != size {
+            // by reference to the blocks it lies in: written and hashed from them
+            let mut spans = std::mem::take(&mut self.spans);
+            if !self.src.spans(size as usize, &mut spans) {
                 return Err(self.upstream("truncated member data"));
             }
-            let crc = crc32c::crc32c(&buf);
+            let crc = spans.iter().fold(0, |c, s| crc32c::crc32c_append(c, s.bytes()));
             let t = std::time::Instant::now();
-            let put = self.pack.put(&buf, crc).map_err(io)?;
+            let put = self.pack.put(&spans, crc, true).map_err(io)?;
             self.packing += t.elapsed();
-            self.buf = buf;
+            spans.clear(); // the blocks' references
+            self.spans = spans;
             let (Put::New(loc) | Put::Dup(loc)) = put;
             return Ok(Content::Blob(crc, size, loc.0, loc.1));
         }
-        let start = self.pack.size;
+        let mark = self.pack.begin_stream();
         let mut crc = 0u32;
         let mut left = size;
         while left > 0 {
-            let s = self.src.slice(left.min(1 << 20) as usize);
-            if s.is_empty() {
+            let Some(s) = self.src.span(left.min(1 << 20) as usize) else {
                 return Err(self.upstream("truncated member data"));
-            }
-            crc = crc32c::crc32c_append(crc, s);
-            left -= s.len() as u64;
+            };
+            crc = crc32c::crc32c_append(crc, s.bytes());
+            left -= (s.end - s.start) as u64;
             let t = std::time::Instant::now();
-            self.pack.write_piece(s).map_err(io)?;
+            self.pack.write_span(s).map_err(io)?;
             self.packing += t.elapsed();
         }
-        let (Put::New(loc) | Put::Dup(loc)) = self.pack.end_stream(start, size, crc, true).map_err(io)?;
+        let (Put::New(loc) | Put::Dup(loc)) = self.pack.end_stream(mark, size, crc, true).map_err(io)?;
         Ok(Content::Blob(crc, size, loc.0, loc.1))
     }
 }
