@@ -134,7 +134,7 @@ class BaseImage:
         fs = self.reader.fs
         if fs.root_dirid != d.FIRST_FREE_OBJECTID:
             raise ImageError(f"{fs.meta_path}: root directory is inode {fs.root_dirid}, not 256")
-        self.blobs()
+        self.blobs()  # indexes the base once: fills self._extents
         dirs = {
             ino: {e.name: (e.ino, e.index) for e in node.entries}
             for ino, node in self.reader.inodes.items()
@@ -286,7 +286,6 @@ class Transfer:
 def mapped_chunks(bundle: str) -> dict[bytes, int]:
     """The pack chunks the blockmap of ``bundle`` maps a byte of: digest -> stored length
     (what a host that read every file of the image holds)."""
-
     path = os.path.join(bundle, BLOCKMAP)
     bm = bmap.decode(read_bundle_file(path), path)
     size = bm.chunk_size
@@ -301,7 +300,6 @@ def mapped_chunks(bundle: str) -> dict[bytes, int]:
 def transfer(old: str, new: str) -> Transfer:
     """The bytes a host holding every chunk of ``old`` fetches to read all of ``new``, and
     the bytes a push of ``new`` uploads to a registry holding ``old``."""
-
     have = mapped_chunks(old)
     want = mapped_chunks(new)
     missing = [n for dg, n in want.items() if dg not in have]

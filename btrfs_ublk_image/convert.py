@@ -137,7 +137,6 @@ def convert(
     log: Callable[[str], None] = _stderr,
 ) -> Conversion:
     """Convert ``source`` and push it to ``destination`` (see the module's docstring)."""
-
     src = parse_source(source)
     dst = parse_reference(destination)
     if platform is not None and not _PLATFORM_RE.fullmatch(platform):
@@ -222,7 +221,6 @@ def _platforms(src: Source) -> list[str]:
         cache = pull.BlobCache(pull.cache_dir())
         assert src.digest is not None  # _pin_registry_index pulled it
         doc = json.loads(cache.read(src.digest))
-
         names = [platform_name(d.get("platform")) for d in doc.get("manifests") or []]
         return sorted({n for n in names if n is not None and not n.startswith("unknown/")})
     from btrfs_ublk_image.sources.oci import local_platforms

@@ -182,7 +182,6 @@ def _pull_tree(
     depth: int,
 ) -> list[str]:
     """The blobs below one manifest or index document (already cached)."""
-
     if depth > _MAX_NESTING:
         raise ImageError(f"{name}: image indexes nested too deep")
     if media_type in _INDEX_TYPES or (not media_type and "manifests" in doc):
@@ -310,7 +309,6 @@ def pin_spec(
     lock file (or the spec), else by its tag; -> the spec with each such source pinned to
     its digest, and the lock's new content (ref -> digest). ``update_lock``: the lock file
     is not read; ``locked``: these pins instead of the lock file's."""
-
     if locked is None:
         locked = {} if update_lock else read_lock(lock_path(spec_path))
     cache: BlobCache | None = None
@@ -353,7 +351,6 @@ def pull_bundle(
     (the config blob), meta.img (inflated from its zstd frame), the blockmap and the packs,
     each blob checked against its digest and meta.img and the blockmap against manifest.json
     (a pack's chunks are checked whenever they are read). Returns the image id."""
-
     ref = parse_pull_reference(text)
     reg = Registry(
         ref,
@@ -413,7 +410,6 @@ def pull_http_bundle(url: str, dest: str, *, progress: Progress | None = None) -
     manifest.json, and the packs, whose chunks are checked whenever they are read. The
     client is the registry's (registry.Registry, its requests and checked downloads).
     Returns the image id."""
-
     parts = urllib.parse.urlsplit(url)
     if (
         parts.scheme not in ("http", "https")
@@ -468,7 +464,6 @@ def _pulling_into(dest: str, reg: Registry) -> Iterator[None]:
 
 def _check_files(dest: str, files: dict[str, Any], text: str) -> None:
     """meta.img and the blockmap in ``dest`` are the files manifest.json names."""
-
     for name in (META_IMG, BLOCKMAP):
         want = files.get(name, {}).get("sha256")
         path = os.path.join(dest, name)
@@ -479,7 +474,6 @@ def _check_files(dest: str, files: dict[str, Any], text: str) -> None:
 def _unpatch(dest: str, name: str, entry: dict[str, Any], want: dict[str, Any], text: str) -> None:
     """``name`` made from its patch base and patch in ``dest``, each checked against the
     manifest first (the result is checked by the caller)."""
-
     for rel, e in ((patch.base_path(name), entry["base"]), (patch.patch_path(name), entry)):
         path = os.path.join(dest, rel)
         if not os.path.exists(path) or file_sha256(path) != e["sha256"]:
