@@ -180,11 +180,11 @@ impl DiskCache {
                 continue; // that cache's own load removes it
             }
             let path = self.path(digest);
-            let linked = path.parent().is_some_and(|p| std::fs::create_dir_all(p).is_ok())
-                && std::fs::hard_link(&src, &path).is_ok();
-            if linked {
+            let dir_made = path.parent().is_some_and(|p| std::fs::create_dir_all(p).is_ok());
+            // linked and indexed under the lock, as in `put`
+            let mut ix = self.index.lock().unwrap();
+            if dir_made && std::fs::hard_link(&src, &path).is_ok() {
                 // another name of a file the cache dir holds: no bytes added to the bound
-                let mut ix = self.index.lock().unwrap();
                 if ix.entries.insert(*digest, data.len() as u64).is_none() {
                     ix.total += data.len() as u64;
                 }
@@ -195,6 +195,7 @@ impl DiskCache {
                     let _ = f.set_modified(SystemTime::now());
                 }
             } else {
+                drop(ix);
                 self.put(digest, &data);
             }
             Counters::add(&self.counters.disk_cache_hits, 1);
@@ -215,26 +216,24 @@ impl DiskCache {
             .dir
             .join("tmp")
             .join(format!("{}.{}.{seq}", hex::encode(digest), std::process::id()));
-        let res = (|| -> std::io::Result<()> {
-            std::fs::create_dir_all(path.parent().unwrap())?;
-            std::fs::write(&tmp, data)?;
-            std::fs::rename(&tmp, &path)
-        })();
-        if let Err(e) = res {
+        let written = std::fs::create_dir_all(path.parent().unwrap()).and_then(|()| std::fs::write(&tmp, data));
+        // named and indexed under the lock: a trim scanning at the same time must not
+        // remove a file the index does not list yet (the index would then count it)
+        let mut ix = self.index.lock().unwrap();
+        if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, &path)) {
+            drop(ix);
             let _ = std::fs::remove_file(&tmp);
             log::warn!("chunk cache {}: {e}; not cached", path.display());
             return;
         }
-        let over = {
-            let mut ix = self.index.lock().unwrap();
-            if ix.entries.insert(*digest, data.len() as u64).is_none() {
-                ix.total += data.len() as u64;
-                ix.written_since += data.len() as u64;
-            }
-            self.publish(&ix);
-            // others write too: look again after every 5 % of the bound written here
-            ix.seen_total + ix.written_since > self.limit || ix.written_since > self.limit / 20
-        };
+        if ix.entries.insert(*digest, data.len() as u64).is_none() {
+            ix.total += data.len() as u64;
+            ix.written_since += data.len() as u64;
+        }
+        self.publish(&ix);
+        // others write too: look again after every 5 % of the bound written here
+        let over = ix.seen_total + ix.written_since > self.limit || ix.written_since > self.limit / 20;
+        drop(ix);
         if over {
             self.trim_all();
         }
@@ -349,6 +348,33 @@ mod tests {
         drop(c);
         let _c = DiskCache::open(tmp.path(), 3500, counters).unwrap();
         assert_eq!(std::fs::read_dir(tmp.path().join("tmp")).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn the_published_total_is_the_files_on_disk_under_concurrent_puts() {
+        let tmp = tempfile::tempdir().unwrap();
+        let counters = Arc::new(Counters::default());
+        let c = Arc::new(DiskCache::open(tmp.path(), 20_000, counters.clone()).unwrap());
+        let threads: Vec<_> = (0..4u32)
+            .map(|t| {
+                let c = c.clone();
+                std::thread::spawn(move || {
+                    for i in 0..400u32 {
+                        let data = [t.to_le_bytes(), i.to_le_bytes()].concat().repeat(125);
+                        c.put(&Sha256::digest(&data).into(), &data);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let on_disk: u64 = chunk_files(tmp.path())
+            .iter()
+            .map(|p| std::fs::metadata(p).unwrap().len())
+            .sum();
+        assert_eq!(counters.snapshot().disk_cache_bytes, on_disk);
+        assert!(on_disk <= 20_000);
     }
 
     /// Past the file timestamps' granularity (a kernel tick), so that mtimes order uses.
