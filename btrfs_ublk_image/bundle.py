@@ -29,7 +29,7 @@ from btrfs_ublk_image.manifest import (
     BLOCKMAP,
     FORMAT,
     FORMAT_VERSION,
-    FORMAT_VERSION_PATCHES,
+    FORMAT_VERSION_BLOCK_FORM,
     MANIFEST,
     META_IMG,
     PACKS,
@@ -405,7 +405,7 @@ def _write_into(
     }
     if base is not None:  # only then: the manifests (ids) of other builds are unchanged
         manifest["base"] = base.image_id
-        manifest["format_version"] = FORMAT_VERSION_PATCHES
+        manifest["format_version"] = FORMAT_VERSION_BLOCK_FORM
         manifest["patches"] = _write_patches(tmp, base.bundle, syncer)
     data = encode_manifest(manifest)
     with open(os.path.join(tmp, MANIFEST), "wb") as f:
@@ -467,7 +467,8 @@ def _write_patches(tmp: str, base_bundle: str, syncer: Syncer) -> dict[str, dict
         got = {"sha256": "sha256:" + hashlib.sha256(ref).hexdigest(), "size": len(ref)}
         if not isinstance(want, dict) or got != {k: want.get(k) for k in got}:
             raise ImageError(f"{src_path}: differs from {base_where} (a corrupt base)")
-        data = patch.make(ref, read_bundle_file(os.path.join(tmp, name)))
+        new = read_bundle_file(os.path.join(tmp, name))
+        data = patch.make(ref, new, block_forms=name == patch.BLOCK_FORM_NAME)
         with open(os.path.join(tmp, patch.patch_path(name)), "wb") as f:
             f.write(data)
         syncer.start(os.path.join(tmp, patch.patch_path(name)))

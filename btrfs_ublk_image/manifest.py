@@ -19,6 +19,9 @@ FORMAT_VERSION = 1
 # a bundle built with a base: version 1 plus `patches` (meta.img and blockmap as patches
 # against the lineage's first meta.img and blockmap, patch.py); all others stay version 1
 FORMAT_VERSION_PATCHES = 2
+# what a build with a base writes: version 2 with meta.img's patch made between block
+# forms (patch.py); version 2 stays readable
+FORMAT_VERSION_BLOCK_FORM = patch.FORMAT_VERSION_BLOCK_FORM
 MANIFEST = "manifest.json"
 META_IMG = "meta.img"
 BLOCKMAP = "blockmap"
@@ -56,7 +59,11 @@ def parse_manifest(data: bytes, path: str) -> tuple[dict[str, Any], str]:
         raise ImageError(f"{path}: not valid JSON: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ImageError(f"{path}: not a btrfs-ublk-image bundle manifest")
-    if manifest.get("format_version") not in (FORMAT_VERSION, FORMAT_VERSION_PATCHES):
+    if manifest.get("format_version") not in (
+        FORMAT_VERSION,
+        FORMAT_VERSION_PATCHES,
+        FORMAT_VERSION_BLOCK_FORM,
+    ):
         raise ImageError(f"{path}: unsupported format_version {manifest.get('format_version')}")
     patch.entries(manifest, path)  # their shape: readers may rely on it
     return manifest, image_id(data)

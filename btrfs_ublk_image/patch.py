@@ -21,8 +21,12 @@ a patch costs the same at any level.
 
 from __future__ import annotations
 
+import struct
+from functools import cache
 from typing import Any
 
+from btrfs_ublk_image.btrfs import ondisk as d
+from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import ImageError
 
 LEVEL = 9
@@ -40,9 +44,86 @@ def _window_log(*sizes: int) -> int:
     return min(MAX_WINDOW_LOG, max(10, (max(sizes) - 1).bit_length()))
 
 
-def make(base: bytes, new: bytes) -> bytes:
-    """``new`` as one zstd frame against ``base`` (raw-content dictionary)."""
+# meta.img's patch is made between the files' block forms (format_version 3)
+BLOCK_FORM_NAME = "meta.img"
+FORMAT_VERSION_BLOCK_FORM = 3
+_NODESIZE_AT = d.SUPER_INFO_OFFSET + 0x94  # btrfs_super_block.nodesize
+_FSID_AT = d.SUPER_INFO_OFFSET + 0x20
+_NRITEMS_AT, _LEVEL_AT = 96, 100  # in the tree block header
+
+
+@cache
+def _items(n: int) -> struct.Struct:
+    """n item headers as (key, data offset, data size) triples."""
+    return struct.Struct("<" + "17sII" * n)
+
+
+def _block_form(img: bytes, inverse: bool) -> bytes:
+    """meta.img's *block form* (``inverse``: meta.img from it), docs/bundle-format.md,
+    "The block form". In every block of ``nodesize`` bytes (the superblock's) at a
+    multiple of it, clear of the superblock copies, whose header carries the superblock's
+    fsid: the checksum's first 4 bytes are XORed with the CRC-32C of the block's bytes
+    after the checksum, and a leaf's item data offsets are stored as differences from
+    the packed position (the previous item's offset minus this item's size; the first
+    item's: the leaf's data size). A btrfs leaf packs item data back to back from its
+    end, so an item that grows or goes shifts every later item's offset: in block form
+    those stay 0 and the zstd patch finds the rest of the leaf unchanged; checksums of
+    valid blocks become 0. Defined for any bytes (the fields it reads it does not
+    change), so it is reversible whatever the file holds."""
+    if len(img) < d.SUPER_INFO_OFFSET + d.SUPER_INFO_SIZE:
+        return img
+    (ns,) = struct.unpack_from("<I", img, _NODESIZE_AT)
+    if ns < 4096 or ns > 65536 or ns & (ns - 1):
+        return img
+    fsid = img[_FSID_AT : _FSID_AT + 16]
+    out = bytearray(img)
+    view = memoryview(out)
+    most = (ns - d.HEADER_SIZE) // d.ITEM_SIZE
+    supers = [(s, s + d.SUPER_INFO_SIZE) for s in d.SUPER_MIRRORS]
+    for at in range(0, len(out) - ns + 1, ns):
+        if out[at + 32 : at + 48] != fsid or any(at < e and s < at + ns for s, e in supers):
+            continue
+        blk = view[at : at + ns]
+        if not inverse:
+            csum = crc32c(blk[32:])
+        if blk[_LEVEL_AT] == 0:
+            n = min(struct.unpack_from("<I", blk, _NRITEMS_AT)[0], most)
+            items = _items(n)
+            f = list(items.unpack_from(blk, d.HEADER_SIZE))
+            end = ns - d.HEADER_SIZE  # where the first item's data ends: the leaf's end
+            for i in range(1, 3 * n, 3):
+                size = f[i + 1]
+                if inverse:
+                    f[i] = end = (f[i] + end - size) & 0xFFFFFFFF
+                else:
+                    f[i], end = (f[i] - end + size) & 0xFFFFFFFF, f[i]
+            items.pack_into(blk, d.HEADER_SIZE, *f)
+        if inverse:
+            csum = crc32c(blk[32:])
+        struct.pack_into("<I", blk, 0, struct.unpack_from("<I", blk, 0)[0] ^ csum)
+    return bytes(out)
+
+
+def block_form(img: bytes) -> bytes:
+    return _block_form(img, inverse=False)
+
+
+def from_block_form(form: bytes) -> bytes:
+    return _block_form(form, inverse=True)
+
+
+def in_block_form(manifest: dict[str, Any], name: str) -> bool:
+    """Whether the manifest's patch of ``name`` is made between block forms."""
+    return manifest.get("format_version") == FORMAT_VERSION_BLOCK_FORM and name == BLOCK_FORM_NAME
+
+
+def make(base: bytes, new: bytes, block_forms: bool = False) -> bytes:
+    """``new`` as one zstd frame against ``base`` (raw-content dictionary); with
+    ``block_forms``, the frame of ``new``'s block form against ``base``'s."""
     import zstandard  # its 11 MiB library is loaded only when patches are made or applied
+
+    if block_forms:
+        base, new = block_form(base), block_form(new)
 
     window_log = _window_log(len(base), len(new))
     table_log = max(min(window_log - 2, MAX_TABLE_LOG), 12)
@@ -62,10 +143,14 @@ def make(base: bytes, new: bytes) -> bytes:
     return bytes(zstandard.ZstdCompressor(dict_data=d, compression_params=params).compress(new))
 
 
-def apply(base: bytes, patch: bytes, size: int, where: str) -> bytes:
+def apply(base: bytes, patch: bytes, size: int, where: str, block_forms: bool = False) -> bytes:
     """The file ``patch`` (named ``where``) makes of ``base``: exactly ``size`` bytes, or a
-    clear error. The caller checks the result's digest."""
+    clear error; with ``block_forms``, ``patch`` makes the block form of the file from
+    ``base``'s. The caller checks the result's digest."""
     import zstandard
+
+    if block_forms:
+        base = block_form(base)
 
     d = zstandard.ZstdCompressionDict(base, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
     try:
@@ -76,7 +161,7 @@ def apply(base: bytes, patch: bytes, size: int, where: str) -> bytes:
         raise ImageError(f"{where}: not a zstd patch of its base: {e}") from None
     if len(out) != size:
         raise ImageError(f"{where}: patches its base to {len(out)} bytes, expected {size}")
-    return bytes(out)
+    return from_block_form(bytes(out)) if block_forms else bytes(out)
 
 
 def base_path(name: str) -> str:
@@ -89,7 +174,7 @@ def patch_path(name: str) -> str:
 
 
 def entries(manifest: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
-    """The manifest's ``patches`` (format_version 2), checked for shape: name ->
+    """The manifest's ``patches`` (format_version 2 and 3), checked for shape: name ->
     ``{sha256, size, base: {sha256, size}}``; ``{}`` for format_version 1."""
     patches = manifest.get("patches")
     if manifest.get("format_version") == 1:

@@ -396,7 +396,7 @@ def pull_bundle(
             else:
                 reg.get_blob(str(layer.get("digest")), path, layer.get("size"))
         for name, p in patches.items():
-            _unpatch(dest, name, p, files.get(name, {}), text)
+            _unpatch(dest, manifest, name, p, files.get(name, {}), text)
         _check_files(dest, files, text)
     return image_id
 
@@ -437,7 +437,7 @@ def pull_http_bundle(url: str, dest: str, *, progress: Progress | None = None) -
         for rel, e in wanted.items():
             reg.get_file(at + rel, os.path.join(dest, rel), e.get("sha256"), e.get("size"))
         for name, p in patches.items():
-            _unpatch(dest, name, p, files.get(name, {}), url)
+            _unpatch(dest, manifest, name, p, files.get(name, {}), url)
         _check_files(dest, files, url)
         os.mkdir(os.path.join(dest, PACKS))
         for i, pack in enumerate(manifest.get("packs") or []):
@@ -471,7 +471,14 @@ def _check_files(dest: str, files: dict[str, Any], text: str) -> None:
             raise ImageError(f"{text}: {name} is missing or differs from {MANIFEST}")
 
 
-def _unpatch(dest: str, name: str, entry: dict[str, Any], want: dict[str, Any], text: str) -> None:
+def _unpatch(
+    dest: str,
+    manifest: dict[str, Any],
+    name: str,
+    entry: dict[str, Any],
+    want: dict[str, Any],
+    text: str,
+) -> None:
     """``name`` made from its patch base and patch in ``dest``, each checked against the
     manifest first (the result is checked by the caller)."""
     for rel, e in ((patch.base_path(name), entry["base"]), (patch.patch_path(name), entry)):
@@ -483,6 +490,7 @@ def _unpatch(dest: str, name: str, entry: dict[str, Any], want: dict[str, Any], 
         read_bundle_file(os.path.join(dest, patch.patch_path(name))),
         int(want.get("size", 0)),
         f"{text}: {patch.patch_path(name)}",
+        patch.in_block_form(manifest, name),
     )
     write_atomic(Path(dest) / name, data)
 

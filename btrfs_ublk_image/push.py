@@ -222,7 +222,9 @@ def verify_bundle(
     if not isinstance(packs, list) or len(packs) != len(bm.packs):
         raise ImageError(f"{manifest_path}: its packs do not match the blockmap's")
     patches = patch.entries(manifest, manifest_path)
-    layers = _patch_layers(bundle, patches, files, workdir) if patches else [meta, bm_blob]
+    layers = (
+        _patch_layers(bundle, manifest, patches, files, workdir) if patches else [meta, bm_blob]
+    )
     for pack, entry in zip(packs, bm.packs, strict=True):
         rel = pack.get("path") if isinstance(pack, dict) else None
         if not isinstance(rel, str) or not re.fullmatch(PACKS + r"/[0-9a-f]{64}", rel):
@@ -234,9 +236,13 @@ def verify_bundle(
 
 
 def _patch_layers(
-    bundle: str, patches: dict[str, Any], files: dict[str, Any], workdir: str | None
+    bundle: str,
+    manifest: dict[str, Any],
+    patches: dict[str, Any],
+    files: dict[str, Any],
+    workdir: str | None,
 ) -> list[Blob]:
-    """A bundle with patches (format_version 2) travels as its patch base and its patches,
+    """A bundle with patches (format_version 2, 3) travels as its patch base and its patches,
     not as its meta.img and blockmap: the patch base is the lineage's first meta.img and
     blockmap, whose blobs (meta.img as the same zstd frame) the registry holds from that
     version's push, so a later version uploads only its patches. Each is checked against
@@ -258,7 +264,11 @@ def _patch_layers(
         blob = _checked_file(bundle, rel, patches[name], MT_PATCH)
         base = read_bundle_file(os.path.join(bundle, patch.base_path(name)))
         data = patch.apply(
-            base, read_bundle_file(os.path.join(bundle, rel)), files[name]["size"], rel
+            base,
+            read_bundle_file(os.path.join(bundle, rel)),
+            files[name]["size"],
+            rel,
+            patch.in_block_form(manifest, name),
         )
         if "sha256:" + hashlib.sha256(data).hexdigest() != files[name]["sha256"]:
             raise ImageError(

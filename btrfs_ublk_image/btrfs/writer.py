@@ -35,6 +35,7 @@ import sys
 import tempfile
 import uuid
 from array import array
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, overload
@@ -273,13 +274,17 @@ def _number_on_base(num: _Numbering, base: BaseLayout, more: object) -> _Numberi
     """Pass 2 of ``_number`` with a base: a name the base has (same parent directory,
     same name) keeps its dir index, and its inode keeps the base's number unless an
     inode reached earlier took it (hardlinks split); new names get dir indexes after the
-    highest of their directory in the base, new inodes numbers after the base's highest
-    (a removed path's number is not reused). Same DFS as without a base."""
+    highest of their directory in the base. A new inode takes the number of a name its
+    directory lost (the removed names' numbers in name order, to the new names in name
+    order; only numbers the base gave one name), so a renamed or re-added file's items
+    stay where the base had them in the fs tree instead of moving to its end; other new
+    inodes get numbers after the base's highest. Same DFS as without a base."""
     once, first = num.once, d.FIRST_FREE_OBJECTID
     inodes, parents, indexes, names = num.inodes, num.parent, num.index, num.name
     inos = array("Q", [first])
     taken = {first}
     next_ino = max(base.max_ino, first) + 1
+    named = Counter(ino for entries in base.dirs.values() for ino, _ in entries.values())
     dirs: list[tuple[Inode, int]] = [(inodes[0], first)]
     while dirs:
         parent, pino = dirs.pop()
@@ -288,6 +293,12 @@ def _number_on_base(num: _Numbering, base: BaseLayout, more: object) -> _Numberi
         next_index = 2 if not old else max(i for _, i in old.values()) + 1
         pending: list[tuple[Inode, int]] = []
         dir_indexes = num.dir_indexes[pino] = array("Q")
+        freed = (
+            []
+            if old is None
+            else [ino for n, (ino, _) in sorted(old.items()) if n not in entries and named[ino] == 1]
+        )
+        freed.reverse()  # popped from the end: the first removed name's number first
         for name in sorted(entries):
             child = entries[name]
             was = None if old is None else old.get(name)
@@ -304,7 +315,12 @@ def _number_on_base(num: _Numbering, base: BaseLayout, more: object) -> _Numberi
             if was is not None and was[0] not in taken:
                 ino = was[0]
             else:
-                ino, next_ino = next_ino, next_ino + 1
+                while freed and freed[-1] in taken:
+                    freed.pop()
+                if was is None and freed:
+                    ino = freed.pop()
+                else:
+                    ino, next_ino = next_ino, next_ino + 1
             taken.add(ino)
             child.ino = ino
             if child.type is FileType.DIR:

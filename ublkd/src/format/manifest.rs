@@ -21,8 +21,9 @@ pub const PATCH_SUFFIX: &str = ".patch";
 
 /// `format` of a bundle manifest.
 pub const FORMAT: &str = "btrfs-ublk-image.bundle";
-/// The newest `format_version` this ublkd reads (it reads 1 too): 2 adds `patches`.
-pub const FORMAT_VERSION: u32 = 2;
+/// The newest `format_version` this ublkd reads (it reads 1 and 2 too): 2 adds
+/// `patches`, 3 makes meta.img's patch between block forms ([`super::block_form`]).
+pub const FORMAT_VERSION: u32 = 3;
 
 #[derive(Debug, Deserialize)]
 pub struct DeviceInfo {
@@ -71,7 +72,12 @@ pub struct Manifest {
 }
 
 impl Manifest {
-    /// `format`, `format_version` (1 or 2) and, with 2, `patches` naming meta.img and
+    /// Whether `name`'s patch is made between block forms (format_version 3, meta.img).
+    pub fn in_block_form(&self, name: &str) -> bool {
+        self.format_version == 3 && name == META_IMG
+    }
+
+    /// `format`, `format_version` (1 to 3) and, with 2 or 3, `patches` naming meta.img and
     /// blockmap (1 has none); `whence` names the manifest in errors.
     pub fn check_format(&self, whence: &str) -> anyhow::Result<()> {
         anyhow::ensure!(
@@ -112,15 +118,20 @@ mod tests {
     }
 
     #[test]
-    fn versions_1_and_2_and_their_patches() {
+    fn versions_1_to_3_and_their_patches() {
         let p = "{\"sha256\":\"sha256:00\",\"size\":1,\"base\":{\"sha256\":\"sha256:00\",\"size\":1}}";
         let both = format!(",\"patches\":{{\"meta.img\":{p},\"blockmap\":{p}}}");
         manifest(1, "").check_format("m").unwrap();
         manifest(2, &both).check_format("m").unwrap();
+        manifest(3, &both).check_format("m").unwrap();
+        assert!(manifest(3, &both).in_block_form(META_IMG));
+        assert!(!manifest(3, &both).in_block_form(BLOCKMAP));
+        assert!(!manifest(2, &both).in_block_form(META_IMG));
         for (v, patches, want) in [
             (1, both.as_str(), "format_version 1 must have patches for []"),
             (2, "", "format_version 2 must have patches"),
-            (3, "", "format_version 3 is not supported (this ublkd reads 1 to 2)"),
+            (3, "", "format_version 3 must have patches"),
+            (4, "", "format_version 4 is not supported (this ublkd reads 1 to 3)"),
         ] {
             let err = manifest(v, patches).check_format("m").unwrap_err().to_string();
             assert!(err.starts_with("m: ") && err.contains(want), "{err}");

@@ -5,6 +5,7 @@
 
 use super::http::{self, range_body, range_header, Failure, Http};
 use super::oci::Registry;
+use crate::format::block_form;
 use crate::format::digest::{sha256_hex, Sha256Digest};
 use crate::format::manifest::{FileInfo, Manifest, PatchInfo, META_IMG, PATCH_BASE_DIR, PATCH_SUFFIX};
 use crate::stats::Counters;
@@ -148,7 +149,7 @@ pub fn ensure_file(
         );
     }
     match m.patches.get(name) {
-        Some(p) => patched(store, location, dir, name, info, p, timeout)?,
+        Some(p) => patched(store, location, dir, name, info, p, m.in_block_form(name), timeout)?,
         None => fetch_checked(store, location, name, info, &path, timeout)?,
     }
     if !verify {
@@ -263,7 +264,9 @@ fn temp_beside(path: &Path) -> std::path::PathBuf {
 /// under the cache dir (a host that ran an earlier version of the lineage holds it: only
 /// the patch moves), else it is fetched into `base/`. What is used is checked: the patch
 /// base and the patch against their sha256 in the manifest, the file they make against
-/// `files` before it is renamed into place.
+/// `files` before it is renamed into place. `block_forms`: the patch is made between the
+/// files' block forms (format_version 3's meta.img).
+#[allow(clippy::too_many_arguments)]
 fn patched(
     store: &Store,
     location: &str,
@@ -271,10 +274,11 @@ fn patched(
     name: &str,
     info: &FileInfo,
     p: &PatchInfo,
+    block_forms: bool,
     timeout: Duration,
 ) -> Result<()> {
     let base_rel = format!("{PATCH_BASE_DIR}/{name}");
-    let base = match find_patch_base(dir, name, &p.base) {
+    let mut base = match find_patch_base(dir, name, &p.base) {
         Some(bytes) => bytes,
         None => {
             let path = dir.join(&base_rel);
@@ -295,7 +299,10 @@ fn patched(
     let _ = std::fs::remove_file(&patch_path); // used once: the file it makes is kept
     let path = dir.join(name);
     let tmp = temp_beside(&path);
-    let res = apply_patch(&base, &patch, info, &tmp)
+    if block_forms {
+        block_form::transform(&mut base, false);
+    }
+    let res = apply_patch(&base, &patch, info, block_forms, &tmp)
         .and_then(|()| std::fs::rename(&tmp, &path).with_context(|| format!("{}: rename", path.display())));
     if res.is_err() {
         let _ = std::fs::remove_file(&tmp);
@@ -329,28 +336,25 @@ fn find_patch_base(dir: &Path, name: &str, want: &FileInfo) -> Option<Vec<u8>> {
 }
 
 /// The file `patch` makes of `base` (a zstd frame with `base` as its raw-content
-/// dictionary, `zstd --patch-from`), written to `tmp` and checked against `info`.
-fn apply_patch(base: &[u8], patch: &[u8], info: &FileInfo, tmp: &Path) -> Result<()> {
+/// dictionary, `zstd --patch-from`), written to `tmp` and checked against `info`. With
+/// `block_forms`, `base` is a block form and so is what the frame makes: the file is
+/// its inverse.
+fn apply_patch(base: &[u8], patch: &[u8], info: &FileInfo, block_forms: bool, tmp: &Path) -> Result<()> {
     let want = Sha256Digest::parse(&info.sha256)?.hex();
     let mut d = zstd::stream::read::Decoder::with_dictionary(patch, base).context("zstd")?;
     // the writer sizes the window to span the patch base (up to zstd's maximum)
     d.window_log_max(31).context("zstd")?;
-    let mut r = d.take(info.size + 1);
-    let mut f = std::fs::File::create(tmp).with_context(|| format!("{}: create", tmp.display()))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    let mut total = 0u64;
-    loop {
-        let n = r.read(&mut buf).context("not a zstd patch of its base")?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-        f.write_all(&buf[..n])
-            .with_context(|| format!("{}: write", tmp.display()))?;
-        total += n as u64;
+    let mut out = Vec::with_capacity(usize::try_from(info.size).unwrap_or(0).min(1 << 30));
+    d.take(info.size + 1)
+        .read_to_end(&mut out)
+        .context("not a zstd patch of its base")?;
+    if block_forms {
+        block_form::transform(&mut out, true);
     }
-    let got = hex::encode(h.finalize());
+    let total = out.len() as u64;
+    let got = sha256_hex(&out);
+    let mut f = std::fs::File::create(tmp).with_context(|| format!("{}: create", tmp.display()))?;
+    f.write_all(&out).with_context(|| format!("{}: write", tmp.display()))?;
     ensure!(
         total == info.size && got == want,
         "makes {total} bytes with sha256 {got}, the manifest says {} bytes with {want}",
@@ -427,14 +431,14 @@ mod tests {
         };
         let tmp = tempfile::tempdir().unwrap();
         let out = tmp.path().join("out");
-        apply_patch(&base, &patch, &info, &out).unwrap();
+        apply_patch(&base, &patch, &info, false, &out).unwrap();
         assert_eq!(std::fs::read(&out).unwrap(), new);
         // another base: other bytes (or no frame at all), refused by the digest
         let other: Vec<u8> = base.iter().map(|b| !b).collect();
-        let err = format!("{:#}", apply_patch(&other, &patch, &info, &out).unwrap_err());
+        let err = format!("{:#}", apply_patch(&other, &patch, &info, false, &out).unwrap_err());
         assert!(err.contains("the manifest says") || err.contains("zstd"), "{err}");
         let short = FileInfo { size: 100, ..info };
-        let err = format!("{:#}", apply_patch(&base, &patch, &short, &out).unwrap_err());
+        let err = format!("{:#}", apply_patch(&base, &patch, &short, false, &out).unwrap_err());
         assert!(err.contains("makes 101 bytes"), "{err}");
     }
 
