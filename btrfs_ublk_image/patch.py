@@ -1,4 +1,4 @@
-"""Metadata patches of a delta image (bundle format_version 2, docs/bundle-format.md).
+"""Metadata patches of a delta image (bundle format_version 2 and 3, docs/bundle-format.md).
 
 A bundle built with a base carries, beside its ``meta.img`` and ``blockmap``, each of them
 as a patch against the same file of its *patch base* (``base/meta.img``,
@@ -7,7 +7,11 @@ dictionary, what ``zstd --patch-from=BASE`` writes and ``zstd -d --patch-from=BA
 reads. Debian minbase with 18 of 5,231 files rewritten: meta.img's patch is 12.9 KB for
 8 MiB (its zstd frame alone: 1.45 MB). The patch base is the lineage's root (the base's
 own patch base when it has one), so every version of a lineage patches against one file
-that the registry and a host's cache already hold.
+that the registry and a host's cache already hold. Since format_version 3 meta.img's
+patch is made between the two files' *block forms* (``block_form``): checksums and leaf
+item offsets stored as differences from what the block determines, so the offsets that an
+item growing or going shifts in its leaf, and the checksums of changed blocks, cost
+nothing (20,000 small files, 1% rewritten: 100,701 bytes instead of 132,463).
 
 The frame is deterministic (fixed parameters, content size in the header, no checksum,
 no dictionary id, one thread): same files, same patch, same image id. Parameters

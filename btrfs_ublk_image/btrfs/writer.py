@@ -296,7 +296,9 @@ def _number_on_base(num: _Numbering, base: BaseLayout, more: object) -> _Numberi
         freed = (
             []
             if old is None
-            else [ino for n, (ino, _) in sorted(old.items()) if n not in entries and named[ino] == 1]
+            else [
+                ino for n, (ino, _) in sorted(old.items()) if n not in entries and named[ino] == 1
+            ]
         )
         freed.reverse()  # popped from the end: the first removed name's number first
         for name in sorted(entries):
