@@ -507,7 +507,8 @@ def layout_of(bundle: Path) -> tuple[dict[bytes, Any], int]:
 def test_v2_keeps_the_base_inode_numbers_dir_indexes_and_extents(tmp_path: Path) -> None:
     """v2 (files rewritten with other sizes, one added, one removed, a new directory, a
     hardlink kept, one split) built on v1: every path v1 has keeps its inode number and
-    dir index, new ones come after v1's highest (the removed one's is not reused); content
+    dir index; a new name in the directory that lost one takes the lost one's number,
+    other new inodes come after v1's highest; content
     v1 holds keeps its extents (logical and device-2 offsets), new content lies after
     v1's device-2 end. `btrfs check` finds no error; every file reads back right."""
     from btrfs_ublk_image.btrfs.layout import DELTA_DATA_LOGICAL
@@ -523,6 +524,7 @@ def test_v2_keeps_the_base_inode_numbers_dir_indexes_and_extents(tmp_path: Path)
     (v2 / "d4" / "f4").write_bytes((v1 / "d4" / "f4").read_bytes() + b"grown")
     (v2 / "d0" / "added").write_bytes(rnd.randbytes(30_000))
     (v2 / "d5" / "f5").unlink()
+    (v2 / "d5" / "g5").write_bytes(rnd.randbytes(7_000))  # takes d5/f5's number
     (v2 / "new" / "deeper").mkdir(parents=True)
     (v2 / "new" / "deeper" / "x").write_bytes(rnd.randbytes(9_000))
     (v2 / "d2" / "hl").unlink()  # the link to d2/f2 becomes a file of its own
@@ -545,6 +547,8 @@ def test_v2_keeps_the_base_inode_numbers_dir_indexes_and_extents(tmp_path: Path)
             if path not in rewritten:
                 assert extents == old[path][2], path
                 continue
+        elif path == b"/d5/g5":  # the number of the name its directory lost
+            assert ino == old[b"/d5/f5"][0]
         else:  # new, or the hard link v2 split off: a number after v1's highest
             assert ino > top, path
             if path == split:  # v1's content: its extent
@@ -555,7 +559,7 @@ def test_v2_keeps_the_base_inode_numbers_dir_indexes_and_extents(tmp_path: Path)
             assert logical >= DELTA_DATA_LOGICAL and dev_offset >= old_size, (path, extents)
             assert logical - DELTA_DATA_LOGICAL == dev_offset
     assert new[b"/d1/hl"][0] == new[b"/d1/f1"][0] == old[b"/d1/f1"][0]
-    assert old[b"/d5/f5"][0] not in {ino for ino, _, _ in new.values()}
+    assert [p for p, (ino, _, _) in new.items() if ino == old[b"/d5/f5"][0]] == [b"/d5/g5"]
     # a new name's dir index follows the highest of its directory in v1
     d0 = old[b"/d0"][0]
     top_index = max(i for ino, refs, _ in old.values() for p, i, _ in refs if p == d0)

@@ -279,11 +279,13 @@ def test_one_cache_bound_for_every_image_least_recently_used_first(
 def test_kernel_sees_v1_inode_numbers_and_extents_in_v2(tmp_path: Path) -> None:
     """The kernel mounts v2 built on v1 (sizes changed, a file added and one removed)
     with no btrfs complaint: every path of both has the inode number (stat) and, content
-    unchanged, the physical extents (FIEMAP) it had in v1; every file reads right; sprouted
-    onto a writable device, v2 takes new writes (chunks allocated above the new data)."""
+    unchanged, the physical extents (FIEMAP) it had in v1; a new name in the directory
+    that lost one has the lost one's number; every file reads right; sprouted onto a
+    writable device, v2 takes new writes (chunks allocated above the new data)."""
     v1, v2 = tmp_path / "v1", tmp_path / "v2"
     make_v1(v1, seed=fresh_seed())
     make_v2(v1, v2)
+    (v2 / "d5" / "g5").write_bytes(os.urandom(7_000))  # d5/f5 is gone
     b1, b2 = tmp_path / "v1.bundle", tmp_path / "v2.bundle"
     build(write_spec(tmp_path / "v1.yaml", v1), b1)
     build(write_spec(tmp_path / "v2.yaml", v2), b2, "--base", b1)
@@ -319,6 +321,7 @@ def test_kernel_sees_v1_inode_numbers_and_extents_in_v2(tmp_path: Path) -> None:
         if rel not in changed:
             assert new[rel][1] == old[rel][1], rel
     assert new["d0/added"][0] > max(ino for ino, _ in old.values())
+    assert new["d5/g5"][0] == old["d5/f5"][0]
 
 
 @pytest.mark.slow
