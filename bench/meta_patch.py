@@ -24,7 +24,7 @@ a push of v2 to a registry holding v1 uploads and a host holding v1 fetches (``d
 --delta``: new chunks or packs, manifest, patches) against the changed bytes (v2's
 files whose content v1 lacks at that path; the issue's bound is these + 10 %). With
 ``--levels``, also the time and size of the patch at each zstd level (patch.py's
-parameters otherwise).
+parameters otherwise, between block forms as builds make it).
 
 Run: ``.venv/bin/python -m bench.meta_patch --input synthetic --work DIR [--baseline-src SRC]``.
 """
@@ -197,7 +197,7 @@ def level_times(b1: Path, b2: Path, levels: list[int]) -> list[dict[str, Any]]:
         for level in levels:
             patch.LEVEL = level
             t = time.process_time()
-            p = patch.make(base, new)
+            p = patch.make(base, new, block_forms=True)
             out.append({"level": level, "patch_bytes": len(p), "cpu_s": time.process_time() - t})
     finally:
         patch.LEVEL = saved
