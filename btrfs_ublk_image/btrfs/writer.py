@@ -273,12 +273,12 @@ def _number(tree: Tree, base: BaseLayout | None = None) -> _Numbering:
 def _number_on_base(num: _Numbering, base: BaseLayout, more: object) -> _Numbering:
     """Pass 2 of ``_number`` with a base: a name the base has (same parent directory,
     same name) keeps its dir index, and its inode keeps the base's number unless an
-    inode reached earlier took it (hardlinks split); new names get dir indexes after the
-    highest of their directory in the base. A new inode takes the number of a name its
-    directory lost (the removed names' numbers in name order, to the new names in name
-    order; only numbers the base gave one name), so a renamed or re-added file's items
-    stay where the base had them in the fs tree instead of moving to its end; other new
-    inodes get numbers after the base's highest. Same DFS as without a base."""
+    inode reached earlier took it (hardlinks split). A new inode takes the number and dir
+    index of a name its directory lost (the removed names', in name order, to the new
+    names, in name order; only numbers the base gave one name), so a renamed or re-added
+    file's items stay where the base had them in the fs tree instead of moving to its end;
+    other new names get dir indexes after the highest of their directory in the base,
+    their inodes numbers after the base's highest. Same DFS as without a base."""
     once, first = num.once, d.FIRST_FREE_OBJECTID
     inodes, parents, indexes, names = num.inodes, num.parent, num.index, num.name
     inos = array("Q", [first])
@@ -293,36 +293,40 @@ def _number_on_base(num: _Numbering, base: BaseLayout, more: object) -> _Numberi
         next_index = 2 if not old else max(i for _, i in old.values()) + 1
         pending: list[tuple[Inode, int]] = []
         dir_indexes = num.dir_indexes[pino] = array("Q")
+        # (number, dir index) of the names this directory lost, popped from the end
         freed = (
             []
             if old is None
-            else [
-                ino for n, (ino, _) in sorted(old.items()) if n not in entries and named[ino] == 1
-            ]
+            else [was for n, was in sorted(old.items()) if n not in entries and named[was[0]] == 1]
         )
-        freed.reverse()  # popped from the end: the first removed name's number first
+        freed.reverse()
         for name in sorted(entries):
             child = entries[name]
             was = None if old is None else old.get(name)
-            if was is None:
-                index, next_index = next_index, next_index + 1
-            else:
-                index = was[1]
-            dir_indexes.append(index)
             mark = child.ino
-            if mark is not once and mark is not more:  # numbered already: another name
+            numbered = mark is not once and mark is not more  # another name's inode
+            lost = None
+            if was is None and not numbered:
+                while freed and freed[-1][0] in taken:
+                    freed.pop()
+                lost = freed.pop() if freed else None
+            if was is not None:
+                index = was[1]
+            elif lost is not None:
+                index = lost[1]
+            else:
+                index, next_index = next_index, next_index + 1
+            dir_indexes.append(index)
+            if numbered:
                 assert isinstance(mark, int)
                 num.more_refs.setdefault(mark, []).append((pino, index, name))
                 continue
             if was is not None and was[0] not in taken:
                 ino = was[0]
+            elif lost is not None:
+                ino = lost[0]
             else:
-                while freed and freed[-1] in taken:
-                    freed.pop()
-                if was is None and freed:
-                    ino = freed.pop()
-                else:
-                    ino, next_ino = next_ino, next_ino + 1
+                ino, next_ino = next_ino, next_ino + 1
             taken.add(ino)
             child.ino = ino
             if child.type is FileType.DIR:
