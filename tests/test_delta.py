@@ -599,56 +599,39 @@ def _small_files_moved(
     return delta(b1, b2), changed, b2
 
 
-def test_small_files_resized_added_removed_move_within_the_bound(tmp_path: Path) -> None:
-    """3,000 files of 100-6,000 bytes (a third inline in meta.img); v2 rewrites every 20th
-    with another size, adds one and removes one. With v1's inode numbers, extents and
-    leaves kept, v2 pushed or fetched after v1 (new chunks, manifest, patches: `diff
-    --delta`) stays within the changed bytes + 10 % (bound 546,389 bytes: here 515,142;
-    528,785 with meta.img's patch made of the files themselves, format_version 2; before
-    numbers, extents and leaves were kept, 556,585)."""
-    d, changed, _ = _small_files_moved(tmp_path, LOCAL_FILES, 30, 20)
-    assert (d["changed"], d["added"], d["removed"]) == (150, 1, 1), d
-    assert d["push_bytes"] + d["meta_bytes"] <= changed * 1.1, (d, changed)
-    assert d["fetch_bytes"] + d["meta_bytes"] <= changed * 1.1, (d, changed)
-
-
-def test_small_files_removed_and_added_under_new_names_move_within_the_bound(
+@pytest.mark.parametrize(
+    ("files", "dirs", "every", "renamed", "counts"),
+    [
+        pytest.param(3_000, 30, 20, False, (150, 1, 1), id="3k-resized"),
+        pytest.param(3_000, 30, 20, True, (0, 151, 151), id="3k-renamed"),
+        pytest.param(
+            20_000, 100, 100, False, (200, 1, 1), id="20k-resized", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            20_000, 100, 100, True, (0, 201, 201), id="20k-renamed", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_small_files_move_within_the_bound(
     tmp_path: Path,
+    files: int,
+    dirs: int,
+    every: int,
+    renamed: bool,
+    counts: tuple[int, int, int],
 ) -> None:
-    """As above, but every 20th file is removed and its new bytes added under a new name
-    beside it (the new names take the removed names' inode numbers and dir indexes):
-    within the bound too (546,389 bytes: here 524,165; format_version 2, new numbers
-    after the highest: 556,658), and btrfs check passes."""
-    d, changed, b2 = _small_files_moved(tmp_path, LOCAL_FILES, 30, 20, renamed=True)
-    assert (d["changed"], d["added"], d["removed"]) == (0, 151, 151), d
-    assert d["push_bytes"] + d["meta_bytes"] <= changed * 1.1, (d, changed)
-    assert d["fetch_bytes"] + d["meta_bytes"] <= changed * 1.1, (d, changed)
-    r = subprocess.run(["btrfs", "check", "--readonly", b2 / "meta.img"], capture_output=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-
-
-@pytest.mark.slow
-def test_20k_small_files_resized_added_removed_move_within_the_bound(tmp_path: Path) -> None:
-    """20,000 files of 100-6,000 bytes in 100 directories, every 100th rewritten at another
-    size, one added, one removed: each file rewritten changes items in a full fs tree
-    leaf and an extent tree leaf, shifting every later item's data offset there, which
-    meta.img's block form makes equal again (docs/bundle-format.md: 1.055x the changed
-    bytes; 1.118x with the patch made of meta.img itself, format_version 2)."""
-    d, changed, _ = _small_files_moved(tmp_path, 20_000, 100, 100)
-    assert (d["changed"], d["added"], d["removed"]) == (200, 1, 1), d
-    assert d["push_bytes"] + d["meta_bytes"] <= changed * 1.1, (d, changed)
-    assert d["fetch_bytes"] + d["meta_bytes"] <= changed * 1.1, (d, changed)
-
-
-@pytest.mark.slow
-def test_20k_small_files_renamed_move_within_the_bound(tmp_path: Path) -> None:
-    """As above, but every 100th file removed and its new bytes added under a new name
-    beside it: a new name's DIR_ITEM, DIR_INDEX and INODE_REF add about 100 bytes of patch
-    a file to a rewrite in place, which on 3 KB files fits only with the removed names'
-    numbers and dir indexes taken (docs/bundle-format.md: 1.086x; 1.116x with new
-    indexes after the directory's highest, 1.282x in format_version 2)."""
-    d, changed, b2 = _small_files_moved(tmp_path, 20_000, 100, 100, renamed=True)
-    assert (d["changed"], d["added"], d["removed"]) == (0, 201, 201), d
+    """Files of 100-6,000 bytes (a third inline in meta.img); v2 rewrites every
+    ``every``th with another size (renamed: removes it and adds its new bytes under a new
+    name beside it), adds one and removes one. v2 pushed or fetched after v1 (new chunks,
+    manifest, patches: `diff --delta`) stays within the changed bytes + 10 %, and btrfs
+    check passes. Each rewrite changes items in full leaves, shifting every later item's
+    data offset there, which meta.img's block form makes equal again; a new name's
+    DIR_ITEM, DIR_INDEX and INODE_REF fit only with the removed name's number and dir
+    index taken. Moved / changed (docs/bundle-format.md): 3,000 files 1.037x resized,
+    1.055x renamed; 20,000 files 1.055x and 1.086x (1.116x with new dir indexes after
+    the directory's highest); in format_version 2 1.065x, 1.121x, 1.118x, 1.282x."""
+    d, changed, b2 = _small_files_moved(tmp_path, files, dirs, every, renamed)
+    assert (d["changed"], d["added"], d["removed"]) == counts, d
     assert d["push_bytes"] + d["meta_bytes"] <= changed * 1.1, (d, changed)
     assert d["fetch_bytes"] + d["meta_bytes"] <= changed * 1.1, (d, changed)
     r = subprocess.run(["btrfs", "check", "--readonly", b2 / "meta.img"], capture_output=True)
