@@ -9,7 +9,7 @@
 //! rest and the transform is reversible for any file. patch.py's `_block_form` is the
 //! same transform.
 
-use crate::verify::crc32c;
+use super::crc32c::crc32c;
 
 const SUPER_OFFSET: usize = 64 * 1024;
 const SUPER_SIZE: usize = 4096;

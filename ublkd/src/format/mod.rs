@@ -3,6 +3,7 @@
 
 pub mod block_form;
 pub mod blockmap;
+pub mod crc32c;
 pub mod digest;
 pub mod manifest;
 pub mod trace;

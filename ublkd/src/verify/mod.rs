@@ -25,8 +25,6 @@ pub mod policy;
 pub mod signature;
 pub mod structure;
 
-pub(crate) use ondisk::crc32c;
-
 use crate::format::blockmap::Blockmap;
 use crate::format::trace::AccessLog;
 use crate::stats::Counters;
