@@ -17,7 +17,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         "util: atomic files, timing, kernel plumbing, counters, worker pools",
         &["util", "plumbing", "stats", "pool"],
     ),
-    ("formats: digest, manifest, blockmap, trace, block form, crc32c", &["format"]),
+    (
+        "formats: digest, manifest, blockmap, trace, block form, crc32c",
+        &["format"],
+    ),
     (
         "typed state: modes, phases, frontends; run-dir state; command line",
         &["types", "state", "args"],
