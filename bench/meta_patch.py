@@ -228,9 +228,6 @@ def main() -> int:
         else:
             subprocess.run(["tar", "-xf", args.debian_tar, "-C", tmp], check=True)
         tmp.rename(v1)
-    for stale in work.glob("v2-*"):  # an interrupted run's: its hard links hide v1's files
-        if stale.is_dir():
-            shutil.rmtree(stale)
     b1 = work / "b1"
     if not b1.exists():
         _build(None, _spec(work / "v1.yaml", v1), b1)
