@@ -202,6 +202,42 @@ def test_from_json_renders_a_build_json_from_before_the_oci_rows(
     assert "ours: btrfs-ublk-image build: 1.46x vs tar -x + mkfs.btrfs" in out
 
 
+@pytest.mark.parametrize(
+    ("sections", "made"),
+    [("delta", False), ("delta,containerd", False), ("randread", True), ("build", True)],
+)  # fmt: skip
+def test_bench_run_makes_the_synthetic_set_only_for_sections_that_read_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sections: str, made: bool
+) -> None:
+    """`bench/run --sections delta` (and the others that never read it) does not generate
+    the synthetic input; mount, randread and the build section's synthetic rows do. The
+    sections themselves are stubbed: what is checked is the input made before them."""
+    import bench.build
+    import bench.runtime
+
+    calls: list[inputs.InputParams] = []
+
+    class Made(Exception):
+        pass
+
+    def ensure_inputs(workdir: Path, params: inputs.InputParams, log: object) -> None:
+        calls.append(params)
+        raise Made  # (generating it is what is avoided)
+
+    monkeypatch.setattr(bench.build.inp, "ensure_inputs", ensure_inputs)
+    monkeypatch.setattr(bench.build, "drop_caches", lambda: False)
+    monkeypatch.setattr(bench.build, "_check_disk", lambda *a: None)
+    monkeypatch.setattr(bench.runtime, "run_runtime", lambda *a: {})
+    argv = ["--quick", "--workdir", str(tmp_path), "--sections", sections]
+    if made:
+        with pytest.raises(Made):
+            bench_main(argv)
+        assert calls == [bench.build.QUICK]
+    else:
+        assert bench_main(argv) == 0
+        assert calls == []
+
+
 def test_oci_layout_of_an_input_is_the_tarball_hardlinked(tmp_path: Path) -> None:
     data = inputs.ensure_inputs(tmp_path, TINY)
     layout = inputs.ensure_oci_layout(data)
