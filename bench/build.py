@@ -95,6 +95,8 @@ SECTIONS = (
     "delta",
     "soak", "soak_vm", "passthrough",
 )  # fmt: skip
+# the runtime sections that mount the synthetic set (the build section's synthetic rows, too)
+SYNTHETIC_SECTIONS = {"mount", "randread"}
 
 
 @dataclass
@@ -539,21 +541,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sections - set(SECTIONS)
     if unknown:
         ap.error(f"unknown section(s): {', '.join(sorted(unknown))}")
-    bad = {x.strip() for x in args.build_inputs.split(",") if x.strip()} - set(BUILD_INPUTS)
+    build_inputs = {x.strip() for x in args.build_inputs.split(",") if x.strip()}
+    bad = build_inputs - set(BUILD_INPUTS)
     if bad:
         ap.error(f"unknown build input(s): {', '.join(sorted(bad))}")
 
     params = QUICK if args.quick else FULL
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    cached = (workdir / "inputs" / params.key / "input.json").exists()
-    _check_disk(workdir, params, cached, bool(sections & {"mount", "randread"}))
-    data = inp.ensure_inputs(workdir, params, log=_log)
-    s = data.stats
-    _log(
-        f"input: {data.tar} ({s.tar_bytes / 2**20:.0f} MiB tar, {s.entries:,} entries,"
-        f" {s.content_bytes / 2**20:.0f} MiB content)"
-    )
+    data: inp.Inputs | None = None  # the synthetic set: made only for the sections that read it
+    if sections & SYNTHETIC_SECTIONS or ("build" in sections and "synthetic" in build_inputs):
+        cached = (workdir / "inputs" / params.key / "input.json").exists()
+        _check_disk(workdir, params, cached, bool(sections & SYNTHETIC_SECTIONS))
+        data = inp.ensure_inputs(workdir, params, log=_log)
+        s = data.stats
+        _log(
+            f"input: {data.tar} ({s.tar_bytes / 2**20:.0f} MiB tar, {s.entries:,} entries,"
+            f" {s.content_bytes / 2**20:.0f} MiB content)"
+        )
     can_drop = drop_caches()
     machine = machine_info()
     commit = _git_state()  # before the run: other work may land in the checkout meanwhile
@@ -595,13 +600,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _build_inputs(
-    args: argparse.Namespace, params: inp.InputParams, data: inp.Inputs, log: Path
+    args: argparse.Namespace, params: inp.InputParams, data: inp.Inputs | None, log: Path
 ) -> tuple[list[BuildInput], dict[str, str]]:
     """The inputs of the build section, with their OCI layouts (made and cached untimed)."""
     wanted = {x.strip() for x in args.build_inputs.split(",") if x.strip()}
     out: list[BuildInput] = []
     skipped: dict[str, str] = {}
     if "synthetic" in wanted:
+        assert data is not None, "main makes the synthetic set for the build section"
         layout = inp.ensure_oci_layout(data, log=_log)
         about = {
             "params": asdict(params),
@@ -653,7 +659,7 @@ DEBIAN_ABOUT = (
 def _run_build_section(
     args: argparse.Namespace,
     params: inp.InputParams,
-    data: inp.Inputs,
+    data: inp.Inputs | None,
     workdir: Path,
     can_drop: bool,
     commit: str | None,
@@ -699,7 +705,7 @@ def _run_build_section(
         "inputs": per_input,
         "skipped_inputs": skipped_inputs,
     }
-    if args.profile and "synthetic" in per_input:
+    if args.profile and data is not None and "synthetic" in per_input:
         build["profile"] = profile_ours(data, workdir)
     return build
 

@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -48,16 +49,16 @@ HEADER = 101  # bytes of a tree block's header
 
 
 def regular_files(root: Path) -> list[Path]:
-    """Every regular file with one name, in sorted path order."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
+    """Every regular file with one name in the tree, in sorted path order. Names outside
+    it do not count: every file of a hard-linked copy (``cp -al``) of a tree is listed."""
+    names: dict[tuple[int, int], list[Path]] = {}
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
             p = Path(dirpath) / name
             st = p.lstat()
-            if p.is_file() and not p.is_symlink() and st.st_nlink == 1:
-                out.append(p)
-    return sorted(out)
+            if stat.S_ISREG(st.st_mode):
+                names.setdefault((st.st_dev, st.st_ino), []).append(p)
+    return sorted(paths[0] for paths in names.values() if len(paths) == 1)
 
 
 def _own_copy(p: Path) -> None:
@@ -261,7 +262,7 @@ def main() -> int:
                 row[name]["levels"] = level_times(b1, b2, [int(x) for x in args.levels.split(",")])
         results[kind] = row
         print(json.dumps({kind: row}), flush=True)
-        shutil.rmtree(v2)  # its hard links would hide v1's files from the next kind
+        shutil.rmtree(v2)
     (work / "results.json").write_text(json.dumps(results, indent=1))
     return 0
 

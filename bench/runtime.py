@@ -668,7 +668,7 @@ def _scratch(workdir: Path) -> Iterator[Path]:
 def run_runtime(
     sections: set[str],
     workdir: Path,
-    synthetic: inp.Inputs,
+    synthetic: inp.Inputs | None,
     repeats: int,
     runtime_s: float,
     jobs: Sequence[FioJob] = MATRIX,
@@ -688,6 +688,7 @@ def run_runtime(
                 images.append(prepare_image("debian", "Debian minbase", tar, base / "debian",
                                             log, probe="usr/bin/dpkg"))  # fmt: skip
         if sections & {"mount", "randread"}:
+            assert synthetic is not None, "bench.build makes it for these sections"
             s = synthetic.stats
             images.append(
                 prepare_image(

@@ -50,28 +50,45 @@ class BasePack:
         return "sha256:" + self.entry.id.hex()
 
 
-class BaseImage:
-    """An open base bundle: its packs (``packs[i]`` becomes pack ``first + i``) and its
-    content blobs (numbered that way), read through the base's verified chunks."""
+# a blob's extents in the base: (file offset, logical, disk bytes, device-2 offset)
+Extents = tuple[tuple[int, int, int, int], ...]
 
-    def __init__(self, bundle: str, first: int = 1) -> None:
+
+class BaseImage:
+    """An open, indexed base bundle: its packs (``packs[i]`` becomes pack ``first + i``);
+    ``blobs``, every distinct content of a regular file that lies in one run of one pack
+    (numbered that way), in the base's walk order (so a build with this base is
+    deterministic); ``extents``, how the base placed those of them it placed as the writer
+    places a blob. Content is read through the base's verified chunks."""
+
+    def __init__(self, bundle: str, *, chunk_size: int | None = None, first: int = 1) -> None:
+        """``chunk_size``: the pack chunk size the new image uses (its packs must have it
+        for the base's to be reused), checked before the base is indexed."""
         self.bundle = os.path.abspath(bundle)
         if not os.path.isdir(self.bundle):
             raise ImageError(f"{bundle}: base is not a bundle directory")
         self.reader = BundleReader(self.bundle)
-        fs = self.reader.fs
-        self.image_id = fs.image_id
-        self.first = first
-        bm = fs.dev2.bm
-        self.chunk_size = bm.chunk_size
-        self._blobs: list[Blob] | None = None
-        self._extents: dict[Blob, tuple[tuple[int, int, int, int], ...]] = {}
-        self.packs = [
-            BasePack(entry, path, p["path"])
-            for entry, path, p in zip(
-                bm.packs, fs.dev2.pack_paths, fs.manifest["packs"], strict=True
-            )
-        ]
+        try:
+            fs = self.reader.fs
+            self.image_id = fs.image_id
+            self.first = first
+            bm = fs.dev2.bm
+            self.chunk_size = bm.chunk_size
+            if chunk_size is not None and chunk_size != self.chunk_size:
+                raise ImageError(
+                    f"{bundle}: base image has {self.chunk_size}-byte pack chunks, the spec asks"
+                    f" for {chunk_size} (pack_chunk_size): its packs cannot be reused"
+                )
+            self.packs = [
+                BasePack(entry, path, p["path"])
+                for entry, path, p in zip(
+                    bm.packs, fs.dev2.pack_paths, fs.manifest["packs"], strict=True
+                )
+            ]
+            self.blobs, self.extents = self._index()
+        except BaseException:
+            self.reader.close()
+            raise
 
     def close(self) -> None:
         self.reader.close()
@@ -120,21 +137,13 @@ class BaseImage:
             and (bytenr - meta_start) % d.NODESIZE == 0
         )
 
-    def blobs(self) -> list[Blob]:
-        """Every distinct content of a regular file of the base that lies in one run of one
-        pack, in the base's walk order (so a build with this base is deterministic)."""
-        if self._blobs is None:
-            self._blobs = self._index()
-        return self._blobs
-
     def layout(self) -> BaseLayout:
         """What the writer keeps of the base (``writer.BaseLayout``): inode numbers and dir
-        indexes by path, the extents of the content ``blobs`` lists, the DATA chunks, where
-        metadata starts, and where each tree's blocks begin and their addresses."""
+        indexes by path, ``extents``, the DATA chunks, where metadata starts, and where each
+        tree's blocks begin and their addresses."""
         fs = self.reader.fs
         if fs.root_dirid != d.FIRST_FREE_OBJECTID:
             raise ImageError(f"{fs.meta_path}: root directory is inode {fs.root_dirid}, not 256")
-        self.blobs()  # indexes the base once: fills self._extents
         dirs = {
             ino: {e.name: (e.ino, e.index) for e in node.entries}
             for ino, node in self.reader.inodes.items()
@@ -154,7 +163,7 @@ class BaseImage:
         return BaseLayout(
             dirs=dirs,
             max_ino=max(self.reader.inodes),
-            extents=self._extents,
+            extents=self.extents,
             data_chunks=data,
             data_size=fs.dev2.bm.device_size,
             meta_start=meta_start,
@@ -162,10 +171,12 @@ class BaseImage:
             offsets=offsets,
         )
 
-    def _index(self) -> list[Blob]:
+    def _index(self) -> tuple[tuple[Blob, ...], dict[Blob, Extents]]:
+        """One pass over the base's files (it reads every byte): ``blobs`` and ``extents``."""
         inodes: set[int] = set()
         seen: set[Blob] = set()
         out: list[Blob] = []
+        placed: dict[Blob, Extents] = {}
         for _path, node in self.reader.walk():
             if not stat.S_ISREG(node.item.mode) or node.item.ino in inodes:
                 continue
@@ -186,10 +197,10 @@ class BaseImage:
                 out.append(blob)
                 extents = self._placed(node)
                 if extents is not None:
-                    self._extents[blob] = extents
-        return out
+                    placed[blob] = extents
+        return tuple(out), placed
 
-    def _placed(self, node: Inode) -> tuple[tuple[int, int, int, int], ...] | None:
+    def _placed(self, node: Inode) -> Extents | None:
         """The file's extents as the writer places a blob: (file offset, logical, disk
         bytes, device-2 offset), whole extents back to back from file offset 0, each in
         one DATA chunk on device 2, the last holding the file's end; else None (the

@@ -273,14 +273,7 @@ def _open_base(path: str | None, chunk_size: int, progress: Progress | None) -> 
 
     if progress is not None:
         progress.phase("indexing the base image")
-    base = BaseImage(path)
-    if base.chunk_size != chunk_size:
-        base.close()
-        raise ImageError(
-            f"{path}: base image has {base.chunk_size}-byte pack chunks, the spec asks for"
-            f" {chunk_size} (pack_chunk_size): its packs cannot be reused"
-        )
-    return base
+    return BaseImage(path, chunk_size=chunk_size)
 
 
 def _write_into(

@@ -197,7 +197,7 @@ class PackWriter:
         self._base = base
         self._n_base = 0 if base is None else len(base.packs)
         if base is not None:
-            for blob in base.blobs():
+            for blob in base.blobs:
                 self._remember(blob.size << 32 | blob.crc32c, blob)
         # btrfs-zstd: every stored blob's extents, and the encoder of pack 0's content
         self.encoded: EncodedExtents | None = None

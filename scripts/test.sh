@@ -7,8 +7,8 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 PY=.venv/bin/python
 [ -x "$PY" ] || { echo "test.sh: .venv missing: run scripts/setup.sh first" >&2; exit 2; }
-"$PY" -m ruff format --check btrfs_ublk_image tests bench
-"$PY" -m ruff check btrfs_ublk_image tests bench
+"$PY" -m ruff format --check .
+"$PY" -m ruff check .
 "$PY" -m mypy
 # ublkd: rustfmt and clippy where the toolchain has them (rustup's does; Debian's cargo
 # package has neither, and setup falls back to it only without rustup)

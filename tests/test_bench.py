@@ -202,6 +202,42 @@ def test_from_json_renders_a_build_json_from_before_the_oci_rows(
     assert "ours: btrfs-ublk-image build: 1.46x vs tar -x + mkfs.btrfs" in out
 
 
+@pytest.mark.parametrize(
+    ("sections", "made"),
+    [("delta", False), ("delta,containerd", False), ("randread", True), ("build", True)],
+)  # fmt: skip
+def test_bench_run_makes_the_synthetic_set_only_for_sections_that_read_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sections: str, made: bool
+) -> None:
+    """`bench/run --sections delta` (and the others that never read it) does not generate
+    the synthetic input; mount, randread and the build section's synthetic rows do. The
+    sections themselves are stubbed: what is checked is the input made before them."""
+    import bench.build
+    import bench.runtime
+
+    calls: list[inputs.InputParams] = []
+
+    class Made(Exception):
+        pass
+
+    def ensure_inputs(workdir: Path, params: inputs.InputParams, log: object) -> None:
+        calls.append(params)
+        raise Made  # (generating it is what is avoided)
+
+    monkeypatch.setattr(bench.build.inp, "ensure_inputs", ensure_inputs)
+    monkeypatch.setattr(bench.build, "drop_caches", lambda: False)
+    monkeypatch.setattr(bench.build, "_check_disk", lambda *a: None)
+    monkeypatch.setattr(bench.runtime, "run_runtime", lambda *a: {})
+    argv = ["--quick", "--workdir", str(tmp_path), "--sections", sections]
+    if made:
+        with pytest.raises(Made):
+            bench_main(argv)
+        assert calls == [bench.build.QUICK]
+    else:
+        assert bench_main(argv) == 0
+        assert calls == []
+
+
 def test_oci_layout_of_an_input_is_the_tarball_hardlinked(tmp_path: Path) -> None:
     data = inputs.ensure_inputs(tmp_path, TINY)
     layout = inputs.ensure_oci_layout(data)
@@ -420,4 +456,39 @@ def test_meta_patch_changes_keep_every_other_path(tmp_path: Path) -> None:
             last = Path(added[0]).parent
             assert all(Path(a).parent == last for a in added)
             assert max(os.listdir(v2 / last)) == Path(added[-1]).name
-        shutil.rmtree(v2)  # as the bench does: its hard links would hide v1's files
+        # v2 stays: its hard links of v1's files must not hide them from the next kind
+
+
+def test_meta_patch_lists_every_file_of_a_hard_linked_copy(tmp_path: Path) -> None:
+    """bench/meta_patch.py on a v1 that is a hard-linked copy (``cp -al``) of a tree: every
+    regular file is listed as in the tree itself (links from outside v1 do not count), a
+    file with two names inside v1 is left out, and v2 changes 1 % of the files."""
+    from bench.meta_patch import EVERY, make_v2, regular_files
+
+    tree, v1 = tmp_path / "tree", tmp_path / "v1"
+    tree.mkdir()
+    inputs.generate_tree(tree, inputs.InputParams(files=300, large_bytes=0, large_count=0))
+    (tree / "two-names").write_bytes(b"linked\n")
+    os.link(tree / "two-names", tree / "two-names-too")
+    subprocess.run(["cp", "-al", tree, v1], check=True)
+    want = single_name_files(tree)
+    assert len(want) > 2 * EVERY and (tree / "two-names").stat().st_nlink == 4
+    assert tree / "two-names" not in want
+    assert regular_files(tree) == want
+    assert regular_files(v1) == [v1 / p.relative_to(tree) for p in want]
+    changed = make_v2(v1, tmp_path / "v2", "resize")
+    assert changed == len(range(0, len(want), EVERY))
+    assert all(p.read_bytes() == (v1 / p.relative_to(tree)).read_bytes() for p in want)
+
+
+def single_name_files(root: Path) -> list[Path]:
+    """The regular files under ``root`` (GNU find's list) whose inode no other path
+    under ``root`` names."""
+    out = subprocess.run(
+        ["find", root, "-type", "f", "-printf", "%i %p\\0"], check=True, capture_output=True
+    ).stdout
+    rows = [r.split(b" ", 1) for r in out.split(b"\0") if r]
+    count: dict[bytes, int] = {}
+    for ino, _ in rows:
+        count[ino] = count.get(ino, 0) + 1
+    return sorted(Path(os.fsdecode(p)) for ino, p in rows if count[ino] == 1)

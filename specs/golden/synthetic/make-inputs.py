@@ -164,7 +164,9 @@ def overlay() -> bytes:
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
 
         def add(name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE, **kw: object) -> None:
-            ti = member(name, kind, size=len(data) if kind == tarfile.REGTYPE else 0, mtime=T0 - 50, **kw)
+            ti = member(
+                name, kind, size=len(data) if kind == tarfile.REGTYPE else 0, mtime=T0 - 50, **kw
+            )
             tf.addfile(ti, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
 
         add("etc/hostname", b"golden-overlay\n")  # later layer wins
@@ -252,7 +254,10 @@ def oci_layout(root: Path) -> None:
                 "sha256:" + hashlib.sha256(layer2).hexdigest(),
             ],
         },
-        "history": [{"created_by": "make-inputs.py layer 1"}, {"created_by": "make-inputs.py layer 2"}],
+        "history": [
+            {"created_by": "make-inputs.py layer 1"},
+            {"created_by": "make-inputs.py layer 2"},
+        ],
     }
     manifest = {
         "schemaVersion": 2,
@@ -265,7 +270,11 @@ def oci_layout(root: Path) -> None:
     }
     desc = put(js(manifest), "application/vnd.oci.image.manifest.v1+json")
     desc["annotations"] = {"org.opencontainers.image.ref.name": "v1"}
-    index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [desc]}
+    index = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [desc],
+    }
     (root / "index.json").write_bytes(js(index))
     (root / "oci-layout").write_bytes(js({"imageLayoutVersion": "1.0.0"}))
 
@@ -275,7 +284,9 @@ def main() -> None:
     if oci.exists():
         shutil.rmtree(oci)
     oci_layout(oci)
-    print(f"oci/: index.json sha256:{hashlib.sha256((oci / 'index.json').read_bytes()).hexdigest()}")
+    print(
+        f"oci/: index.json sha256:{hashlib.sha256((oci / 'index.json').read_bytes()).hexdigest()}"
+    )
     gz = io.BytesIO()
     with gzip.GzipFile(fileobj=gz, mode="wb", mtime=0, compresslevel=9, filename="") as f:
         f.write(rootfs())
