@@ -449,3 +449,19 @@ def test_members_placed_before_a_fallback_are_undone(
     assert [f for f in native.fallbacks if "upper.tar" in f], native.fallbacks
     assert ref_err.count("xattr b'bogus' skipped") == 1, ref_err
     assert got_err == ref_err
+
+
+def test_placement_error_while_reading_stops_the_read(tmp_path: Path) -> None:
+    """An error placing a member of an early segment (a hard link to a name not in the
+    image) while the parser still reads: the Python reader's error, nothing left behind,
+    and the parser stopped (the build returns; a parser blocked on its queue would hang)."""
+    data = bytearray()
+    for i in range(20_000):
+        if i == 5000:
+            data += header(b"bad-link", b"1", linkname=b"missing")
+        data += regular(b"n%d/f%d" % (i // 100, i), b"%d" % i * (i % 5))
+    (tmp_path / "in.tar").write_bytes(bytes(data) + END)
+    ref, got, fellback = both(tmp_path, "tar: {path: in.tar}")
+    assert "hard link to 'missing', which is not in the image" in ref, ref
+    assert got == ref
+    assert fellback == [], fellback
