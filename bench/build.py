@@ -145,7 +145,10 @@ def _ours(
         env = ["env", "BUI_NATIVE=0"] if python_path else []  # the Python reader and packer
         if baseline:  # read when the row runs: --baseline-builder is set after import
             env = ["env", f"PYTHONPATH={BASELINE_BUILDER[0]}"]
-        return [*env, py, "-m", "btrfs_ublk_image", "build", str(out.parent / spec), "-o", str(out)]
+        # -P: `-m` would put the working directory first on sys.path, and run from the
+        # checkout's root, the baseline row would import the checkout's package, not DIR's
+        cmd = [py, "-P", "-m", "btrfs_ublk_image", "build", str(out.parent / spec), "-o", str(out)]
+        return [*env, *cmd]
 
     return command
 
@@ -493,7 +496,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--baseline-builder",
         metavar="DIR",
         help="build section: also time the builder in DIR (a `git archive` export of an"
-        " earlier commit), with this venv's Python",
+        " earlier commit), with this venv's Python; DIR also holds that commit's"
+        " btrfs_ublk_native package when the extension's interface differs",
     )
     ap.add_argument(
         "--steps",

@@ -141,6 +141,7 @@ _SHARED_META_MAX = 1 << 16
 _TIMES = struct.Struct("<qqq")
 _NONE_TIME = -(1 << 63)
 _Times = bytes | tuple[int, int | None, int | None]
+SavedMetadata = tuple[_Meta, _Times]
 
 
 def _meta(
@@ -424,6 +425,14 @@ class Inode:
         p = self._payload
         if self._meta[0] is FileType.REG and type(p) is bytes and len(p) > _ASIDE_MIN:
             self._payload = store.put(p)
+
+    def saved_metadata(self) -> SavedMetadata:
+        """What ``take_metadata`` replaces, for ``restore_metadata`` (a layer's placement
+        undone)."""
+        return self._meta, self._times
+
+    def restore_metadata(self, saved: SavedMetadata) -> None:
+        self._meta, self._times = saved
 
     def take_metadata(self, other: Inode) -> None:
         """Mode, owner, times and xattrs of ``other`` (a later layer's entry for this directory)."""

@@ -336,11 +336,11 @@ def test_native_records_as_tarfile_sees_them(
     fd = os.open(tmp / "pack", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     pack = nat.Pack(fd, 4096)
     try:
+        got: list[tuple[Any, ...]] = []
         with open(tmp / "in.tar", "rb") as f:
-            digest, _, kind, _, _, records = nat.read_tar(
-                pack, f.fileno(), 0, None, 64, False, False, False
+            digest, _, kind, _, _ = nat.read_tar(
+                pack, f.fileno(), 0, None, 64, False, False, False, got.extend
             )
-            got = list(records)
         packed = Path(tmp / "pack").read_bytes()
     finally:
         pack.abort()
@@ -395,3 +395,73 @@ def test_reading_rules_same_image(tmp_path: Path, case: str) -> None:
     ref, got, _ = both(tmp_path, f"tar: {{path: {tmp_path / 'in.tar'}}}")
     assert not ref.startswith("error"), ref
     assert got == ref
+
+
+@pytest.mark.parametrize("problem", ["unsupported", "error"])
+def test_members_placed_before_a_fallback_are_undone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], problem: str
+) -> None:
+    """The native reader's members are placed while it still reads (segments of 4,096):
+    when it then hands the archive back (a PAX global header, or damage past the first
+    segments), what it placed on a lower layer's tree (entries replaced, directories'
+    metadata taken, directories made, hard links) is undone and its warnings dropped, so the
+    Python reader's image, error and warnings are the result, each warning once. (Placing
+    the archive twice is not the same: a hard link to a lower file that the archive
+    replaces after it would link the replacement.)"""
+    d = tmp_path / "d"
+    d.mkdir()
+    lower = (
+        header(b"./", b"5", mode=0o755)
+        + header(b"d/", b"5", mode=0o755, mtime=1)
+        + regular(b"d/keep", b"keep" * 300)
+        + regular(b"r", b"lower r")
+        + END
+    )
+    (d / "lower.tar").write_bytes(lower)
+    upper = bytearray(
+        header(b"./", b"5", mode=0o700, mtime=5)
+        + header(b"d/", b"5", mode=0o750, mtime=7)
+        + regular(b"r", b"upper r " * 100)
+        + header(b"d/hard", b"1", linkname=b"d/keep")  # the lower layer's inode
+        + regular(b"d/keep", b"replaced")  # placed again, d/hard must not link this one
+        + pax(rec(b"SCHILY.xattr.bogus", b"v"))
+        + regular(b"d/xattr", b"x")
+    )
+    for i in range(9000):
+        upper += regular(b"n%d/f%d" % (i // 100, i), b"%d" % i * (i % 7))
+    if problem == "unsupported":
+        upper += pax(rec(b"comment", b"global"), b"g") + regular(b"z", b"z") + END
+    else:
+        upper += header(b"bad", b"0", 10, checksum=b"0000000\0") + bytes(512) + END
+    (d / "upper.tar").write_bytes(bytes(upper))
+    spec = (
+        "version: 1\nname: t\nsource_date_epoch: 1\nlayers:\n"
+        "  - tar: {path: d/lower.tar}\n  - tar: {path: d/upper.tar}\n"
+    )
+    capsys.readouterr()
+    ref = _build(tmp_path, spec, False, "py")
+    ref_err = capsys.readouterr().err
+    del native.fallbacks[:]
+    got = _build(tmp_path, spec, True, "native")
+    got_err = capsys.readouterr().err
+    assert (problem == "error") == ref.startswith("error:"), ref
+    assert got == ref
+    assert [f for f in native.fallbacks if "upper.tar" in f], native.fallbacks
+    assert ref_err.count("xattr b'bogus' skipped") == 1, ref_err
+    assert got_err == ref_err
+
+
+def test_placement_error_while_reading_stops_the_read(tmp_path: Path) -> None:
+    """An error placing a member of an early segment (a hard link to a name not in the
+    image) while the parser still reads: the Python reader's error, nothing left behind,
+    and the parser stopped (the build returns; a parser blocked on its queue would hang)."""
+    data = bytearray()
+    for i in range(20_000):
+        if i == 5000:
+            data += header(b"bad-link", b"1", linkname=b"missing")
+        data += regular(b"n%d/f%d" % (i // 100, i), b"%d" % i * (i % 5))
+    (tmp_path / "in.tar").write_bytes(bytes(data) + END)
+    ref, got, fellback = both(tmp_path, "tar: {path: in.tar}")
+    assert "hard link to 'missing', which is not in the image" in ref, ref
+    assert got == ref
+    assert fellback == [], fellback

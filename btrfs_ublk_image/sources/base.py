@@ -11,12 +11,21 @@ from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.progress import Progress
 from btrfs_ublk_image.spec import Spec
-from btrfs_ublk_image.tree import FileType, Inode, Tree, check_name, split_path
+from btrfs_ublk_image.tree import FileType, Inode, SavedMetadata, Tree, check_name, split_path
 
 MAX_SYMLINKS = 40  # symlinks followed while resolving one path (the kernel's limit)
 PATH_MAX = 4096  # a symlink target must be shorter (the kernel refuses longer ones)
 WHITEOUT = b".wh."
 OPAQUE = b".wh..wh..opq"
+
+# one change to the tree, as ``LayerContext.undo`` reverts it: a directory's entry and what
+# it held before (None: nothing), a path added to the layer's upper set, a directory's
+# metadata before ``take_metadata``
+_Change = (
+    tuple[dict[bytes, Inode], bytes, Inode | None]
+    | tuple[set[bytes], bytes]
+    | tuple[Inode, SavedMetadata]
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +54,8 @@ class LayerContext:
     """Everything a source needs to apply one layer to the tree."""
 
     __slots__ = (
+        "_changes",
+        "_held_warnings",
         "_last_dir",
         "dir_mtime_ns",
         "index",
@@ -81,10 +92,51 @@ class LayerContext:
         # entries reuse it. Valid while no entry is replaced or removed (only those can change
         # where an already resolved path leads): it is dropped then.
         self._last_dir: tuple[list[bytes], Inode, list[bytes]] | None = None
+        # while a placement may still be undone (``begin_undoable``): the tree's changes,
+        # and the warnings held back until it is kept
+        self._changes: list[_Change] | None = None
+        self._held_warnings: list[str] | None = None
+
+    def begin_undoable(self) -> None:
+        """Record every change to the tree, and hold warnings back, until ``commit`` or
+        ``undo``: the native reader's members are placed while it still reads, and it may
+        then hand the archive back to the Python reader, which places them all again."""
+        self._changes = []
+        self._held_warnings = []
+
+    def commit(self) -> None:
+        """Keep the changes since ``begin_undoable``; the warnings held back are given."""
+        held = self._held_warnings or []
+        self._changes = self._held_warnings = None
+        for message in held:
+            self.warn(message)
+
+    def undo(self) -> None:
+        """The tree as it was at ``begin_undoable``; the warnings held back are dropped."""
+        changes = self._changes or []
+        self._changes = self._held_warnings = None
+        self._last_dir = None
+        for change in reversed(changes):
+            if len(change) == 2:
+                target, value = change
+                if isinstance(target, set):
+                    target.discard(value)
+                else:
+                    assert isinstance(target, Inode) and isinstance(value, tuple)
+                    target.restore_metadata(value)
+                continue
+            entries, name, old = change
+            if old is None:
+                del entries[name]
+            else:
+                entries[name] = old
 
     def warn(self, message: str) -> None:
         """A warning about the sources (something read differently from what it says, or
         skipped): through the build's progress, or on stderr without one."""
+        if self._held_warnings is not None:
+            self._held_warnings.append(message)
+            return
         if self.progress is not None:
             self.progress.warn(message)
         else:
@@ -150,6 +202,8 @@ class LayerContext:
                 mtime = self.dir_mtime_ns
                 if mtime is None:
                     mtime = 0 if mtime_of is None else mtime_of.mtime_ns
+                if self._changes is not None:
+                    self._changes.append((node.entries, comp, child))
                 child = Inode(FileType.DIR, mode=0o755, mtime_ns=mtime)
                 node.entries[comp] = child
             nodes.append(child)
@@ -171,6 +225,8 @@ class LayerContext:
         if not parts:
             if ftype is not FileType.DIR:
                 raise SourceError(f"{where}: the image root can only be a directory")
+            if self._changes is not None:
+                self._changes.append((tree.root, tree.root.saved_metadata()))
             tree.root.take_metadata(inode)
             return
         dir_parts = parts[:-1]
@@ -191,12 +247,16 @@ class LayerContext:
             check_name(name, where)
         elif ftype is FileType.DIR and old.type is FileType.DIR:
             if old is not inode:
+                if self._changes is not None:
+                    self._changes.append((old, old.saved_metadata()))
                 old.take_metadata(inode)
             return
         else:
             self._last_dir = None  # an entry replaced: a resolved path may lead elsewhere now
         if ftype is FileType.REG:
             tree.set_content_aside(inode, self.packs.directory)
+        if self._changes is not None:
+            self._changes.append((entries, name, old))
         entries[name] = inode
 
     def ensure_dir(self, path: str | bytes, where: str) -> Inode:
@@ -222,6 +282,8 @@ class LayerContext:
         assert upper is not None
         key = b"/".join([*resolved, name])
         while key and key not in upper:
+            if self._changes is not None:
+                self._changes.append((upper, key))
             upper.add(key)
             key = key[: max(key.rfind(b"/"), 0)]
 
@@ -250,6 +312,8 @@ class LayerContext:
             if child is None:
                 return
             if b"/".join([*resolved, victim]) not in upper:
+                if self._changes is not None:
+                    self._changes.append((node.entries, victim, child))
                 del node.entries[victim]
                 return
             if child.type != FileType.DIR:
@@ -260,6 +324,8 @@ class LayerContext:
             for cname, child in list(d.entries.items()):
                 cpath = [*dpath, cname]
                 if b"/".join(cpath) not in upper:
+                    if self._changes is not None:
+                        self._changes.append((d.entries, cname, child))
                     del d.entries[cname]
                 elif child.type == FileType.DIR:
                     todo.append((child, cpath))

@@ -29,7 +29,7 @@ import io
 import os
 import struct
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -601,6 +601,26 @@ def read_tar(
     return TarDigests(raw_digest, uncompressed, kind)
 
 
+# a member as the native reader hands it over (``btrfs_ublk_native.Members``): name, type,
+# mode, uid, gid, mtime_ns, atime_ns, ctime_ns, xattrs, linkname, devmajor, devminor,
+# content (None, inline bytes or (crc32c, size, pack, offset))
+NativeMember = tuple[
+    bytes,
+    bytes,
+    int,
+    int,
+    int,
+    int,
+    "int | None",
+    "int | None",
+    "dict[bytes, bytes] | None",
+    bytes,
+    int,
+    int,
+    "bytes | tuple[int, int, int, int] | None",
+]
+
+
 def _read_native(
     f: _Readable, tar_path: Path | str, ctx: LayerContext, opts: TarOptions
 ) -> TarDigests | None:
@@ -619,31 +639,64 @@ def _read_native(
         fd = f.fileno()
     except (OSError, ValueError):
         return None
-    try:
-        raw, unc, kind, _, content_bytes, members = nat.read_tar(
-            core, fd, 0, None, ctx.packs.keep_inline, opts.whiteouts, opts.diff_id, opts.lenient_end
-        )
-    except nat.Unsupported as e:
-        native.fallbacks.append(f"{tar_path}: {e}")
-        return None
-    if ctx.progress is not None:
-        ctx.progress.add_bytes(content_bytes)
-    for name, t, mode, uid, gid, mtime, atime, ctime, xattrs, link, major, minor, data in members:
-        _place_member(
-            ctx,
-            opts,
-            tar_path,
-            name.decode("utf-8", "surrogateescape"),
+
+    def place(members: Iterable[NativeMember]) -> None:
+        for (
+            name,
             t,
-            link.decode("utf-8", "surrogateescape"),
             mode,
             uid,
             gid,
+            mtime,
+            atime,
+            ctime,
+            xattrs,
+            link,
             major,
             minor,
-            (mtime, atime, ctime, xattrs, None),  # ACL records: the Python reader's
-            Blob(*data) if type(data) is tuple else (data or b""),
+            data,
+        ) in members:
+            _place_member(
+                ctx,
+                opts,
+                tar_path,
+                name.decode("utf-8", "surrogateescape"),
+                t,
+                link.decode("utf-8", "surrogateescape"),
+                mode,
+                uid,
+                gid,
+                major,
+                minor,
+                (mtime, atime, ctime, xattrs, None),  # ACL records: the Python reader's
+                Blob(*data) if isinstance(data, tuple) else (data or b""),
+            )
+
+    # members are placed while the native side still reads (its threads leave part of the
+    # second core idle); should it hand the archive back, the Python reader places them again
+    ctx.begin_undoable()
+    try:
+        raw, unc, kind, _, content_bytes = nat.read_tar(
+            core,
+            fd,
+            0,
+            None,
+            ctx.packs.keep_inline,
+            opts.whiteouts,
+            opts.diff_id,
+            opts.lenient_end,
+            place,
         )
+    except nat.Unsupported as e:
+        ctx.undo()
+        native.fallbacks.append(f"{tar_path}: {e}")
+        return None
+    except BaseException:
+        ctx.commit()  # the warnings before the error
+        raise
+    ctx.commit()
+    if ctx.progress is not None:
+        ctx.progress.add_bytes(content_bytes)
     return TarDigests("sha256:" + raw, "sha256:" + unc, kind)
 
 

@@ -17,6 +17,7 @@ use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
+use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 
 use pack::PackCore;
@@ -253,12 +254,19 @@ fn detect(head: &[u8]) -> Result<&'static str, String> {
     Err("not a tar, gzip or zstd stream (left to the Python reader)".into())
 }
 
-/// Read the tar layer in `fd` (from `start`, to its end or `length` bytes) into `pack`:
-/// (raw sha256 hex, uncompressed sha256 hex, compression, raw bytes, content bytes,
-/// Members). Raises Unsupported (the pack rolled back to where it was) for any archive it
-/// does not read exactly as the Python reader would, errors included.
+/// Segments of member records the parser may have ready before Python has placed them
+/// (each up to 4,096 records): enough to keep both sides busy, few enough for the memory.
+const SEGMENTS_AHEAD: usize = 2;
+
+/// Read the tar layer in `fd` (from `start`, to its end or `length` bytes) into `pack`,
+/// calling `place` with the members (a `Members` iterator) one segment at a time while the
+/// read goes on (on a thread of its own, the GIL released): returns (raw sha256 hex,
+/// uncompressed sha256 hex, compression, raw bytes, content bytes). Raises Unsupported (the
+/// pack rolled back to where it was) for any archive it does not read exactly as the
+/// Python reader would, errors included: members already placed are the caller's to undo.
+/// An exception from `place` stops the read and is raised as it is.
 #[pyfunction]
-#[pyo3(signature = (pack, fd, start, length, keep_inline, whiteouts, diff_id, lenient_end))]
+#[pyo3(signature = (pack, fd, start, length, keep_inline, whiteouts, diff_id, lenient_end, place))]
 #[allow(clippy::too_many_arguments)]
 fn read_tar<'py>(
     py: Python<'py>,
@@ -270,6 +278,7 @@ fn read_tar<'py>(
     whiteouts: bool,
     diff_id: bool,
     lenient_end: bool,
+    place: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let layer = Layer {
         fd,
@@ -282,28 +291,51 @@ fn read_tar<'py>(
     };
     let mut guard = pack.borrow_mut();
     let core = guard.core()?;
-    let result = py.detach(|| run(core, &layer));
-    match result {
-        Ok((raw, unc, kind, nbytes, content_bytes, segments)) => {
+    let (sink, segments) = std::sync::mpsc::sync_channel::<Records>(SEGMENTS_AHEAD);
+    let (result, placed) = std::thread::scope(|s| {
+        let reader = std::thread::Builder::new()
+            .name("tar-parse".into())
+            .spawn_scoped(s, || run(core, &layer, sink))
+            .expect("spawn tar-parse");
+        let mut placed = Ok(());
+        let mut rx = Some(segments);
+        while let Some(r) = rx.take() {
+            // the receiver moves in and out: a shared one is not Send
+            let (r, got) = py.detach(move || {
+                let got = r.recv();
+                (r, got)
+            });
+            let Ok(seg) = got else {
+                break; // the parser is done
+            };
             let members = Members {
-                segments: segments.into(),
+                segments: VecDeque::from([seg]),
                 next: 0,
             };
-            let members = Bound::new(py, members)?;
-            PyTuple::new(
-                py,
-                [
-                    raw.into_pyobject(py)?.into_any(),
-                    unc.into_pyobject(py)?.into_any(),
-                    kind.into_pyobject(py)?.into_any(),
-                    nbytes.into_pyobject(py)?.into_any(),
-                    content_bytes.into_pyobject(py)?.into_any(),
-                    members.into_any(),
-                ],
-            )
+            placed = Bound::new(py, members).and_then(|m| place.call1((m,))).map(|_| ());
+            if placed.is_err() {
+                break; // the receiver dropped: the parser stops at its next segment
+            }
+            rx = Some(r);
         }
-        Err(Failure::Unsupported(msg)) => Err(Unsupported::new_err(msg)),
-        Err(Failure::Os(e)) => Err(os_err(e)),
+        let result = py.detach(|| reader.join());
+        (result, placed)
+    });
+    placed?;
+    match result {
+        Ok(Ok((raw, unc, kind, nbytes, content_bytes))) => PyTuple::new(
+            py,
+            [
+                raw.into_pyobject(py)?.into_any(),
+                unc.into_pyobject(py)?.into_any(),
+                kind.into_pyobject(py)?.into_any(),
+                nbytes.into_pyobject(py)?.into_any(),
+                content_bytes.into_pyobject(py)?.into_any(),
+            ],
+        ),
+        Ok(Err(Failure::Unsupported(msg))) => Err(Unsupported::new_err(msg)),
+        Ok(Err(Failure::Os(e))) => Err(os_err(e)),
+        Err(_) => Err(PyValueError::new_err("the tar parser thread panicked")),
     }
 }
 
@@ -312,7 +344,7 @@ enum Failure {
     Os(std::io::Error),
 }
 
-type Done = (String, String, &'static str, u64, u64, Vec<Records>);
+type Done = (String, String, &'static str, u64, u64);
 
 /// One layer to read: `read_tar`'s arguments.
 struct Layer {
@@ -325,7 +357,7 @@ struct Layer {
     lenient_end: bool,
 }
 
-fn run(core: &mut PackCore, layer: &Layer) -> Result<Done, Failure> {
+fn run(core: &mut PackCore, layer: &Layer, sink: SyncSender<Records>) -> Result<Done, Failure> {
     let Layer {
         fd,
         start,
@@ -362,7 +394,7 @@ fn run(core: &mut PackCore, layer: &Layer) -> Result<Done, Failure> {
         inflater = Some(h);
         rx
     };
-    let mut parser = Parser::new(stream::Blocks::new(blocks), core, keep_inline, whiteouts);
+    let mut parser = Parser::new(stream::Blocks::new(blocks), core, keep_inline, whiteouts, sink);
     let t0 = std::time::Instant::now();
     let parsed = parser.run(lenient_end);
     if std::env::var_os("BUI_NATIVE_TIMES").is_some() {
@@ -376,11 +408,10 @@ fn run(core: &mut PackCore, layer: &Layer) -> Result<Done, Failure> {
     let Parser {
         src,
         out,
-        mut done,
+        sink,
         content_bytes,
         ..
     } = parser;
-    done.push(out);
     drop(src); // stops the threads upstream on an early end
     if let Some(h) = inflater {
         let _ = h.join();
@@ -398,7 +429,11 @@ fn run(core: &mut PackCore, layer: &Layer) -> Result<Done, Failure> {
     match outcome {
         Ok((raw_hex, unc_hex, nbytes)) => {
             core.release(mark);
-            Ok((raw_hex, unc_hex, kind, nbytes, content_bytes, done))
+            if !out.recs.is_empty() && sink.send(out).is_err() {
+                // Python stopped placing (its error is what the caller raises)
+                return Err(Failure::Unsupported("stopped: the members' placement failed".into()));
+            }
+            Ok((raw_hex, unc_hex, kind, nbytes, content_bytes))
         }
         Err(msg) => {
             core.rollback(mark).map_err(Failure::Os)?;

@@ -142,6 +142,72 @@ fn pread(fd: i32, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     }
 }
 
+/// How far ahead of the reader the kernel is asked to read (`POSIX_FADV_WILLNEED`), in
+/// steps of `AHEAD_STEP`.
+const AHEAD: u64 = 64 << 20;
+const AHEAD_STEP: u64 = 8 << 20;
+
+/// Asks the kernel to read `fd` ahead of the positions it is told (`at`), on a thread of
+/// its own: a cold read's page-cache work (allocating and inserting pages, submitting the
+/// I/O) is done there, on the other core, instead of in the reader's `pread`s, where it
+/// was on the read's critical path. Dropped, it stops and is joined (the fd is the
+/// caller's: no hint may reach it after the read).
+struct Readahead {
+    tx: Option<SyncSender<u64>>,
+    thread: Option<JoinHandle<()>>,
+    next: u64,
+}
+
+impl Readahead {
+    fn new(fd: i32, end: Option<u64>) -> Readahead {
+        let (tx, rx) = sync_channel::<u64>(1);
+        let thread = std::thread::Builder::new()
+            .name("tar-ahead".into())
+            .spawn(move || {
+                let mut advised = 0u64;
+                for at in rx {
+                    let until = end.map_or(at + AHEAD, |e| (at + AHEAD).min(e));
+                    while advised < until {
+                        let from = advised.max(at);
+                        // SAFETY: a plain syscall on the caller's open fd
+                        let r = unsafe {
+                            libc::posix_fadvise(fd, from as i64, AHEAD_STEP as i64, libc::POSIX_FADV_WILLNEED)
+                        };
+                        if r != 0 {
+                            return; // only a hint: the reads go on without it
+                        }
+                        advised = from + AHEAD_STEP;
+                    }
+                }
+            })
+            .expect("spawn tar-ahead");
+        Readahead {
+            tx: Some(tx),
+            thread: Some(thread),
+            next: 0,
+        }
+    }
+
+    /// The reader is at `at`.
+    fn at(&mut self, at: u64) {
+        if at >= self.next {
+            self.next = at + AHEAD_STEP;
+            if let Some(tx) = &self.tx {
+                let _ = tx.try_send(at); // busy: the next step's position will do
+            }
+        }
+    }
+}
+
+impl Drop for Readahead {
+    fn drop(&mut self) {
+        self.tx = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// Reads `fd` from `start` (to its end, or `length` bytes) on a thread, hashing every byte;
 /// the blocks go to the returned receiver. The fd stays the caller's (read with pread).
 pub fn spawn_reader(fd: i32, start: u64, length: Option<u64>) -> (Receiver<Block>, JoinHandle<Digested>) {
@@ -153,6 +219,7 @@ pub fn spawn_reader(fd: i32, start: u64, length: Option<u64>) -> (Receiver<Block
             let mut at = start;
             let mut total = 0u64;
             let pool = Pool::new(IN_SIZE);
+            let mut ahead = Readahead::new(fd, length.map(|l| start + l));
             loop {
                 let want = match length {
                     Some(l) => (l - total).min(IN_SIZE as u64) as usize,
@@ -161,6 +228,7 @@ pub fn spawn_reader(fd: i32, start: u64, length: Option<u64>) -> (Receiver<Block
                 if want == 0 {
                     break;
                 }
+                ahead.at(at);
                 let mut buf = pool.get();
                 let n = match pread(fd, &mut buf.space()[..want], at) {
                     Ok(n) => n,

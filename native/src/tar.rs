@@ -7,6 +7,8 @@
 //! and gives up (`Err`) on anything else: the caller rolls the pack back and the Python
 //! reader reads the whole archive, so its results and errors are the only ones there are.
 
+use std::sync::mpsc::SyncSender;
+
 use crate::pack::{PackCore, Put, MEM_MAX};
 use crate::stream::{Blocks, Span};
 
@@ -293,7 +295,9 @@ pub struct Parser<'a> {
     pub keep_inline: u64,
     pub whiteouts: bool,
     pub out: Records,
-    pub done: Vec<Records>,
+    /// full segments go here as they fill (Python places them while the parser goes on);
+    /// a closed receiver (Python stopped on an error) stops the parser
+    pub sink: SyncSender<Records>,
     pub content_bytes: u64,
     next_header: u64,
     spans: Vec<Span>,
@@ -301,14 +305,20 @@ pub struct Parser<'a> {
 }
 
 impl<'a> Parser<'a> {
-    pub fn new(src: Blocks, pack: &'a mut PackCore, keep_inline: u64, whiteouts: bool) -> Self {
+    pub fn new(
+        src: Blocks,
+        pack: &'a mut PackCore,
+        keep_inline: u64,
+        whiteouts: bool,
+        sink: SyncSender<Records>,
+    ) -> Self {
         Parser {
             src,
             pack,
             keep_inline,
             whiteouts,
             out: Records::default(),
-            done: Vec::new(),
+            sink,
             content_bytes: 0,
             next_header: 0,
             spans: Vec::new(),
@@ -591,7 +601,9 @@ impl<'a> Parser<'a> {
             content,
         });
         if self.out.recs.len() >= SEGMENT_RECS || self.out.data.len() + self.out.names.len() >= SEGMENT_BYTES {
-            self.done.push(std::mem::take(&mut self.out));
+            self.sink
+                .send(std::mem::take(&mut self.out))
+                .map_err(|_| "stopped: the members' placement failed".to_string())?;
         }
         Ok(())
     }
