@@ -11,8 +11,11 @@ from __future__ import annotations
 import bisect
 import hashlib
 import struct
+import sys
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, overload
 
 from btrfs_ublk_image.errors import ImageError
 
@@ -66,10 +69,122 @@ class PackEntry:
 
 @dataclass(frozen=True, slots=True)
 class Range:
+    """Device-2 bytes [dev_offset, dev_offset + length) are pack ``pack`` from ``pack_offset``."""
+
     dev_offset: int
     length: int
     pack: int
     pack_offset: int
+
+
+class Ranges(Sequence[Range]):
+    """Ranges as four columns (``array("Q")`` each), one row per range: what the writer
+    makes and ``decode`` reads, encoded and checked without a ``Range`` per row (an image
+    has one per data extent, tens of thousands); a ``Range`` is made when a row is read."""
+
+    __slots__ = ("dev_offset", "length", "pack", "pack_offset")
+
+    def __init__(
+        self,
+        dev_offset: array[int],
+        length: array[int],
+        pack: array[int],
+        pack_offset: array[int],
+    ) -> None:
+        if not len(dev_offset) == len(length) == len(pack) == len(pack_offset):
+            raise ValueError("range columns of different lengths")
+        self.dev_offset, self.length, self.pack, self.pack_offset = (
+            dev_offset,
+            length,
+            pack,
+            pack_offset,
+        )
+
+    @classmethod
+    def of(cls, ranges: Iterable[Range]) -> Ranges:
+        """``ranges`` as columns (itself when it is a ``Ranges``)."""
+        if isinstance(ranges, Ranges):
+            return ranges
+        rows = list(ranges)
+        return cls(
+            array("Q", [r.dev_offset for r in rows]),
+            array("Q", [r.length for r in rows]),
+            array("Q", [r.pack for r in rows]),
+            array("Q", [r.pack_offset for r in rows]),
+        )
+
+    def __len__(self) -> int:
+        return len(self.dev_offset)
+
+    @overload
+    def __getitem__(self, i: int) -> Range: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Range]: ...
+    def __getitem__(self, i: int | slice) -> Range | list[Range]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return Range(self.dev_offset[i], self.length[i], self.pack[i], self.pack_offset[i])
+
+    def __iter__(self) -> Iterator[Range]:
+        return map(Range, self.dev_offset, self.length, self.pack, self.pack_offset)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        o = Ranges.of(other)
+        return (self.dev_offset, self.length, self.pack, self.pack_offset) == (
+            o.dev_offset,
+            o.length,
+            o.pack,
+            o.pack_offset,
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def with_first(self, r: Range) -> Ranges:
+        """These ranges after ``r`` (which lies before the first of them)."""
+        return Ranges(
+            array("Q", [r.dev_offset]) + self.dev_offset,
+            array("Q", [r.length]) + self.length,
+            array("Q", [r.pack]) + self.pack,
+            array("Q", [r.pack_offset]) + self.pack_offset,
+        )
+
+    def renumbered(self, packs: Mapping[int, int]) -> Ranges:
+        """These ranges with pack ``n`` as ``packs[n]``."""
+        return Ranges(
+            self.dev_offset,
+            self.length,
+            array("Q", map(packs.__getitem__, self.pack)),
+            self.pack_offset,
+        )
+
+    def encode(self) -> bytes:
+        """The blockmap's range records (``_RANGE``, flags 0), in order."""
+        rows = array("Q", bytes(8 * 4 * len(self)))
+        # a record is 4 little-endian u64 words: the u32 pack and u32 flags (0) make one
+        rows[0::4], rows[1::4], rows[2::4], rows[3::4] = (
+            self.dev_offset,
+            self.length,
+            self.pack,
+            self.pack_offset,
+        )
+        if max(self.pack, default=0) > 0xFFFFFFFF:
+            raise ImageError("blockmap: a pack number does not fit 32 bits")
+        if sys.byteorder == "big":
+            rows.byteswap()
+        return rows.tobytes()
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview, n: int) -> Ranges:
+        """``n`` range records (``_RANGE``) from ``data``; their flags are ignored."""
+        words, halves = array("Q"), array("I")
+        words.frombytes(data[: n * _RANGE.size])
+        halves.frombytes(data[: n * _RANGE.size])
+        if sys.byteorder == "big":
+            words.byteswap()
+            halves.byteswap()
+        return cls(words[0::4], words[1::4], array("Q", halves[4::8]), words[3::4])
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +192,11 @@ class BlockMap:
     chunk_shift: int
     device_size: int
     packs: list[PackEntry]
-    ranges: list[Range]  # sorted by dev_offset, non-overlapping
+    ranges: Sequence[Range]  # sorted by dev_offset, non-overlapping (``Ranges`` from decode)
     version: int = VERSION  # VERSION_COMPRESSED: chunk tables (pack compression on)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranges", Ranges.of(self.ranges))  # columns, whatever came
 
     @property
     def chunk_size(self) -> int:
@@ -106,9 +224,7 @@ class BlockMap:
                 assert p.stored is None, "a stored-chunk table needs blockmap version 2"
                 parts.append(_PACK.pack(p.id, p.size, first))
             first += len(p.chunk_digests)
-        parts.extend(
-            _RANGE.pack(r.dev_offset, r.length, r.pack, 0, r.pack_offset) for r in self.ranges
-        )
+        parts.append(Ranges.of(self.ranges).encode())
         parts.extend(dg for p in self.packs for dg in p.chunk_digests)
         if v2:
             for p in self.packs:
@@ -120,12 +236,16 @@ class BlockMap:
     def check(self) -> None:
         """Invariants a writer must keep (and a reader may rely on)."""
         end = 0
-        for r in self.ranges:
-            if r.dev_offset % 4096 or r.dev_offset < end or r.length <= 0:
-                raise ImageError(f"blockmap: bad range at device offset {r.dev_offset}")
-            if r.pack >= len(self.packs) or r.pack_offset + r.length > self.packs[r.pack].size:
-                raise ImageError(f"blockmap: range at {r.dev_offset} points outside pack {r.pack}")
-            end = r.dev_offset + r.length
+        sizes = [p.size for p in self.packs]
+        r = Ranges.of(self.ranges)
+        for dev_offset, length, pack, pack_offset in zip(
+            r.dev_offset, r.length, r.pack, r.pack_offset, strict=True
+        ):
+            if dev_offset % 4096 or dev_offset < end or length <= 0:
+                raise ImageError(f"blockmap: bad range at device offset {dev_offset}")
+            if pack >= len(sizes) or pack_offset + length > sizes[pack]:
+                raise ImageError(f"blockmap: range at {dev_offset} points outside pack {pack}")
+            end = dev_offset + length
         if end > self.device_size:
             raise ImageError("blockmap: a range ends past the device size")
         for i, p in enumerate(self.packs):
@@ -143,9 +263,10 @@ class BlockMap:
 
     def lookup(self, offset: int) -> Range | None:
         """The range holding device-2 byte ``offset``, or None (the byte reads as zero)."""
-        i = bisect.bisect_right(self.ranges, offset, key=lambda r: r.dev_offset) - 1
-        if i >= 0 and offset < self.ranges[i].dev_offset + self.ranges[i].length:
-            return self.ranges[i]
+        r = Ranges.of(self.ranges)
+        i = bisect.bisect_right(r.dev_offset, offset) - 1
+        if i >= 0 and offset < r.dev_offset[i] + r.length[i]:
+            return r[i]
         return None
 
 
@@ -167,11 +288,10 @@ def decode(data: bytes, where: str = "blockmap") -> BlockMap:
         head = pack_struct.unpack_from(data, pos)
         heads.append((head[0], head[1], head[2], head[4] if v2 else 0, head[3] if v2 else None))
         pos += pack_struct.size
-    ranges = []
-    for _ in range(n_ranges):
-        off, length, pack, _flags, poff = _RANGE.unpack_from(data, pos)
-        ranges.append(Range(off, length, pack, poff))
-        pos += _RANGE.size
+    if len(data) < pos + n_ranges * _RANGE.size:
+        raise ImageError(f"{where}: size does not match its tables (truncated?)")
+    ranges = Ranges.decode(memoryview(data)[pos:], n_ranges)
+    pos += n_ranges * _RANGE.size
     total = sum(-(-size // (1 << shift)) for _, size, _, _, _ in heads)
     table = pos + total * DIGEST_SIZE  # v2: the stored-chunk table follows the digests
     if len(data) != table + (total * _CHUNK.size if v2 else 0):

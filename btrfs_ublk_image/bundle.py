@@ -319,16 +319,18 @@ def _write_into(
         packer.abort()
         raise
     pack_infos = packer.finish()  # each pack fsynced, renamed to its id
-    ranges = [Range(ondisk.SUPER_INFO_OFFSET, len(layout.data_super), sb.pack, sb.offset)]
-    ranges.extend(Range(r.dev_offset, r.length, r.pack, r.pack_offset) for r in layout.data_ranges)
+    ranges = layout.data_ranges.with_first(
+        Range(ondisk.SUPER_INFO_OFFSET, len(layout.data_super), sb.pack, sb.offset)
+    )
     n_base = 0 if base is None else len(base.packs)
     # the base's packs this image maps a byte of are kept (hard links of the base's files),
     # the others dropped; the written and in-place packs are all kept
-    used = {r.pack for r in ranges}
+    used = set(ranges.pack)
     keep = [i for i in range(len(pack_infos)) if not 1 <= i <= n_base or i in used]
     renumber = {old: new for new, old in enumerate(keep)}
     pack_infos = [pack_infos[i] for i in keep]
-    ranges = [Range(r.dev_offset, r.length, renumber[r.pack], r.pack_offset) for r in ranges]
+    if any(old != new for old, new in renumber.items()):
+        ranges = ranges.renumbered(renumber)
     for old in keep:
         if 1 <= old <= n_base:
             _link_base_pack(pack_infos[renumber[old]], packs_dir)

@@ -38,8 +38,9 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, overload
+from typing import IO
 
+from btrfs_ublk_image.blockmap import Ranges
 from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.btrfs.encoded import COMPRESS_ZSTD, EncodedExtents
 from btrfs_ublk_image.btrfs.layout import (
@@ -101,23 +102,13 @@ class WriterOptions:
 
 
 @dataclass(frozen=True, slots=True)
-class DataRange:
-    """Device-2 bytes [dev_offset, dev_offset + length) are pack ``pack`` from ``pack_offset``."""
-
-    dev_offset: int
-    length: int
-    pack: int
-    pack_offset: int
-
-
-@dataclass(frozen=True, slots=True)
 class ImageLayout:
     fsid: uuid.UUID
     dev_uuids: tuple[uuid.UUID, uuid.UUID]
     generation: int
     meta_size: int  # device 1 == meta.img size
     data_size: int  # device 2 size
-    data_ranges: Sequence[DataRange]  # sorted by dev_offset; the superblock range is not included
+    data_ranges: Ranges  # sorted by dev_offset; the superblock range is not included
     data_super: bytes  # device 2's superblock (4096 bytes at SUPER_INFO_OFFSET)
     stats: dict[str, int] = field(default_factory=dict)
 
@@ -573,38 +564,18 @@ class _DataPlacer:
         return free
 
     @property
-    def ranges(self) -> _DataRanges:
-        return _DataRanges(self)
-
-
-class _DataRanges(Sequence[DataRange]):
-    """The placer's extents as ``DataRange`` records, made when read (only the columns
-    they need stay alive with the layout)."""
-
-    def __init__(self, placer: _DataPlacer) -> None:
-        self._p = _RangeColumns(placer.dev_offset, placer.length, placer.pack, placer.pack_offset)
-        self._order = placer.order  # device order
-
-    def __len__(self) -> int:
-        return len(self._p.dev_offset)
-
-    @overload
-    def __getitem__(self, i: int) -> DataRange: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[DataRange]: ...
-    def __getitem__(self, i: int | slice) -> DataRange | list[DataRange]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        p, i = self._p, self._order[i]
-        return DataRange(p.dev_offset[i], p.length[i], p.pack[i], p.pack_offset[i])
-
-
-@dataclass(frozen=True, slots=True)
-class _RangeColumns:
-    dev_offset: array[int]
-    length: array[int]
-    pack: array[int]
-    pack_offset: array[int]
+    def ranges(self) -> Ranges:
+        """The extents' device-2 ranges in device order (only the columns they need stay
+        alive with the layout)."""
+        order = self.order
+        if isinstance(order, range):  # without a base: placement order is device order
+            return Ranges(self.dev_offset, self.length, self.pack, self.pack_offset)
+        return Ranges(
+            *(
+                array("Q", map(col.__getitem__, order))
+                for col in (self.dev_offset, self.length, self.pack, self.pack_offset)
+            )
+        )
 
 
 @dataclass(slots=True)
