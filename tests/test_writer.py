@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -184,6 +185,36 @@ def test_blockmap_roundtrip(tmp_path: Path) -> None:
     assert bm.lookup(0) is None and bm.lookup(ondisk.SUPER_INFO_OFFSET) == bm.ranges[0]
     with pytest.raises(ImageError, match="bad magic"):
         blockmap.decode(b"X" * len(data))
+
+
+@pytest.mark.unit
+def test_blockmap_ranges_columns_match_records() -> None:
+    """``Ranges`` (columns) encodes and decodes exactly as one ``struct`` record per range
+    (the format's definition), whichever form the ranges come in."""
+    rng = random.Random(7)
+    rows, at = [], 0
+    for _ in range(500):
+        at += 4096 * rng.randrange(1, 9)
+        length = 4096 * rng.randrange(1, 40)
+        rows.append(blockmap.Range(at, length, rng.randrange(0, 3), rng.randrange(0, 2**40)))
+        at += length
+    records = b"".join(
+        struct.pack("<QQIIQ", r.dev_offset, r.length, r.pack, 0, r.pack_offset) for r in rows
+    )
+    cols = blockmap.Ranges.of(rows)
+    assert cols.encode() == records and cols == rows and list(cols) == rows
+    back = blockmap.Ranges.decode(records, len(rows))
+    assert back == cols and back[3] == rows[3] and back[-2:] == rows[-2:]
+    first = blockmap.Range(0, 4096, 5, 0)
+    assert list(cols.with_first(first)) == [first, *rows]
+    assert [r.pack for r in cols.renumbered({0: 2, 1: 0, 2: 1})] == [
+        (2, 0, 1)[r.pack] for r in rows
+    ]
+    bm = blockmap.BlockMap(12, at, [blockmap.PackEntry(b"\0" * 32, 2**41, [])] * 3, rows)
+    assert bm.encode().endswith(records) and bm.lookup(rows[9].dev_offset + 1) == rows[9]
+    assert bm.lookup(rows[9].dev_offset - 1) is None  # a gap between ranges
+    with pytest.raises(ImageError, match="32 bits"):
+        blockmap.Ranges.of([blockmap.Range(0, 4096, 2**32, 0)]).encode()
 
 
 @pytest.mark.unit
