@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -290,6 +291,7 @@ def _write_into(
     syncer: Syncer,
 ) -> tuple[str, dict[str, Any], ImageLayout]:
     packs_dir = os.path.join(tmp, PACKS)
+    meta_path = os.path.join(tmp, META_IMG)
     os.mkdir(packs_dir)
     packer = PackWriter(
         packs_dir,
@@ -307,61 +309,65 @@ def _write_into(
             progress.phase("writing metadata")
         layout = write_image(
             tree,
-            os.path.join(tmp, META_IMG),
+            meta_path,
             opts,
             packer.encoded,
             None if base is None else base.layout(),
         )
-        syncer.start(os.path.join(tmp, META_IMG))
+        syncer.start(meta_path)
         # device 2's own superblock is pack content like any other, mapped at 64 KiB
         sb = packer.put_pack_tail(layout.data_super)
     except BaseException:
         packer.abort()
         raise
-    pack_infos = packer.finish()  # each pack fsynced, renamed to its id
-    ranges = layout.data_ranges.with_first(
-        Range(ondisk.SUPER_INFO_OFFSET, len(layout.data_super), sb.pack, sb.offset)
-    )
-    n_base = 0 if base is None else len(base.packs)
-    # the base's packs this image maps a byte of are kept (hard links of the base's files),
-    # the others dropped; the written and in-place packs are all kept
-    used = set(ranges.pack)
-    keep = [i for i in range(len(pack_infos)) if not 1 <= i <= n_base or i in used]
-    renumber = {old: new for new, old in enumerate(keep)}
-    pack_infos = [pack_infos[i] for i in keep]
-    if any(old != new for old, new in renumber.items()):
-        ranges = ranges.renumbered(renumber)
-    for old in keep:
-        if 1 <= old <= n_base:
-            _link_base_pack(pack_infos[renumber[old]], packs_dir)
-    syncer.start(packs_dir)  # the packs' names
-    compressed = pack_compression == "zstd" or any(
-        p.stored is not None and any(c.zstd for c in p.stored) for p in pack_infos
-    )
-    bm = BlockMap(
-        chunk_shift=chunk_size.bit_length() - 1,
-        device_size=layout.data_size,
-        # a base's uncompressed pack from a version 2 blockmap: its raw chunks need no table
-        packs=[
-            PackEntry(p.id, p.size, p.chunk_digests, p.stored if compressed else None)
-            for p in pack_infos
-        ],
-        ranges=ranges,
-        # version 1 unless pack chunks are compressed: uncompressed bundles keep their ids
-        # (btrfs-zstd packs hold device 2's bytes as stored: version 1 too)
-        version=VERSION_COMPRESSED if compressed else VERSION,
-    )
-    bm.check()
-    with open(os.path.join(tmp, BLOCKMAP), "wb") as f:
-        f.write(bm.encode())
-    syncer.start(os.path.join(tmp, BLOCKMAP))
-    files = {
-        fname: {
-            "sha256": file_sha256(os.path.join(tmp, fname)),
-            "size": os.path.getsize(os.path.join(tmp, fname)),
+    # meta.img is complete: its sha256 is taken on a second core (reads and hashlib release
+    # the GIL) while the packs finish and the blockmap is made; an error waits for it
+    with ThreadPoolExecutor(1, thread_name_prefix="meta-sha256") as hashing:
+        meta_sha256 = hashing.submit(file_sha256, meta_path)
+        pack_infos = packer.finish()  # each pack fsynced, renamed to its id
+        ranges = layout.data_ranges.with_first(
+            Range(ondisk.SUPER_INFO_OFFSET, len(layout.data_super), sb.pack, sb.offset)
+        )
+        n_base = 0 if base is None else len(base.packs)
+        # the base's packs this image maps a byte of are kept (hard links of the base's files),
+        # the others dropped; the written and in-place packs are all kept
+        used = set(ranges.pack)
+        keep = [i for i in range(len(pack_infos)) if not 1 <= i <= n_base or i in used]
+        renumber = {old: new for new, old in enumerate(keep)}
+        pack_infos = [pack_infos[i] for i in keep]
+        if any(old != new for old, new in renumber.items()):
+            ranges = ranges.renumbered(renumber)
+        for old in keep:
+            if 1 <= old <= n_base:
+                _link_base_pack(pack_infos[renumber[old]], packs_dir)
+        syncer.start(packs_dir)  # the packs' names
+        compressed = pack_compression == "zstd" or any(
+            p.stored is not None and any(c.zstd for c in p.stored) for p in pack_infos
+        )
+        bm = BlockMap(
+            chunk_shift=chunk_size.bit_length() - 1,
+            device_size=layout.data_size,
+            # a base's uncompressed pack from a version 2 blockmap: its raw chunks need no table
+            packs=[
+                PackEntry(p.id, p.size, p.chunk_digests, p.stored if compressed else None)
+                for p in pack_infos
+            ],
+            ranges=ranges,
+            # version 1 unless pack chunks are compressed: uncompressed bundles keep their ids
+            # (btrfs-zstd packs hold device 2's bytes as stored: version 1 too)
+            version=VERSION_COMPRESSED if compressed else VERSION,
+        )
+        bm.check()
+        with open(os.path.join(tmp, BLOCKMAP), "wb") as f:
+            f.write(bm.encode())
+        syncer.start(os.path.join(tmp, BLOCKMAP))
+        files = {
+            fname: {
+                "sha256": meta_sha256.result() if fname == META_IMG else file_sha256(path),
+                "size": os.path.getsize(path),
+            }
+            for fname, path in ((META_IMG, meta_path), (BLOCKMAP, os.path.join(tmp, BLOCKMAP)))
         }
-        for fname in (META_IMG, BLOCKMAP)
-    }
     stats = dict(layout.stats)
     # pack 0 holds only unique content (and the superblock); in-place packs hold whole
     # tarballs, of which only the referenced unique member data counts (btrfs-zstd: pack 0
