@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from btrfs_ublk_image import __version__
+from btrfs_ublk_image import __version__, patch
 from btrfs_ublk_image.blockmap import VERSION, VERSION_COMPRESSED, BlockMap, PackEntry, Range
 from btrfs_ublk_image.btrfs import ondisk
 from btrfs_ublk_image.btrfs.writer import ImageLayout, WriterOptions, inline_max, write_image
@@ -407,7 +407,7 @@ def _write_into(
     if base is not None:  # only then: the manifests (ids) of other builds are unchanged
         manifest["base"] = base.image_id
         manifest["format_version"] = FORMAT_VERSION_BLOCK_FORM
-        manifest["patches"] = _write_patches(tmp, base.bundle, syncer)
+        manifest["patches"] = _write_patches(tmp, base.bundle, manifest, syncer)
     data = encode_manifest(manifest)
     with open(os.path.join(tmp, MANIFEST), "wb") as f:
         f.write(data)
@@ -440,14 +440,14 @@ def _link_base_pack(info: PackInfo, packs_dir: str) -> None:
         raise ImageError(f"{info.path}: cannot link or copy into {packs_dir}: {e}") from None
 
 
-def _write_patches(tmp: str, base_bundle: str, syncer: Syncer) -> dict[str, dict[str, Any]]:
+def _write_patches(
+    tmp: str, base_bundle: str, manifest: dict[str, Any], syncer: Syncer
+) -> dict[str, dict[str, Any]]:
     """meta.img and blockmap as patches against the lineage's patch base: the base's own
     patch base when it has one (so every version patches against the files that the
     registry and hosts already hold), else the base's files. The patch base goes into
     ``base/`` (a hard link, else a reflink, else a copy), checked against the base's
-    manifest; -> the manifest's ``patches``."""
-    from btrfs_ublk_image import patch
-
+    manifest; each in the form ``manifest`` (its format version) names; -> its ``patches``."""
     base_manifest, _ = read_manifest(base_bundle)
     base_where = os.path.join(base_bundle, MANIFEST)
     base_patches = patch.entries(base_manifest, base_where)
@@ -469,7 +469,7 @@ def _write_patches(tmp: str, base_bundle: str, syncer: Syncer) -> dict[str, dict
         if not isinstance(want, dict) or got != {k: want.get(k) for k in got}:
             raise ImageError(f"{src_path}: differs from {base_where} (a corrupt base)")
         new = read_bundle_file(os.path.join(tmp, name))
-        data = patch.make(ref, new, block_forms=name == patch.BLOCK_FORM_NAME)
+        data = patch.make(ref, new, block_forms=patch.in_block_form(manifest, name))
         with open(os.path.join(tmp, patch.patch_path(name)), "wb") as f:
             f.write(data)
         syncer.start(os.path.join(tmp, patch.patch_path(name)))
