@@ -145,14 +145,15 @@ def remove_stale_builds(parent: str) -> None:
 def _no_cyclic_gc() -> Iterator[None]:
     """The cyclic garbage collector off while a build runs, back on after it (if it was).
 
-    A build keeps every entry's objects (the tree, the writer's items) until its end, so each
+    A build keeps every entry's objects (the tree, the writer's rows) until its end, so each
     full collection walks all of them again for nothing, and there are more of them the more
     entries: on the bench's 1,011,111-entry input (warm) 13 full and 456 middle collections
-    took 4.2-5.9 s of the build's wall time (0.2-0.7 s at 100,000 entries), and the main
-    thread's CPU fell from 21.7 to 19.8 s (medians of 3 alternating pairs) without them. A
-    build makes no per-entry reference cycles (a collection after one found only the CLI's
-    module-level garbage) and its peak RSS stayed within the runs' spread; reference
-    counting still frees everything else as it goes."""
+    took 2.2-2.5 s of the main thread's CPU, and it held the GIL through them while the
+    records' placement (and the parser behind it) waited; without them the main thread's
+    CPU fell from 21.7 to 19.3 s (medians of 6 alternating pairs, lower in each). A build
+    makes no per-entry reference cycles (a collection after one found only the CLI's
+    module-level garbage, the same at 200 and 20,000 entries) and its peak RSS stayed
+    within the runs' spread; reference counting still frees everything else as it goes."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
