@@ -9,11 +9,13 @@ fsynced. Any error removes the sibling, so nothing is left at the destination.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,6 +141,28 @@ def remove_stale_builds(parent: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """The cyclic garbage collector off while a build runs, back on after it (if it was).
+
+    A build keeps every entry's objects (the tree, the writer's rows) until its end, so each
+    full collection walks all of them again for nothing, and there are more of them the more
+    entries: on the bench's 1,011,111-entry input (warm) 13 full and 456 middle collections
+    took 2.2-2.5 s of the main thread's CPU, and it held the GIL through them while the
+    records' placement (and the parser behind it) waited; without them the main thread's
+    CPU fell from 21.7 to 19.3 s (medians of 6 alternating pairs, lower in each). A build
+    makes no per-entry reference cycles (a collection after one found only the CLI's
+    module-level garbage, the same at 200 and 20,000 entries) and its peak RSS stayed
+    within the runs' spread; reference counting still frees everything else as it goes."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def write_bundle(
     out_dir: str,
     *,
@@ -159,19 +183,20 @@ def write_bundle(
     syncer = Syncer()
     try:
         base_image = _open_base(base, chunk_size, progress)
-        result = _write_into(
-            tmp,
-            name,
-            opts,
-            fill,
-            spec_sha256,
-            progress,
-            chunk_size,
-            prefetch,
-            pack_compression,
-            base_image,
-            syncer,
-        )
+        with _no_cyclic_gc():
+            result = _write_into(
+                tmp,
+                name,
+                opts,
+                fill,
+                spec_sha256,
+                progress,
+                chunk_size,
+                prefetch,
+                pack_compression,
+                base_image,
+                syncer,
+            )
         os.unlink(os.path.join(tmp, BUILDING))
         os.chmod(tmp, 0o755)
         syncer.start(tmp)  # its entries

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import random
@@ -166,6 +167,35 @@ def test_failed_build_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match="boom"):
         build(tmp_path, fill)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.unit
+def test_cyclic_gc_is_off_during_a_build_and_restored(tmp_path: Path) -> None:
+    """The build runs with the cyclic collector off (it would walk every entry's objects
+    again and again) and leaves it as it found it, after an error too."""
+    seen: list[bool] = []
+
+    def fill(packs: PackWriter) -> Tree:
+        seen.append(gc.isenabled())
+        return every_type(packs)
+
+    def failing(packs: PackWriter) -> Tree:
+        seen.append(gc.isenabled())
+        raise ImageError("boom")
+
+    assert gc.isenabled()
+    build(tmp_path, fill, name="ok")
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ImageError, match="boom"):
+        build(tmp_path, failing, name="failed")
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        build(tmp_path, fill, name="disabled-before")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disabled-before", "ok"]
 
 
 @pytest.mark.unit
