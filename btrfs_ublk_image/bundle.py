@@ -146,14 +146,10 @@ def _no_cyclic_gc() -> Iterator[None]:
     """The cyclic garbage collector off while a build runs, back on after it (if it was).
 
     A build keeps every entry's objects (the tree, the writer's rows) until its end, so each
-    full collection walks all of them again for nothing, and there are more of them the more
-    entries: on the bench's 1,011,111-entry input (warm) 13 full and 456 middle collections
-    took 2.2-2.5 s of the main thread's CPU, and it held the GIL through them while the
-    records' placement (and the parser behind it) waited; without them the main thread's
-    CPU fell from 21.7 to 19.3 s (medians of 6 alternating pairs, lower in each). A build
-    makes no per-entry reference cycles (a collection after one found only the CLI's
-    module-level garbage, the same at 200 and 20,000 entries) and its peak RSS stayed
-    within the runs' spread; reference counting still frees everything else as it goes."""
+    full collection walks all of them again for nothing, more of them the more entries, and
+    holds the GIL meanwhile (the records' placement, and the parser behind it, wait). A build
+    makes no per-entry reference cycles; reference counting frees everything else as it goes.
+    Measured: docs/benchmarks.md, "1,000,000 entries"."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
