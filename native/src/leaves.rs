@@ -30,10 +30,85 @@ const DIR_INDEX_KEY: u8 = 96;
 const INODE_ITEM_SIZE: usize = 160;
 const DIR_ITEM_SIZE: usize = 30;
 const NS: i128 = 1_000_000_000;
+pub const FILE_EXTENT_ITEM_SIZE: usize = 53;
+const FILE_EXTENT_INLINE: u8 = 0;
+const FILE_EXTENT_REG: u8 = 1;
 
 /// `btrfs_name_hash`: a DIR_ITEM's key offset (crc32c seeded with ~1, not inverted after).
 pub fn name_hash(name: &[u8]) -> u64 {
     (crc32c::crc32c_append(1, name) ^ 0xFFFF_FFFF) as u64
+}
+
+/// `btrfs_extref_hash`: an INODE_EXTREF's key offset (the kernel's crc32c, no inversions,
+/// seeded with the parent's low 32 bits).
+pub fn extref_hash(parent: u64, name: &[u8]) -> u64 {
+    !crc32c::crc32c_append(!(parent as u32), name) as u64
+}
+
+/// struct btrfs_dir_item (a DIR_ITEM, DIR_INDEX or XATTR_ITEM's data): the location
+/// `(location, INODE_ITEM, 0)` (0 for an xattr), transid, data_len, name_len, type, name, data.
+pub fn dir_item(location: u64, location_type: u8, generation: u64, ftype: u8, name: &[u8], data: &[u8]) -> Vec<u8> {
+    let mut item = Vec::with_capacity(DIR_ITEM_SIZE + name.len() + data.len());
+    item.extend_from_slice(&location.to_le_bytes());
+    item.push(location_type);
+    item.extend_from_slice(&0u64.to_le_bytes());
+    item.extend_from_slice(&generation.to_le_bytes());
+    item.extend_from_slice(&(data.len() as u16).to_le_bytes());
+    item.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    item.push(ftype);
+    item.extend_from_slice(name);
+    item.extend_from_slice(data);
+    item
+}
+
+/// struct btrfs_inode_ref: index, name_len, name.
+pub fn inode_ref(index: u64, name: &[u8]) -> Vec<u8> {
+    let mut r = Vec::with_capacity(10 + name.len());
+    r.extend_from_slice(&index.to_le_bytes());
+    r.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    r.extend_from_slice(name);
+    r
+}
+
+/// struct btrfs_inode_extref: parent, index, name_len, name.
+pub fn inode_extref(parent: u64, index: u64, name: &[u8]) -> Vec<u8> {
+    let mut r = Vec::with_capacity(18 + name.len());
+    r.extend_from_slice(&parent.to_le_bytes());
+    r.extend_from_slice(&index.to_le_bytes());
+    r.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    r.extend_from_slice(name);
+    r
+}
+
+/// struct btrfs_file_extent_item of a regular extent referenced whole: `ram` bytes of file
+/// data in `disk_num_bytes` at `disk_bytenr` (`ondisk.pack_file_extent_reg`).
+pub fn file_extent_reg(
+    generation: u64,
+    disk_bytenr: u64,
+    disk_num_bytes: u64,
+    ram: u64,
+    compression: u8,
+) -> [u8; FILE_EXTENT_ITEM_SIZE] {
+    let mut item = [0u8; FILE_EXTENT_ITEM_SIZE];
+    item[..8].copy_from_slice(&generation.to_le_bytes());
+    item[8..16].copy_from_slice(&ram.to_le_bytes()); // ram_bytes
+    item[16] = compression; // then encryption 0, other_encoding 0
+    item[20] = FILE_EXTENT_REG;
+    item[21..29].copy_from_slice(&disk_bytenr.to_le_bytes());
+    item[29..37].copy_from_slice(&disk_num_bytes.to_le_bytes());
+    // offset into the extent 0, then num_bytes
+    item[45..53].copy_from_slice(&ram.to_le_bytes());
+    item
+}
+
+/// An inline file extent item: its header and the data (`ondisk.pack_file_extent_inline`).
+pub fn file_extent_inline(generation: u64, data: &[u8]) -> Vec<u8> {
+    let mut item = Vec::with_capacity(21 + data.len());
+    item.extend_from_slice(&generation.to_le_bytes());
+    item.extend_from_slice(&(data.len() as u64).to_le_bytes());
+    item.extend_from_slice(&[0, 0, 0, 0, FILE_EXTENT_INLINE]);
+    item.extend_from_slice(data);
+    item
 }
 
 /// An INODE_ITEM's fields (times in ns since the epoch, negative before it).
@@ -172,11 +247,7 @@ impl Packer {
         debug_assert_eq!(at, INODE_ITEM_SIZE);
         self.add((ino, INODE_ITEM_KEY, 0), &item)?;
         if let Some((parent, index, name)) = inode_ref {
-            let mut r = Vec::with_capacity(10 + name.len());
-            r.extend_from_slice(&index.to_le_bytes());
-            r.extend_from_slice(&(name.len() as u16).to_le_bytes());
-            r.extend_from_slice(name);
-            self.add((ino, INODE_REF_KEY, parent), &r)?;
+            self.add((ino, INODE_REF_KEY, parent), &self::inode_ref(index, name))?;
         }
         Ok(())
     }
@@ -185,20 +256,21 @@ impl Packer {
     /// in one item, in name order), then DIR_INDEXes from 2 in name order, each a struct
     /// btrfs_dir_item with the child's INODE_ITEM key as its location.
     pub fn add_dir(&mut self, ino: u64, generation: u64, entries: &[(&[u8], u64, u8)]) -> io::Result<()> {
+        self.add_dir_indexed(ino, generation, entries, None)
+    }
+
+    /// `add_dir` with the entries' dir indexes given (a base's: not 2, 3, ... in name
+    /// order): the DIR_INDEXes in index order (`treeblocks.add_dir_items`).
+    pub fn add_dir_indexed(
+        &mut self,
+        ino: u64,
+        generation: u64,
+        entries: &[(&[u8], u64, u8)],
+        indexes: Option<&[u64]>,
+    ) -> io::Result<()> {
         let packed: Vec<Vec<u8>> = entries
             .iter()
-            .map(|&(name, child, ftype)| {
-                let mut item = Vec::with_capacity(DIR_ITEM_SIZE + name.len());
-                item.extend_from_slice(&child.to_le_bytes());
-                item.push(INODE_ITEM_KEY);
-                item.extend_from_slice(&0u64.to_le_bytes());
-                item.extend_from_slice(&generation.to_le_bytes());
-                item.extend_from_slice(&0u16.to_le_bytes()); // data_len
-                item.extend_from_slice(&(name.len() as u16).to_le_bytes());
-                item.push(ftype);
-                item.extend_from_slice(name);
-                item
-            })
+            .map(|&(name, child, ftype)| dir_item(child, INODE_ITEM_KEY, generation, ftype, name, b""))
             .collect();
         let mut by_hash: Vec<(u64, usize)> = entries
             .iter()
@@ -224,8 +296,19 @@ impl Packer {
             }
             i = j;
         }
-        for (index, item) in packed.iter().enumerate() {
-            self.add((ino, DIR_INDEX_KEY, index as u64 + 2), item)?;
+        match indexes {
+            None => {
+                for (index, item) in packed.iter().enumerate() {
+                    self.add((ino, DIR_INDEX_KEY, index as u64 + 2), item)?;
+                }
+            }
+            Some(indexes) => {
+                let mut order: Vec<(u64, &Vec<u8>)> = indexes.iter().copied().zip(&packed).collect();
+                order.sort();
+                for (index, item) in order {
+                    self.add((ino, DIR_INDEX_KEY, index), item)?;
+                }
+            }
         }
         Ok(())
     }
