@@ -753,7 +753,8 @@ def _fs_tree_items_native(
     native_placement = (
         placer.base is None and not encoded and not placer.logical and not placer._end
     )
-    refs, stats, placed = nat.fs_tree_items(
+    ref_extent, ref_ino, ref_offset = array("Q"), array("Q"), array("Q")
+    stats, placed = nat.fs_tree_items(
         packer.native,
         num,
         placer,
@@ -763,6 +764,7 @@ def _fs_tree_items_native(
         GENERATION,
         0 if encoded else d.INODE_NODATASUM | d.INODE_NODATACOW,
         (Blob, Sparse, _SetAside),
+        (ref_extent, ref_ino, ref_offset),
     )
     if placed is not None:
         chunks, state = placed
@@ -773,9 +775,6 @@ def _fs_tree_items_native(
         placer._logical, placer.used = state[4:]
         # the extents are placed: no blob is placed after the fs tree's items
         placer._ranges_iter = device_ranges(placer._end or DEVICE_START)
-    ref_extent, ref_ino, ref_offset = array("Q"), array("Q"), array("Q")
-    for col, raw in zip((ref_extent, ref_ino, ref_offset), refs, strict=True):
-        col.frombytes(raw)
     names = ("files", "directories", "symlinks", "devices", "hardlinks", "inline_files")
     leaves, digest = packer.finish()
     assert digest is not None

@@ -105,34 +105,132 @@ impl DeviceRanges {
     }
 }
 
+/// Values appended to a Python `array("Q")` column a batch at a time: the column holds
+/// them, with no second copy of it made here.
+struct ColumnSink<'py> {
+    array: Bound<'py, PyAny>,
+    pending: Vec<u64>,
+    flushed: usize, // values already in the array (from this call)
+    base: usize,    // values the array held before
+}
+
+/// rows appended to a column per `array.frombytes` call
+const SINK_BATCH: usize = 8192;
+
+impl<'py> ColumnSink<'py> {
+    fn new(array: Bound<'py, PyAny>) -> PyResult<Self> {
+        let base = array.len()?;
+        Ok(ColumnSink {
+            array,
+            pending: Vec::with_capacity(SINK_BATCH),
+            flushed: 0,
+            base,
+        })
+    }
+
+    fn push(&mut self, v: u64) -> PyResult<()> {
+        self.pending.push(v);
+        if self.pending.len() >= SINK_BATCH {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&mut self) -> PyResult<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let raw = PyBytes::new_with(self.array.py(), self.pending.len() * 8, |b| {
+            for (chunk, v) in b.chunks_exact_mut(8).zip(&self.pending) {
+                chunk.copy_from_slice(&v.to_ne_bytes());
+            }
+            Ok(())
+        })?;
+        self.array.call_method1(intern!(self.array.py(), "frombytes"), (raw,))?;
+        self.flushed += self.pending.len();
+        self.pending.clear();
+        Ok(())
+    }
+
+    /// Value `i` of those pushed in this call.
+    fn get(&self, i: usize) -> PyResult<u64> {
+        if i >= self.flushed {
+            return Ok(self.pending[i - self.flushed]);
+        }
+        let buf: PyBuffer<u64> = PyBuffer::get(&self.array)?;
+        let ptr = buf
+            .as_slice_ptr()
+            .ok_or_else(|| PyTypeError::new_err("placer column is not contiguous"))?;
+        // SAFETY: the buffer is held (the array can neither resize nor go) while the value
+        // is read, and no Python code runs meanwhile
+        let all = unsafe { ptr.as_ref() };
+        all.get(self.base + i)
+            .copied()
+            .ok_or_else(|| PyAssertionError::new_err(format!("column row {i} out of range")))
+    }
+}
+
 /// `_DataPlacer.place` for a fresh placer without a base or encoded extents: extents in
-/// first-use order, chunk after chunk; its columns and state go back to the placer at the
-/// end.
-#[derive(Default)]
-struct Placer {
-    logical: Vec<u64>,
-    disk_bytes: Vec<u64>,
-    file_offset: Vec<u64>,
-    dev_offset: Vec<u64>,
-    length: Vec<u64>,
-    pack: Vec<u64>,
-    pack_offset: Vec<u64>,
+/// first-use order, chunk after chunk, appended to the placer's columns; its state goes
+/// back to it at the end.
+struct Placer<'py> {
+    // logical, disk bytes, file offset, device offset, length, pack, pack offset
+    cols: [ColumnSink<'py>; 7],
+    rows: usize,
     chunks: Vec<(u64, u64, u64)>, // closed chunks: logical, length, physical
-    ranges: Option<DeviceRanges>,
+    ranges: DeviceRanges,
     next_logical: u64,
     cur: u64,
     end: u64,
     chunk_phys: u64,
     chunk_logical: u64,
     used: u64,
-    /// (low 128 bits, the rest) of a Blob's int -> its first row
-    first: HashMap<(u128, u64), usize>,
+    /// (low 128 bits, the rest) of a Blob's int -> its first row and number of rows
+    first: HashMap<(u128, u64), (u32, u32)>,
 }
 
-impl Placer {
+const LOGICAL: usize = 0;
+const DISK_BYTES: usize = 1;
+const FILE_OFFSET: usize = 2;
+const PLACER_COLUMNS: [&str; 7] = [
+    "logical",
+    "disk_bytes",
+    "file_offset",
+    "dev_offset",
+    "length",
+    "pack",
+    "pack_offset",
+];
+
+impl<'py> Placer<'py> {
+    fn new(placer: &Bound<'py, PyAny>, start: u64) -> PyResult<Self> {
+        let col = |name: &str| ColumnSink::new(placer.getattr(name)?);
+        Ok(Placer {
+            cols: [
+                col(PLACER_COLUMNS[0])?,
+                col(PLACER_COLUMNS[1])?,
+                col(PLACER_COLUMNS[2])?,
+                col(PLACER_COLUMNS[3])?,
+                col(PLACER_COLUMNS[4])?,
+                col(PLACER_COLUMNS[5])?,
+                col(PLACER_COLUMNS[6])?,
+            ],
+            rows: 0,
+            chunks: Vec::new(),
+            ranges: DeviceRanges { cur: start },
+            next_logical: placer.getattr("_logical")?.extract()?,
+            cur: 0,
+            end: 0,
+            chunk_phys: 0,
+            chunk_logical: 0,
+            used: 0,
+            first: HashMap::new(),
+        })
+    }
+
     fn next_chunk(&mut self) {
         self.close_chunk();
-        let (phys, end) = self.ranges.as_mut().expect("placer ranges").next_range();
+        let (phys, end) = self.ranges.next_range();
         self.chunk_phys = phys;
         self.end = end;
         self.cur = phys;
@@ -150,18 +248,14 @@ impl Placer {
     }
 
     /// The rows of a blob's extents (`size` bytes at `offset` of pack `pack`).
-    fn place(&mut self, key: (u128, u64), size: u64, pack: u64, offset: u64) -> std::ops::Range<usize> {
-        if let Some(&first) = self.first.get(&key) {
-            let mut end = first + 1;
-            while end < self.file_offset.len() && self.file_offset[end] != 0 {
-                end += 1;
-            }
-            return first..end;
+    fn place(&mut self, key: (u128, u64), size: u64, pack: u64, offset: u64) -> PyResult<std::ops::Range<usize>> {
+        if let Some(&(first, n)) = self.first.get(&key) {
+            return Ok(first as usize..(first + n) as usize);
         }
         if size == 0 {
-            return 0..0;
+            return Ok(0..0);
         }
-        let first = self.logical.len();
+        let first = self.rows;
         let mut done = 0;
         while done < size {
             if self.cur >= self.end {
@@ -173,19 +267,26 @@ impl Placer {
                 .min(MAX_EXTENT_SIZE)
                 .min(self.end - self.cur);
             let length = disk.min(size - done);
-            self.logical.push(self.chunk_logical + (self.cur - self.chunk_phys));
-            self.disk_bytes.push(disk);
-            self.file_offset.push(done);
-            self.dev_offset.push(self.cur);
-            self.length.push(length);
-            self.pack.push(pack);
-            self.pack_offset.push(offset + done);
+            let row = [
+                self.chunk_logical + (self.cur - self.chunk_phys),
+                disk,
+                done,
+                self.cur,
+                length,
+                pack,
+                offset + done,
+            ];
+            for (col, v) in self.cols.iter_mut().zip(row) {
+                col.push(v)?;
+            }
+            self.rows += 1;
             self.cur += disk;
             self.used += disk;
             done += length;
         }
-        self.first.insert(key, first);
-        first..self.logical.len()
+        let rows = u32::try_from(self.rows).map_err(|_| PyAssertionError::new_err("too many data extents"))?;
+        self.first.insert(key, (first as u32, rows - first as u32));
+        Ok(first..self.rows)
     }
 }
 
@@ -205,7 +306,7 @@ type Row = (u64, u64, u64, u64, u8);
 /// Where the extents' rows come from: the native placer, or `_DataPlacer.place` (a base's
 /// extents, btrfs-zstd) with its columns read after each call.
 enum Placement<'py> {
-    Native(Box<Placer>, Bound<'py, PyAny>),
+    Native(Box<Placer<'py>>, Bound<'py, PyAny>),
     Python {
         place: Bound<'py, PyAny>,
         placer: Bound<'py, PyAny>,
@@ -238,8 +339,18 @@ impl Placement<'_> {
         match self {
             Placement::Native(p, mask) => {
                 let (key, size, pack, offset) = blob_fields(blob, mask)?;
-                for row in p.place(key, size, pack, offset) {
-                    out.push((row, (p.logical[row], p.disk_bytes[row], p.file_offset[row], 0, 0)));
+                for row in p.place(key, size, pack, offset)? {
+                    let c = &p.cols;
+                    out.push((
+                        row,
+                        (
+                            c[LOGICAL].get(row)?,
+                            c[DISK_BYTES].get(row)?,
+                            c[FILE_OFFSET].get(row)?,
+                            0,
+                            0,
+                        ),
+                    ));
                 }
             }
             Placement::Python { place, placer } => {
@@ -376,13 +487,14 @@ impl Column {
 
 /// `writer._fs_tree_items`'s loop over `num` (a `_Numbering`): every item into `packer`,
 /// data extents from `placer` (natively when `native_placement`: a fresh placer without a
-/// base or encoded extents; its columns and state are handed back). Returns the file extent
-/// refs (extent row, inode, file offset: u64 columns as bytes), the stats (files,
+/// base or encoded extents: its rows are appended to its columns, its state handed back).
+/// The file extent refs (extent row, inode, file offset) are appended to `refs`' three
+/// `array("Q")`s. Returns the stats (files,
 /// directories, symlinks, devices, hardlinks, inline files, content bytes) and, with
 /// native placement, the placer's closed chunks and state (chunks as (logical, length,
 /// physical), cursor, end, chunk physical, chunk logical, next logical, used).
 #[pyfunction]
-#[pyo3(signature = (packer, num, placer, native_placement, imax, encoded, generation, reg_flags, classes))]
+#[pyo3(signature = (packer, num, placer, native_placement, imax, encoded, generation, reg_flags, classes, refs))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 pub fn fs_tree_items<'py>(
     py: Python<'py>,
@@ -395,8 +507,8 @@ pub fn fs_tree_items<'py>(
     generation: u64,
     reg_flags: u64,
     classes: (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>),
+    refs: (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>),
 ) -> PyResult<(
-    (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>),
     (u64, u64, u64, u64, u64, u64, u64),
     Option<(Vec<(u64, u64, u64)>, (u64, u64, u64, u64, u64, u64))>,
 )> {
@@ -444,12 +556,7 @@ pub fn fs_tree_items<'py>(
             .import("btrfs_ublk_image.btrfs.layout")?
             .getattr("DEVICE_START")?
             .extract()?;
-        let logical: u64 = placer.getattr("_logical")?.extract()?;
-        let placer = Placer {
-            ranges: Some(DeviceRanges { cur: start }),
-            next_logical: logical,
-            ..Placer::default()
-        };
+        let placer = Placer::new(placer, start)?;
         Placement::Native(Box::new(placer), mask)
     } else {
         Placement::Python {
@@ -459,7 +566,12 @@ pub fn fs_tree_items<'py>(
     };
     let mut asides: Vec<(usize, AsideReader)> = Vec::new();
 
-    let (mut ref_extent, mut ref_ino, mut ref_offset) = (Vec::<u64>::new(), Vec::<u64>::new(), Vec::<u64>::new());
+    let (ref_extent, ref_ino, ref_offset) = refs;
+    let (mut ref_extent, mut ref_ino, mut ref_offset) = (
+        ColumnSink::new(ref_extent)?,
+        ColumnSink::new(ref_ino)?,
+        ColumnSink::new(ref_offset)?,
+    );
     let (mut files, mut directories, mut symlinks, mut devices) = (0u64, 0u64, 0u64, 0u64);
     let (mut hardlinks, mut inline_files, mut content_bytes) = (0u64, 0u64, 0u64);
     let mut rows: Vec<(usize, Row)> = Vec::new();
@@ -509,9 +621,9 @@ pub fn fs_tree_items<'py>(
                                 (disk, leaves::file_extent_reg(gen, logical, disk, disk, 0))
                             };
                             file_extents.push(((ino, EXTENT_DATA_KEY, offset), item.to_vec()));
-                            ref_extent.push(row as u64);
-                            ref_ino.push(ino);
-                            ref_offset.push(offset);
+                            ref_extent.push(row as u64)?;
+                            ref_ino.push(ino)?;
+                            ref_offset.push(offset)?;
                             nbytes += held;
                         }
                     }
@@ -730,8 +842,9 @@ pub fn fs_tree_items<'py>(
             p.add(*key, data).map_err(add_err)?;
         }
     }
-    let col = |v: &[u64]| PyBytes::new(py, &v.iter().flat_map(|x| x.to_ne_bytes()).collect::<Vec<u8>>());
-    let refs = (col(&ref_extent), col(&ref_ino), col(&ref_offset));
+    for sink in [&mut ref_extent, &mut ref_ino, &mut ref_offset] {
+        sink.flush()?;
+    }
     let stats = (
         files,
         directories,
@@ -742,17 +855,9 @@ pub fn fs_tree_items<'py>(
         content_bytes,
     );
     let placed = match placement {
-        Placement::Native(pl, _) => {
-            for (name, v) in [
-                ("logical", &pl.logical),
-                ("disk_bytes", &pl.disk_bytes),
-                ("file_offset", &pl.file_offset),
-                ("dev_offset", &pl.dev_offset),
-                ("length", &pl.length),
-                ("pack", &pl.pack),
-                ("pack_offset", &pl.pack_offset),
-            ] {
-                placer.getattr(name)?.call_method1("frombytes", (col(v),))?;
+        Placement::Native(mut pl, _) => {
+            for col in pl.cols.iter_mut() {
+                col.flush()?;
             }
             let state = (
                 pl.cur,
@@ -762,9 +867,9 @@ pub fn fs_tree_items<'py>(
                 pl.next_logical,
                 pl.used,
             );
-            Some((pl.chunks, state))
+            Some((std::mem::take(&mut pl.chunks), state))
         }
         Placement::Python { .. } => None,
     };
-    Ok((refs, stats, placed))
+    Ok((stats, placed))
 }
