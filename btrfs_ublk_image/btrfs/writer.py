@@ -8,7 +8,8 @@ Order of work (each step decides the bytes named):
    offsets inside DATA chunks; identical content -> one extent, many refs. With a
    base: content the base holds keeps its extents (logical and device-2 offsets),
    new content goes after the base's device-2 end.
-3. ``_fs_tree_items``: INODE_ITEM, INODE_REF, XATTR_ITEM, DIR_ITEM, DIR_INDEX,
+3. ``_fs_tree_items`` (one native call when the extension has it, native/src/fsitems.rs):
+   INODE_ITEM, INODE_REF, XATTR_ITEM, DIR_ITEM, DIR_INDEX,
    EXTENT_DATA for every inode, generated already sorted.
 4. ``_plan_metadata``: sizes every other tree, then METADATA chunks, iterating
    until the extent tree (which lists every tree block) stops growing.
