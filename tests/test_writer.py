@@ -574,6 +574,11 @@ def varied(packs: PackWriter, aside: str, made_up: bool = True) -> Tree:
     return t
 
 
+needs_native_loop = pytest.mark.skipif(
+    getattr(native.module(), "fs_tree_items", None) is None, reason="native extension not built"
+)
+
+
 def _spy(fn: Any, calls: list[object]) -> Any:
     def spied(*args: Any) -> Any:
         calls.append(args)
@@ -624,9 +629,7 @@ def _fs_tree(
 
 
 @pytest.mark.unit
-@pytest.mark.skipif(
-    getattr(native.module(), "fs_tree_items", None) is None, reason="native extension not built"
-)
+@needs_native_loop
 def test_native_fs_tree_loop_makes_the_python_loops_items(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -669,9 +672,7 @@ def test_native_fs_tree_loop_makes_the_python_loops_items(
 
 
 @pytest.mark.unit
-@pytest.mark.skipif(
-    getattr(native.module(), "fs_tree_items", None) is None, reason="native extension not built"
-)
+@needs_native_loop
 def test_native_fs_tree_loop_errors_are_the_python_loops(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
