@@ -10,6 +10,9 @@ use std::mem::ManuallyDrop;
 use std::os::fd::FromRawFd;
 use std::os::unix::fs::FileExt;
 
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::thread::JoinHandle;
+
 use sha2::{Digest, Sha256};
 
 pub const NODESIZE: usize = 16384;
@@ -147,11 +150,80 @@ pub struct Packer {
     spill: Option<ManuallyDrop<File>>,
     spill_pos: u64,
     spill_buf: Vec<u8>,
+    spill_nritems: Vec<u32>, // the item count of each leaf in `spill_buf`
+    /// with a spill file: the thread that hashes the spilled leaves' items and writes them
+    spiller: Option<Spiller>,
     digest: Option<Sha256>,
     /// a build with a base: a leaf also ends before each of these keys (sorted: the base's
     /// leaves' first keys), `next_break` the first one after the current leaf's first key
     breaks: Vec<Key>,
     next_break: usize,
+}
+
+/// Spilled leaves, a buffer at a time: their payloads, item counts and spill file offset.
+type SpillBatch = (Vec<u8>, Vec<u32>, u64);
+
+/// A thread that takes the spill file's writes and the items' sha256 off the packing
+/// thread (the writer's main thread): batches in order, a few in flight.
+struct Spiller {
+    tx: Option<SyncSender<SpillBatch>>,
+    handle: Option<JoinHandle<io::Result<Option<Sha256>>>>,
+}
+
+/// batches of `SPILL_BUFFER` bytes queued for the spiller (memory in flight: this + 2)
+const SPILL_QUEUE: usize = 2;
+
+impl Spiller {
+    fn start(fd: i32, mut digest: Option<Sha256>) -> io::Result<Spiller> {
+        let (tx, rx) = sync_channel::<SpillBatch>(SPILL_QUEUE);
+        // SAFETY: the fd stays open for the packer's life, which the thread does not outlive
+        // (finish and Drop join it); ManuallyDrop: never closed here
+        let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
+        let handle = std::thread::Builder::new()
+            .name("fs-tree-spill".into())
+            .spawn(move || {
+                for (buf, nritems, pos) in rx {
+                    if let Some(h) = &mut digest {
+                        for (leaf, &n) in buf.chunks_exact(LEAF_DATA_SIZE).zip(&nritems) {
+                            hash_items(h, leaf, n as usize);
+                        }
+                    }
+                    file.write_all_at(&buf, pos)?;
+                }
+                Ok(digest)
+            })?;
+        Ok(Spiller {
+            tx: Some(tx),
+            handle: Some(handle),
+        })
+    }
+
+    /// The thread's result once every batch is through (its error if a write failed).
+    fn join(&mut self) -> io::Result<Option<Sha256>> {
+        self.tx = None;
+        match self.handle.take() {
+            Some(h) => h
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("fs tree spill thread panicked"))),
+            None => Ok(None),
+        }
+    }
+}
+
+impl Drop for Spiller {
+    fn drop(&mut self) {
+        let _ = self.join(); // never leave the thread writing to a descriptor being closed
+    }
+}
+
+/// Hash a leaf payload's items (disk key, then data) as `Packer::flush` packed them.
+fn hash_items(h: &mut Sha256, leaf: &[u8], nritems: usize) {
+    for head in leaf[..nritems * ITEM_SIZE].chunks_exact(ITEM_SIZE) {
+        let offset = u32::from_le_bytes(head[17..21].try_into().expect("4 bytes")) as usize;
+        let size = u32::from_le_bytes(head[21..25].try_into().expect("4 bytes")) as usize;
+        h.update(&head[..DISK_KEY_SIZE]);
+        h.update(&leaf[offset..offset + size]);
+    }
 }
 
 fn disk_key(key: Key) -> [u8; DISK_KEY_SIZE] {
@@ -166,6 +238,16 @@ impl Packer {
     /// `spill_fd`: payloads go to this file (from offset 0) instead of memory; `digest`:
     /// hash every item's disk key and data.
     pub fn new(spill_fd: Option<i32>, digest: bool, breaks: Vec<Key>) -> Packer {
+        let digest = digest.then(Sha256::new);
+        // with a spill file, its writes and the digest go to a thread of their own (where one
+        // cannot be started, they stay on this one)
+        let (spiller, digest) = match spill_fd {
+            Some(fd) => match Spiller::start(fd, digest.clone()) {
+                Ok(s) => (Some(s), None),
+                Err(_) => (None, digest),
+            },
+            None => (None, digest),
+        };
         Packer {
             keys: Vec::new(),
             ends: Vec::new(),
@@ -177,7 +259,9 @@ impl Packer {
             spill: spill_fd.map(|fd| ManuallyDrop::new(unsafe { File::from_raw_fd(fd) })),
             spill_pos: 0,
             spill_buf: Vec::new(),
-            digest: digest.then(Sha256::new),
+            spill_nritems: Vec::new(),
+            spiller,
+            digest,
             breaks,
             next_break: 0,
         }
@@ -328,7 +412,7 @@ impl Packer {
             head[21..25].copy_from_slice(&(item.len() as u32).to_le_bytes());
             payload[end..end + item.len()].copy_from_slice(item);
             if let Some(h) = &mut self.digest {
-                h.update(dk);
+                h.update(dk); // else the spiller hashes the items
                 h.update(item);
             }
         }
@@ -338,6 +422,7 @@ impl Packer {
         if self.spill.is_some() {
             let at = self.spill_pos + self.spill_buf.len() as u64;
             self.spill_buf.extend_from_slice(&payload);
+            self.spill_nritems.push(nritems);
             if self.spill_buf.len() >= SPILL_BUFFER {
                 self.write_spill()?;
             }
@@ -363,6 +448,24 @@ impl Packer {
     }
 
     fn write_spill(&mut self) -> io::Result<()> {
+        if let Some(spiller) = &mut self.spiller {
+            if self.spill_buf.is_empty() {
+                return Ok(());
+            }
+            let buf = std::mem::take(&mut self.spill_buf);
+            let len = buf.len() as u64;
+            let batch = (buf, std::mem::take(&mut self.spill_nritems), self.spill_pos);
+            let sent = spiller.tx.as_ref().map(|tx| tx.send(batch).is_ok());
+            if sent != Some(true) {
+                // the thread stopped: its error
+                spiller.join()?;
+                return Err(io::Error::other("fs tree spill thread stopped"));
+            }
+            self.spill_pos += len;
+            self.spill_buf.reserve(SPILL_BUFFER);
+            return Ok(());
+        }
+        self.spill_nritems.clear();
         if let Some(f) = &self.spill {
             f.write_all_at(&self.spill_buf, self.spill_pos)?;
             self.spill_pos += self.spill_buf.len() as u64;
@@ -378,6 +481,9 @@ impl Packer {
             self.flush()?;
         }
         self.write_spill()?;
+        if let Some(mut spiller) = self.spiller.take() {
+            self.digest = spiller.join()?;
+        }
         Ok(self.digest.take().map(|h| h.finalize().into()))
     }
 }
@@ -426,6 +532,39 @@ mod tests {
         assert!(Packer::new(None, false, Vec::new())
             .add((1, 1, 0), &vec![0u8; MAX_ITEM_DATA + 1])
             .is_err());
+    }
+
+    #[test]
+    fn spilled_leaves_and_digest_are_the_kept_ones() {
+        use std::io::Read;
+        use std::os::fd::AsRawFd;
+        // more leaves than one spill buffer holds, through the spill thread and kept
+        let path = std::env::temp_dir().join(format!("leaves-spill-test-{}", std::process::id()));
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let mut spilled = Packer::new(Some(file.as_raw_fd()), true, Vec::new());
+        let mut kept = Packer::new(None, true, Vec::new());
+        for i in 0..2000u64 {
+            let data = vec![(i % 251) as u8; (i as usize * 37) % 3000];
+            spilled.add((256 + i, 1, i), &data).unwrap();
+            kept.add((256 + i, 1, i), &data).unwrap();
+        }
+        let (a, b) = (spilled.finish().unwrap(), kept.finish().unwrap());
+        assert!(a.is_some() && a == b);
+        assert!(kept.leaves.len() > SPILL_BUFFER / LEAF_DATA_SIZE * 3);
+        let mut all = Vec::new();
+        (&file).read_to_end(&mut all).unwrap();
+        assert_eq!(all.len(), kept.leaves.len() * LEAF_DATA_SIZE);
+        for (s, k) in spilled.leaves.iter().zip(&kept.leaves) {
+            assert_eq!((s.first_key, s.nritems), (k.first_key, k.nritems));
+            let at = s.spilled_at as usize;
+            assert_eq!(&all[at..at + LEAF_DATA_SIZE], k.payload.as_deref().unwrap());
+        }
     }
 
     #[test]
