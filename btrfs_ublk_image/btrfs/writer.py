@@ -774,7 +774,7 @@ def _fs_tree_items_native(
         )
         placer._cur, placer._end, placer._chunk_phys, placer._chunk_logical = state[:4]
         placer._logical, placer.used = state[4:]
-        # the extents are placed: no blob is placed after the fs tree's items
+        # where the next chunk would start had the Python placer placed these extents
         placer._ranges_iter = device_ranges(placer._end or DEVICE_START)
     names = ("files", "directories", "symlinks", "devices", "hardlinks", "inline_files")
     leaves, digest = packer.finish()
