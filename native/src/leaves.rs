@@ -170,8 +170,11 @@ struct Spiller {
     handle: Option<JoinHandle<io::Result<Option<Sha256>>>>,
 }
 
-/// batches of `SPILL_BUFFER` bytes queued for the spiller (memory in flight: this + 2)
-const SPILL_QUEUE: usize = 2;
+/// with the spiller, payloads go to it this many bytes at a time, and one batch waits
+/// for it: with the one it works on and the one being filled, less memory than
+/// `SPILL_BUFFER` (the build's peak RSS is this writer's)
+const SPILL_BATCH: usize = 256 << 10;
+const SPILL_QUEUE: usize = 1;
 
 impl Spiller {
     fn start(fd: i32, mut digest: Option<Sha256>) -> io::Result<Spiller> {
@@ -423,7 +426,12 @@ impl Packer {
             let at = self.spill_pos + self.spill_buf.len() as u64;
             self.spill_buf.extend_from_slice(&payload);
             self.spill_nritems.push(nritems);
-            if self.spill_buf.len() >= SPILL_BUFFER {
+            let batch = if self.spiller.is_some() {
+                SPILL_BATCH
+            } else {
+                SPILL_BUFFER
+            };
+            if self.spill_buf.len() >= batch {
                 self.write_spill()?;
             }
             self.leaves.push(Leaf {
@@ -462,7 +470,7 @@ impl Packer {
                 return Err(io::Error::other("fs tree spill thread stopped"));
             }
             self.spill_pos += len;
-            self.spill_buf.reserve(SPILL_BUFFER);
+            self.spill_buf.reserve(SPILL_BATCH);
             return Ok(());
         }
         self.spill_nritems.clear();
@@ -557,6 +565,7 @@ mod tests {
         let (a, b) = (spilled.finish().unwrap(), kept.finish().unwrap());
         assert!(a.is_some() && a == b);
         assert!(kept.leaves.len() > SPILL_BUFFER / LEAF_DATA_SIZE * 3);
+        assert!(SPILL_BATCH < SPILL_BUFFER);
         let mut all = Vec::new();
         (&file).read_to_end(&mut all).unwrap();
         assert_eq!(all.len(), kept.leaves.len() * LEAF_DATA_SIZE);
