@@ -201,6 +201,14 @@ class AsideFile:
         self._end += len(data)
         return _SetAside(self, at, len(data))
 
+    def fileno(self) -> int:
+        """The file's descriptor, everything put so far written to it (the native fs tree
+        loop reads the contents back itself)."""
+        if self._dirty:
+            self._file.flush()
+            self._dirty = False
+        return self._file.fileno()
+
     def read(self, offset: int, size: int) -> bytes:
         if self._dirty:
             self._file.flush()

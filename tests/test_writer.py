@@ -20,7 +20,7 @@ from btrfs_ublk_image.bundle import BuildResult, write_bundle
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.manifest import read_manifest
 from btrfs_ublk_image.packs import PackWriter
-from btrfs_ublk_image.tree import FileType, Inode, Tree
+from btrfs_ublk_image.tree import Blob, FileType, Inode, Sparse, Tree
 
 from bundletools import (
     ACL_XATTR,
@@ -565,3 +565,161 @@ def test_bundle_files_and_directories_are_fsynced_before_the_rename(
     assert want <= set(final[0])
     # and the parent directory after it (the rename itself)
     assert synced[-1] == str(tmp_path)
+
+
+def varied(packs: PackWriter, aside: str, made_up: bool = True) -> Tree:
+    """Every kind of inode the fs tree's loop handles: ``every_type``, hardlinks past one
+    INODE_REF, xattrs of one name hash, sparse files, set-aside and in-memory inline
+    content, content shared between files and segments."""
+    t = every_type(packs)
+    linked = Inode(FileType.REG, content=packs.put_bytes(b"linked\n" * 600))
+    for i in range(120):  # > 16 KiB of names under /links: INODE_EXTREFs after the INODE_REF
+        t.put(f"/links/{i:03d}-" + "x" * 200, linked, "t")
+    t.put("/links-elsewhere/one", linked, "t")
+    xattrs = {name: b"v" + name for name in _colliding_names()}
+    t.put("/xattrs", Inode(FileType.REG, content=b"x", xattrs=xattrs), "t")
+    t.put("/dir-xattrs", Inode(FileType.DIR, xattrs={b"user.a": b"1", b"user.b": b""}), "t")
+    shared = packs.put_bytes(os.urandom(9000))
+    assert isinstance(shared, int)
+    rng = random.Random(3)
+    for i in range(6):
+        seg = packs.put_bytes(rng.randbytes(4096 * (i + 1) + i))
+        assert isinstance(seg, int)
+        segments = ((0, seg), (1 << 20, shared)) if i % 2 else ((8192, seg),)
+        t.put(f"/sparse/{i}", Inode(FileType.REG, content=Sparse(3 << 20, segments)), "t")
+    t.put("/shared", Inode(FileType.REG, content=shared), "t")
+    for i in range(300):
+        size = rng.choice((0, 1, 50, 97, 200, 1500, 2048, 2049, 5000))
+        node = Inode(FileType.REG, content=packs.put_bytes(rng.randbytes(size)), mtime_ns=-i)
+        if i % 3 == 0:
+            t.set_content_aside(node, aside)  # read back from the tree's side file
+        t.put(f"/files/{i % 7}/{i}", node, "t")
+    t.put("/times", Inode(FileType.REG, mtime_ns=2**70, atime_ns=-(2**66), ctime_ns=5), "t")
+    # more extents than the native loop appends to the placer's columns at a time, then
+    # files sharing the first ones' content (read back from the columns): blobs made up
+    # (the loop never reads pack content; not for a bundle)
+    blobs = [Blob(i, 2049 + i, 0, (1 << 20) + 8192 * i) for i in range(9000 if made_up else 0)]
+    for i, blob in enumerate(blobs + blobs[:50] + blobs[-20:]):
+        t.put(f"/many/{i // 1000}/{i}", Inode(FileType.REG, content=blob), "t")
+    return t
+
+
+needs_native_loop = pytest.mark.skipif(
+    getattr(native.module(), "fs_tree_items", None) is None, reason="native extension not built"
+)
+
+
+def _spy(fn: Any, calls: list[object]) -> Any:
+    def spied(*args: Any) -> Any:
+        calls.append(args)
+        return fn(*args)
+
+    return spied
+
+
+def _fs_tree(
+    tree: Tree,
+    native_loop: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    base: Any = None,
+    encoded: Any = None,
+) -> tuple[Any, ...]:
+    """The fs tree's leaves (payloads read back), digest, stats, extent refs and the
+    placer's columns and chunks, made by the native loop or the Python one."""
+    from types import SimpleNamespace
+
+    from btrfs_ublk_image.btrfs import writer
+    from btrfs_ublk_image.btrfs.layout import system_chunk
+
+    calls: list[object] = []
+    with monkeypatch.context() as m:
+        if native_loop:
+            m.setattr(writer, "_fs_tree_items_native", _spy(writer._fs_tree_items_native, calls))
+        else:  # the native leaf packer still packs: only the loop differs
+            m.setattr(writer, "native", SimpleNamespace(module=lambda: None))
+        num = writer._number(tree, base)
+        placer = writer._DataPlacer(system_chunk().end, encoded, base if encoded is None else None)
+        breaks = treeblocks.NO_KEYS if base is None else base.breaks[ondisk.FS_TREE_OBJECTID].at(0)
+        with tempfile.TemporaryFile() as spill:
+            fs = writer._fs_tree_items(num, placer, 2048, spill, breaks)
+            leaves = [
+                (x.first_key, x.nritems, x.payload) for x in treeblocks.unspill(fs.leaves, spill)
+            ]
+    assert len(calls) == native_loop
+    chunks = placer.finish()
+    columns = [
+        bytes(col)
+        for col in (
+            placer.logical, placer.disk_bytes, placer.file_offset, placer.dev_offset,
+            placer.length, placer.pack, placer.pack_offset, placer.num_bytes,
+            placer.compression, fs.ref_extent, fs.ref_ino, fs.ref_offset,
+        )
+    ]  # fmt: skip
+    return leaves, fs.digest, fs.stats, columns, chunks, placer.used
+
+
+@pytest.mark.unit
+@needs_native_loop
+def test_native_fs_tree_loop_makes_the_python_loops_items(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """native/src/fsitems.rs against ``_fs_tree_items``'s Python loop: the same leaves
+    (bytes), item digest, stats, extent refs and data placement, without a base, on a
+    base (its inode numbers and dir indexes, its extents) and with btrfs-zstd extents."""
+    from btrfs_ublk_image.base import BaseImage
+
+    def made(name: str, compression: str = "none") -> tuple[Tree, Any]:
+        (tmp_path / name).mkdir()
+        packs = PackWriter(str(tmp_path / name), keep_inline=2048, compression=compression)
+        # btrfs-zstd: every blob needs its encoded extents, so none made up
+        tree = varied(packs, str(tmp_path), made_up=compression == "none")
+        return tree, packs
+
+    tree, packs = made("plain")
+    ours = _fs_tree(tree, True, monkeypatch)
+    assert ours == _fs_tree(tree, False, monkeypatch)
+    assert ours[2]["hardlinks"] == 122 and ours[2]["inline_files"] > 100
+    packs.abort()
+
+    # a base: the same paths keep their numbers and dir indexes, some names gone and new
+    base = build(tmp_path, lambda p: varied(p, str(tmp_path), made_up=False), "base")
+    layout = BaseImage(base.path).layout()
+    tree, packs = made("v2")
+    del tree.root.entries[b"files"].entries[b"0"].entries[b"7"]
+    del tree.root.entries[b"links"].entries[b"005-" + b"x" * 200]
+    tree.put("/files/0/new", Inode(FileType.REG, content=packs.put_bytes(b"n" * 3000)), "t")
+    tree.put("/files/0/000-new", Inode(FileType.SYMLINK, target=b"x"), "t")
+    ours = _fs_tree(tree, True, monkeypatch, base=layout)
+    assert ours == _fs_tree(tree, False, monkeypatch, base=layout)
+    packs.abort()
+
+    tree, packs = made("zstd", "btrfs-zstd")
+    assert packs.encoded is not None
+    ours = _fs_tree(tree, True, monkeypatch, encoded=packs.encoded)
+    assert ours == _fs_tree(tree, False, monkeypatch, encoded=packs.encoded)
+    assert any(ours[3][8])  # compressed extents among them
+    packs.abort()
+
+
+@pytest.mark.unit
+@needs_native_loop
+def test_native_fs_tree_loop_errors_are_the_python_loops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad_symlink = Tree()
+    bad_symlink.put("/a", Inode(FileType.SYMLINK, target=b""), "t")
+    big_xattr = Tree()
+    big_xattr.put("/a", Inode(FileType.REG, xattrs={b"user.big": bytes(16300)}), "t")
+    too_many = Tree()
+    linked = Inode(FileType.REG)
+    for i in range(65536):
+        too_many.put(f"/{i}", linked, "t")
+    for tree, message in (
+        (bad_symlink, "symlink target of inode 257 is empty or longer than 4095 bytes"),
+        (big_xattr, "xattr b'user.big' of inode 257: name or value too large"),
+        (too_many, "inode 257 has 65536 hardlinks; btrfs allows 65535"),
+    ):
+        for native_loop in (True, False):
+            with pytest.raises(ImageError) as err:
+                _fs_tree(tree, native_loop, monkeypatch)
+            assert str(err.value) == message

@@ -280,6 +280,7 @@ class _NativeLeafPacker:
             fd = spill.fileno()
         packer: Any = packer_class(fd, digest, breaks) if breaks else packer_class(fd, digest)
         self._packer = packer
+        self.native = packer  # the extension's packer itself (the native fs tree loop's)
         self.add = packer.add
         self.add_inode = packer.add_inode
         self.add_dir = packer.add_dir

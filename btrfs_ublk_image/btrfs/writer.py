@@ -8,7 +8,8 @@ Order of work (each step decides the bytes named):
    offsets inside DATA chunks; identical content -> one extent, many refs. With a
    base: content the base holds keeps its extents (logical and device-2 offsets),
    new content goes after the base's device-2 end.
-3. ``_fs_tree_items``: INODE_ITEM, INODE_REF, XATTR_ITEM, DIR_ITEM, DIR_INDEX,
+3. ``_fs_tree_items`` (one native call when the extension has it, native/src/fsitems.rs):
+   INODE_ITEM, INODE_REF, XATTR_ITEM, DIR_ITEM, DIR_INDEX,
    EXTENT_DATA for every inode, generated already sorted.
 4. ``_plan_metadata``: sizes every other tree, then METADATA chunks, iterating
    until the extent tree (which lists every tree block) stops growing.
@@ -38,8 +39,10 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import IO
 
+from btrfs_ublk_image import native
 from btrfs_ublk_image.blockmap import Ranges
 from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.btrfs.encoded import COMPRESS_ZSTD, EncodedExtents
@@ -61,6 +64,7 @@ from btrfs_ublk_image.btrfs.treeblocks import (
     Breaks,
     Leaf,
     TreeInfo,
+    _NativeLeafPacker,
     add_dir_items,
     group_by_hash,
     iter_leaves,
@@ -72,7 +76,7 @@ from btrfs_ublk_image.btrfs.treeblocks import (
     unspill,
 )
 from btrfs_ublk_image.errors import ImageError
-from btrfs_ublk_image.tree import Blob, FileType, Inode, Sparse, Tree
+from btrfs_ublk_image.tree import Blob, FileType, Inode, Sparse, Tree, _SetAside
 
 GENERATION = 1
 MAX_INLINE = d.SECTORSIZE - 1  # btrfs check: inline ram_bytes <= sectorsize - 1
@@ -598,9 +602,12 @@ def _fs_tree_items(
     spill: IO[bytes] | None = None,
     breaks: Sequence[d.Key] = NO_KEYS,
 ) -> _FsTree:
-    gen = GENERATION
     # with the sha256 over every item's disk key and data, in order
     packer = leaf_packer(spill, digest=True, breaks=breaks)
+    nat = native.module()
+    if nat is not None and isinstance(packer, _NativeLeafPacker) and hasattr(nat, "fs_tree_items"):
+        return _fs_tree_items_native(nat, num, placer, imax, packer)
+    gen = GENERATION
     add, add_inode, add_dir = packer.add, packer.add_inode, packer.add_dir
     ref_extent = array("Q")
     ref_ino = array("Q")
@@ -735,6 +742,52 @@ def _fs_tree_items(
     leaves, digest = packer.finish()
     assert digest is not None
     return _FsTree(leaves, digest, placer, ref_extent, ref_ino, ref_offset, stats)
+
+
+def _fs_tree_items_native(
+    nat: ModuleType, num: _Numbering, placer: _DataPlacer, imax: int, packer: _NativeLeafPacker
+) -> _FsTree:
+    """``_fs_tree_items``'s loop in the extension (native/src/fsitems.rs): the same items,
+    errors and placement. A fresh placer without a base or encoded extents places there
+    too (its columns and state come back here); otherwise the extension calls ``place``."""
+    encoded = placer.encoded is not None
+    native_placement = (
+        placer.base is None and not encoded and not placer.logical and not placer._end
+    )
+    ref_extent, ref_ino, ref_offset = array("Q"), array("Q"), array("Q")
+    stats, placed = nat.fs_tree_items(
+        packer.native,
+        num,
+        placer,
+        native_placement,
+        imax,
+        encoded,
+        GENERATION,
+        0 if encoded else d.INODE_NODATASUM | d.INODE_NODATACOW,
+        (Blob, Sparse, _SetAside),
+        (ref_extent, ref_ino, ref_offset),
+    )
+    if placed is not None:
+        chunks, state = placed
+        placer.chunks.extend(
+            Chunk(logical, length, d.BLOCK_GROUP_DATA, 2, phys) for logical, length, phys in chunks
+        )
+        placer._cur, placer._end, placer._chunk_phys, placer._chunk_logical = state[:4]
+        placer._logical, placer.used = state[4:]
+        # where the next chunk would start had the Python placer placed these extents
+        placer._ranges_iter = device_ranges(placer._end or DEVICE_START)
+    names = ("files", "directories", "symlinks", "devices", "hardlinks", "inline_files")
+    leaves, digest = packer.finish()
+    assert digest is not None
+    return _FsTree(
+        leaves,
+        digest,
+        placer,
+        ref_extent,
+        ref_ino,
+        ref_offset,
+        dict(zip((*names, "content_bytes"), stats, strict=True)),
+    )
 
 
 # the size of an EXTENT_ITEM with one flags word, of an inline data ref, of a keyed one

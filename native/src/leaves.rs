@@ -10,6 +10,9 @@ use std::mem::ManuallyDrop;
 use std::os::fd::FromRawFd;
 use std::os::unix::fs::FileExt;
 
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::thread::JoinHandle;
+
 use sha2::{Digest, Sha256};
 
 pub const NODESIZE: usize = 16384;
@@ -30,10 +33,85 @@ const DIR_INDEX_KEY: u8 = 96;
 const INODE_ITEM_SIZE: usize = 160;
 const DIR_ITEM_SIZE: usize = 30;
 const NS: i128 = 1_000_000_000;
+pub const FILE_EXTENT_ITEM_SIZE: usize = 53;
+const FILE_EXTENT_INLINE: u8 = 0;
+const FILE_EXTENT_REG: u8 = 1;
 
 /// `btrfs_name_hash`: a DIR_ITEM's key offset (crc32c seeded with ~1, not inverted after).
 pub fn name_hash(name: &[u8]) -> u64 {
     (crc32c::crc32c_append(1, name) ^ 0xFFFF_FFFF) as u64
+}
+
+/// `btrfs_extref_hash`: an INODE_EXTREF's key offset (the kernel's crc32c, no inversions,
+/// seeded with the parent's low 32 bits).
+pub fn extref_hash(parent: u64, name: &[u8]) -> u64 {
+    !crc32c::crc32c_append(!(parent as u32), name) as u64
+}
+
+/// struct btrfs_dir_item (a DIR_ITEM, DIR_INDEX or XATTR_ITEM's data): the location
+/// `(location, INODE_ITEM, 0)` (0 for an xattr), transid, data_len, name_len, type, name, data.
+pub fn dir_item(location: u64, location_type: u8, generation: u64, ftype: u8, name: &[u8], data: &[u8]) -> Vec<u8> {
+    let mut item = Vec::with_capacity(DIR_ITEM_SIZE + name.len() + data.len());
+    item.extend_from_slice(&location.to_le_bytes());
+    item.push(location_type);
+    item.extend_from_slice(&0u64.to_le_bytes());
+    item.extend_from_slice(&generation.to_le_bytes());
+    item.extend_from_slice(&(data.len() as u16).to_le_bytes());
+    item.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    item.push(ftype);
+    item.extend_from_slice(name);
+    item.extend_from_slice(data);
+    item
+}
+
+/// struct btrfs_inode_ref: index, name_len, name.
+pub fn inode_ref(index: u64, name: &[u8]) -> Vec<u8> {
+    let mut r = Vec::with_capacity(10 + name.len());
+    r.extend_from_slice(&index.to_le_bytes());
+    r.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    r.extend_from_slice(name);
+    r
+}
+
+/// struct btrfs_inode_extref: parent, index, name_len, name.
+pub fn inode_extref(parent: u64, index: u64, name: &[u8]) -> Vec<u8> {
+    let mut r = Vec::with_capacity(18 + name.len());
+    r.extend_from_slice(&parent.to_le_bytes());
+    r.extend_from_slice(&index.to_le_bytes());
+    r.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    r.extend_from_slice(name);
+    r
+}
+
+/// struct btrfs_file_extent_item of a regular extent referenced whole: `ram` bytes of file
+/// data in `disk_num_bytes` at `disk_bytenr` (`ondisk.pack_file_extent_reg`).
+pub fn file_extent_reg(
+    generation: u64,
+    disk_bytenr: u64,
+    disk_num_bytes: u64,
+    ram: u64,
+    compression: u8,
+) -> [u8; FILE_EXTENT_ITEM_SIZE] {
+    let mut item = [0u8; FILE_EXTENT_ITEM_SIZE];
+    item[..8].copy_from_slice(&generation.to_le_bytes());
+    item[8..16].copy_from_slice(&ram.to_le_bytes()); // ram_bytes
+    item[16] = compression; // then encryption 0, other_encoding 0
+    item[20] = FILE_EXTENT_REG;
+    item[21..29].copy_from_slice(&disk_bytenr.to_le_bytes());
+    item[29..37].copy_from_slice(&disk_num_bytes.to_le_bytes());
+    // offset into the extent 0, then num_bytes
+    item[45..53].copy_from_slice(&ram.to_le_bytes());
+    item
+}
+
+/// An inline file extent item: its header and the data (`ondisk.pack_file_extent_inline`).
+pub fn file_extent_inline(generation: u64, data: &[u8]) -> Vec<u8> {
+    let mut item = Vec::with_capacity(21 + data.len());
+    item.extend_from_slice(&generation.to_le_bytes());
+    item.extend_from_slice(&(data.len() as u64).to_le_bytes());
+    item.extend_from_slice(&[0, 0, 0, 0, FILE_EXTENT_INLINE]);
+    item.extend_from_slice(data);
+    item
 }
 
 /// An INODE_ITEM's fields (times in ns since the epoch, negative before it).
@@ -72,11 +150,83 @@ pub struct Packer {
     spill: Option<ManuallyDrop<File>>,
     spill_pos: u64,
     spill_buf: Vec<u8>,
+    spill_nritems: Vec<u32>, // the item count of each leaf in `spill_buf`
+    /// with a spill file: the thread that hashes the spilled leaves' items and writes them
+    spiller: Option<Spiller>,
     digest: Option<Sha256>,
     /// a build with a base: a leaf also ends before each of these keys (sorted: the base's
     /// leaves' first keys), `next_break` the first one after the current leaf's first key
     breaks: Vec<Key>,
     next_break: usize,
+}
+
+/// Spilled leaves, a buffer at a time: their payloads, item counts and spill file offset.
+type SpillBatch = (Vec<u8>, Vec<u32>, u64);
+
+/// A thread that takes the spill file's writes and the items' sha256 off the packing
+/// thread (the writer's main thread): batches in order, a few in flight.
+struct Spiller {
+    tx: Option<SyncSender<SpillBatch>>,
+    handle: Option<JoinHandle<io::Result<Option<Sha256>>>>,
+}
+
+/// with the spiller, payloads go to it this many bytes at a time, and one batch waits
+/// for it: with the one it works on and the one being filled, less memory than
+/// `SPILL_BUFFER` (the build's peak RSS is this writer's)
+const SPILL_BATCH: usize = 256 << 10;
+const SPILL_QUEUE: usize = 1;
+
+impl Spiller {
+    fn start(fd: i32, mut digest: Option<Sha256>) -> io::Result<Spiller> {
+        let (tx, rx) = sync_channel::<SpillBatch>(SPILL_QUEUE);
+        // SAFETY: the fd stays open for the packer's life, which the thread does not outlive
+        // (finish and Drop join it); ManuallyDrop: never closed here
+        let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
+        let handle = std::thread::Builder::new()
+            .name("fs-tree-spill".into())
+            .spawn(move || {
+                for (buf, nritems, pos) in rx {
+                    if let Some(h) = &mut digest {
+                        for (leaf, &n) in buf.chunks_exact(LEAF_DATA_SIZE).zip(&nritems) {
+                            hash_items(h, leaf, n as usize);
+                        }
+                    }
+                    file.write_all_at(&buf, pos)?;
+                }
+                Ok(digest)
+            })?;
+        Ok(Spiller {
+            tx: Some(tx),
+            handle: Some(handle),
+        })
+    }
+
+    /// The thread's result once every batch is through (its error if a write failed).
+    fn join(&mut self) -> io::Result<Option<Sha256>> {
+        self.tx = None;
+        match self.handle.take() {
+            Some(h) => h
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("fs tree spill thread panicked"))),
+            None => Ok(None),
+        }
+    }
+}
+
+impl Drop for Spiller {
+    fn drop(&mut self) {
+        let _ = self.join(); // never leave the thread writing to a descriptor being closed
+    }
+}
+
+/// Hash a leaf payload's items (disk key, then data) as `Packer::flush` packed them.
+fn hash_items(h: &mut Sha256, leaf: &[u8], nritems: usize) {
+    for head in leaf[..nritems * ITEM_SIZE].chunks_exact(ITEM_SIZE) {
+        let offset = u32::from_le_bytes(head[17..21].try_into().expect("4 bytes")) as usize;
+        let size = u32::from_le_bytes(head[21..25].try_into().expect("4 bytes")) as usize;
+        h.update(&head[..DISK_KEY_SIZE]);
+        h.update(&leaf[offset..offset + size]);
+    }
 }
 
 fn disk_key(key: Key) -> [u8; DISK_KEY_SIZE] {
@@ -91,6 +241,16 @@ impl Packer {
     /// `spill_fd`: payloads go to this file (from offset 0) instead of memory; `digest`:
     /// hash every item's disk key and data.
     pub fn new(spill_fd: Option<i32>, digest: bool, breaks: Vec<Key>) -> Packer {
+        let digest = digest.then(Sha256::new);
+        // with a spill file, its writes and the digest go to a thread of their own (where one
+        // cannot be started, they stay on this one)
+        let (spiller, digest) = match spill_fd {
+            Some(fd) => match Spiller::start(fd, digest.clone()) {
+                Ok(s) => (Some(s), None),
+                Err(_) => (None, digest),
+            },
+            None => (None, digest),
+        };
         Packer {
             keys: Vec::new(),
             ends: Vec::new(),
@@ -102,7 +262,9 @@ impl Packer {
             spill: spill_fd.map(|fd| ManuallyDrop::new(unsafe { File::from_raw_fd(fd) })),
             spill_pos: 0,
             spill_buf: Vec::new(),
-            digest: digest.then(Sha256::new),
+            spill_nritems: Vec::new(),
+            spiller,
+            digest,
             breaks,
             next_break: 0,
         }
@@ -172,11 +334,7 @@ impl Packer {
         debug_assert_eq!(at, INODE_ITEM_SIZE);
         self.add((ino, INODE_ITEM_KEY, 0), &item)?;
         if let Some((parent, index, name)) = inode_ref {
-            let mut r = Vec::with_capacity(10 + name.len());
-            r.extend_from_slice(&index.to_le_bytes());
-            r.extend_from_slice(&(name.len() as u16).to_le_bytes());
-            r.extend_from_slice(name);
-            self.add((ino, INODE_REF_KEY, parent), &r)?;
+            self.add((ino, INODE_REF_KEY, parent), &self::inode_ref(index, name))?;
         }
         Ok(())
     }
@@ -185,20 +343,21 @@ impl Packer {
     /// in one item, in name order), then DIR_INDEXes from 2 in name order, each a struct
     /// btrfs_dir_item with the child's INODE_ITEM key as its location.
     pub fn add_dir(&mut self, ino: u64, generation: u64, entries: &[(&[u8], u64, u8)]) -> io::Result<()> {
+        self.add_dir_indexed(ino, generation, entries, None)
+    }
+
+    /// `add_dir` with the entries' dir indexes given (a base's: not 2, 3, ... in name
+    /// order): the DIR_INDEXes in index order (`treeblocks.add_dir_items`).
+    pub fn add_dir_indexed(
+        &mut self,
+        ino: u64,
+        generation: u64,
+        entries: &[(&[u8], u64, u8)],
+        indexes: Option<&[u64]>,
+    ) -> io::Result<()> {
         let packed: Vec<Vec<u8>> = entries
             .iter()
-            .map(|&(name, child, ftype)| {
-                let mut item = Vec::with_capacity(DIR_ITEM_SIZE + name.len());
-                item.extend_from_slice(&child.to_le_bytes());
-                item.push(INODE_ITEM_KEY);
-                item.extend_from_slice(&0u64.to_le_bytes());
-                item.extend_from_slice(&generation.to_le_bytes());
-                item.extend_from_slice(&0u16.to_le_bytes()); // data_len
-                item.extend_from_slice(&(name.len() as u16).to_le_bytes());
-                item.push(ftype);
-                item.extend_from_slice(name);
-                item
-            })
+            .map(|&(name, child, ftype)| dir_item(child, INODE_ITEM_KEY, generation, ftype, name, b""))
             .collect();
         let mut by_hash: Vec<(u64, usize)> = entries
             .iter()
@@ -224,8 +383,19 @@ impl Packer {
             }
             i = j;
         }
-        for (index, item) in packed.iter().enumerate() {
-            self.add((ino, DIR_INDEX_KEY, index as u64 + 2), item)?;
+        match indexes {
+            None => {
+                for (index, item) in packed.iter().enumerate() {
+                    self.add((ino, DIR_INDEX_KEY, index as u64 + 2), item)?;
+                }
+            }
+            Some(indexes) => {
+                let mut order: Vec<(u64, &Vec<u8>)> = indexes.iter().copied().zip(&packed).collect();
+                order.sort();
+                for (index, item) in order {
+                    self.add((ino, DIR_INDEX_KEY, index), item)?;
+                }
+            }
         }
         Ok(())
     }
@@ -245,7 +415,7 @@ impl Packer {
             head[21..25].copy_from_slice(&(item.len() as u32).to_le_bytes());
             payload[end..end + item.len()].copy_from_slice(item);
             if let Some(h) = &mut self.digest {
-                h.update(dk);
+                h.update(dk); // else the spiller hashes the items
                 h.update(item);
             }
         }
@@ -255,7 +425,13 @@ impl Packer {
         if self.spill.is_some() {
             let at = self.spill_pos + self.spill_buf.len() as u64;
             self.spill_buf.extend_from_slice(&payload);
-            if self.spill_buf.len() >= SPILL_BUFFER {
+            self.spill_nritems.push(nritems);
+            let batch = if self.spiller.is_some() {
+                SPILL_BATCH
+            } else {
+                SPILL_BUFFER
+            };
+            if self.spill_buf.len() >= batch {
                 self.write_spill()?;
             }
             self.leaves.push(Leaf {
@@ -280,6 +456,24 @@ impl Packer {
     }
 
     fn write_spill(&mut self) -> io::Result<()> {
+        if let Some(spiller) = &mut self.spiller {
+            if self.spill_buf.is_empty() {
+                return Ok(());
+            }
+            let buf = std::mem::take(&mut self.spill_buf);
+            let len = buf.len() as u64;
+            let batch = (buf, std::mem::take(&mut self.spill_nritems), self.spill_pos);
+            let sent = spiller.tx.as_ref().map(|tx| tx.send(batch).is_ok());
+            if sent != Some(true) {
+                // the thread stopped: its error
+                spiller.join()?;
+                return Err(io::Error::other("fs tree spill thread stopped"));
+            }
+            self.spill_pos += len;
+            self.spill_buf.reserve(SPILL_BATCH);
+            return Ok(());
+        }
+        self.spill_nritems.clear();
         if let Some(f) = &self.spill {
             f.write_all_at(&self.spill_buf, self.spill_pos)?;
             self.spill_pos += self.spill_buf.len() as u64;
@@ -295,6 +489,9 @@ impl Packer {
             self.flush()?;
         }
         self.write_spill()?;
+        if let Some(mut spiller) = self.spiller.take() {
+            self.digest = spiller.join()?;
+        }
         Ok(self.digest.take().map(|h| h.finalize().into()))
     }
 }
@@ -343,6 +540,40 @@ mod tests {
         assert!(Packer::new(None, false, Vec::new())
             .add((1, 1, 0), &vec![0u8; MAX_ITEM_DATA + 1])
             .is_err());
+    }
+
+    #[test]
+    fn spilled_leaves_and_digest_are_the_kept_ones() {
+        use std::io::Read;
+        use std::os::fd::AsRawFd;
+        // more leaves than one spill buffer holds, through the spill thread and kept
+        let path = std::env::temp_dir().join(format!("leaves-spill-test-{}", std::process::id()));
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let mut spilled = Packer::new(Some(file.as_raw_fd()), true, Vec::new());
+        let mut kept = Packer::new(None, true, Vec::new());
+        for i in 0..2000u64 {
+            let data = vec![(i % 251) as u8; (i as usize * 37) % 3000];
+            spilled.add((256 + i, 1, i), &data).unwrap();
+            kept.add((256 + i, 1, i), &data).unwrap();
+        }
+        let (a, b) = (spilled.finish().unwrap(), kept.finish().unwrap());
+        assert!(a.is_some() && a == b);
+        assert!(kept.leaves.len() > SPILL_BUFFER / LEAF_DATA_SIZE * 3);
+        assert!(SPILL_BATCH < SPILL_BUFFER);
+        let mut all = Vec::new();
+        (&file).read_to_end(&mut all).unwrap();
+        assert_eq!(all.len(), kept.leaves.len() * LEAF_DATA_SIZE);
+        for (s, k) in spilled.leaves.iter().zip(&kept.leaves) {
+            assert_eq!((s.first_key, s.nritems), (k.first_key, k.nritems));
+            let at = s.spilled_at as usize;
+            assert_eq!(&all[at..at + LEAF_DATA_SIZE], k.payload.as_deref().unwrap());
+        }
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! CRC-32C, deduplication, pack writes, pack chunk digests on their own threads) and hands
 //! back compact member records.
 
+mod fsitems;
 mod leaves;
 mod pack;
 mod stream;
@@ -26,7 +27,7 @@ use tar::{Content, Parser, Records};
 
 pyo3::create_exception!(btrfs_ublk_native, Unsupported, pyo3::exceptions::PyException);
 
-fn os_err(e: std::io::Error) -> PyErr {
+pub(crate) fn os_err(e: std::io::Error) -> PyErr {
     PyOSError::new_err((e.raw_os_error().unwrap_or(0), e.to_string()))
 }
 
@@ -444,7 +445,7 @@ fn run(core: &mut PackCore, layer: &Layer, sink: SyncSender<Records>) -> Result<
 
 /// An item too large for a leaf (ValueError, as `treeblocks.LeafPacker`), or the spill
 /// file's error.
-fn add_err(e: std::io::Error) -> PyErr {
+pub(crate) fn add_err(e: std::io::Error) -> PyErr {
     match e.kind() {
         std::io::ErrorKind::InvalidInput => PyValueError::new_err(e.to_string()),
         _ => os_err(e),
@@ -454,9 +455,9 @@ fn add_err(e: std::io::Error) -> PyErr {
 /// The fs tree's leaves packed as items are added (see leaves.rs): `treeblocks.LeafPacker`'s
 /// bytes, for the writer's hot loop.
 #[pyclass(unsendable)]
-struct LeafPacker {
-    inner: leaves::Packer,
-    done: bool,
+pub(crate) struct LeafPacker {
+    pub(crate) inner: leaves::Packer,
+    pub(crate) done: bool,
 }
 
 #[pymethods]
@@ -584,6 +585,7 @@ fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Members>()?;
     m.add_class::<LeafPacker>()?;
     m.add_function(wrap_pyfunction!(read_tar, m)?)?;
+    m.add_function(wrap_pyfunction!(fsitems::fs_tree_items, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;
     Ok(())
 }
