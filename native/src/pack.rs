@@ -34,6 +34,11 @@ const FLUSH_STEP: u64 = 16 << 20;
 const BATCH_BYTES: usize = 512 << 10;
 /// batches waiting for the hasher (the blocks they reference stay allocated meanwhile)
 const HASH_DEPTH: usize = 2;
+/// content up to this size is gathered with its neighbours and written in one `pwrite` of
+/// up to `GATHER_BYTES`: one write per small member cost the parser a syscall and the
+/// kernel's per-page work of two partial-page writes per member
+const GATHER_MAX: usize = 64 << 10;
+const GATHER_BYTES: usize = 512 << 10;
 
 /// A place of content: pack index and offset in it.
 pub type Loc = (u32, u64);
@@ -267,6 +272,11 @@ pub struct PackCore {
     journal: Option<Vec<u64>>,
     scratch: Vec<u8>,
     scratch2: Vec<u8>,
+    /// the pack's last bytes, from `gathered_at` to `size`, not yet written to the file
+    gathered: Vec<u8>,
+    gathered_at: u64,
+    /// time the writer waited for the hasher to take a batch (`BUI_NATIVE_TIMES`)
+    pub hash_wait: std::time::Duration,
 }
 
 pub enum Put {
@@ -297,6 +307,9 @@ impl PackCore {
             journal: None,
             scratch: Vec::new(),
             scratch2: Vec::new(),
+            gathered: Vec::new(),
+            gathered_at: 0,
+            hash_wait: std::time::Duration::ZERO,
         }
     }
 
@@ -360,43 +373,81 @@ impl PackCore {
         }
     }
 
+    /// `buf.len()` bytes of pack `pack` at `offset` (pack 0's gathered bytes from memory).
+    fn read_at(&self, pack: u32, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let fd = self.pack_fd(pack)?;
+        let end = offset + buf.len() as u64;
+        if pack != 0 || self.gathered.is_empty() || end <= self.gathered_at {
+            return pread_exact(fd, buf, offset);
+        }
+        let split = self.gathered_at.saturating_sub(offset) as usize;
+        pread_exact(fd, &mut buf[..split], offset)?;
+        let from = (offset + split as u64 - self.gathered_at) as usize;
+        let n = buf.len() - split;
+        let src = self
+            .gathered
+            .get(from..from + n)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "short read of a pack"))?;
+        buf[split..].copy_from_slice(src);
+        Ok(())
+    }
+
+    /// The gathered bytes written to the file (before anything reads the file by its fd).
+    pub fn write_gathered(&mut self) -> io::Result<()> {
+        if !self.gathered.is_empty() {
+            self.file.write_all_at(&self.gathered, self.gathered_at)?;
+            self.gathered.clear();
+        }
+        Ok(())
+    }
+
     /// Are the bytes of `spans` equal to as many bytes at `loc`?
     fn same_as_spans(&mut self, loc: Loc, spans: &[Span]) -> io::Result<bool> {
-        let fd = self.pack_fd(loc.0)?;
         let mut at = loc.1;
+        let mut scratch = std::mem::take(&mut self.scratch);
         for span in spans {
             let data = span.bytes();
             let mut done = 0;
             while done < data.len() {
                 let n = COMPARE_STEP.min(data.len() - done);
-                self.scratch.resize(n, 0);
-                pread_exact(fd, &mut self.scratch[..n], at)?;
-                if self.scratch[..n] != data[done..done + n] {
-                    return Ok(false);
+                scratch.resize(n, 0);
+                let read = self.read_at(loc.0, &mut scratch[..n], at);
+                if read.is_err() || scratch[..n] != data[done..done + n] {
+                    self.scratch = scratch;
+                    return read.map(|()| false);
                 }
                 done += n;
                 at += n as u64;
             }
         }
+        self.scratch = scratch;
         Ok(true)
     }
 
     /// Are two ranges of packs equal?
     pub fn same_ranges(&mut self, a: Loc, b: Loc, size: u64) -> io::Result<bool> {
-        let (fa, fb) = (self.pack_fd(a.0)?, self.pack_fd(b.0)?);
+        let (mut sa, mut sb) = (std::mem::take(&mut self.scratch), std::mem::take(&mut self.scratch2));
         let mut done = 0u64;
+        let mut same = Ok(true);
         while done < size {
             let n = (COMPARE_STEP as u64).min(size - done) as usize;
-            self.scratch.resize(n, 0);
-            self.scratch2.resize(n, 0);
-            pread_exact(fa, &mut self.scratch[..n], a.1 + done)?;
-            pread_exact(fb, &mut self.scratch2[..n], b.1 + done)?;
-            if self.scratch[..n] != self.scratch2[..n] {
-                return Ok(false);
+            sa.resize(n, 0);
+            sb.resize(n, 0);
+            if let Err(e) = self
+                .read_at(a.0, &mut sa[..n], a.1 + done)
+                .and_then(|()| self.read_at(b.0, &mut sb[..n], b.1 + done))
+            {
+                same = Err(e);
+                break;
+            }
+            if sa[..n] != sb[..n] {
+                same = Ok(false);
+                break;
             }
             done += n as u64;
         }
-        Ok(true)
+        (self.scratch, self.scratch2) = (sa, sb);
+        same
     }
 
     /// Content in shared blocks, all of it at hand: deduplicated before anything is
@@ -414,8 +465,22 @@ impl PackCore {
             }
         }
         let at = self.size;
-        for span in spans {
-            self.write_span(span.clone())?;
+        if size as usize <= GATHER_MAX {
+            if self.gathered.len() + size as usize > GATHER_BYTES {
+                self.write_gathered()?;
+            }
+            if self.gathered.is_empty() {
+                self.gathered_at = self.size;
+            }
+            for span in spans {
+                self.gathered.extend_from_slice(span.bytes());
+                self.size += (span.end - span.start) as u64;
+                self.hash_later(span.clone());
+            }
+        } else {
+            for span in spans {
+                self.write_span(span.clone())?;
+            }
         }
         if dedupe {
             self.remember(key, (0, at));
@@ -431,18 +496,25 @@ impl PackCore {
 
     /// Streamed content: append a piece of a shared block.
     pub fn write_span(&mut self, span: Span) -> io::Result<()> {
+        self.write_gathered()?;
         let data = span.bytes();
         self.file.write_all_at(data, self.size)?;
         self.size += data.len() as u64;
+        self.hash_later(span);
+        Ok(())
+    }
+
+    /// Written bytes of a shared block on their way to the hasher.
+    fn hash_later(&mut self, span: Span) {
         self.seal_copied();
-        self.pending_bytes += data.len();
+        self.pending_bytes += span.end - span.start;
         self.pending.push(span);
         self.hand_over(false);
-        Ok(())
     }
 
     /// Streamed content: append a piece held elsewhere (copied for the hasher).
     pub fn write_piece(&mut self, mut data: &[u8]) -> io::Result<()> {
+        self.write_gathered()?;
         self.file.write_all_at(data, self.size)?;
         self.size += data.len() as u64;
         while !data.is_empty() {
@@ -475,7 +547,9 @@ impl PackCore {
     fn hand_over(&mut self, now: bool) {
         if self.pending_bytes >= BATCH_BYTES || (now && self.pending_bytes > 0) {
             self.seal_copied();
+            let t = std::time::Instant::now();
             self.hasher.send(Job::Bytes(std::mem::take(&mut self.pending)));
+            self.hash_wait += t.elapsed();
             self.pending_bytes = 0;
         }
     }
@@ -507,8 +581,13 @@ impl PackCore {
     /// The pack's size is final (no rollback but an outer mark's can reach it): start its
     /// write-back every `FLUSH_STEP`.
     fn final_size(&mut self) {
-        if self.size >= self.flushed + FLUSH_STEP && self.flusher.request(self.flushed, self.size) {
-            self.flushed = self.size;
+        let written = if self.gathered.is_empty() {
+            self.size
+        } else {
+            self.gathered_at
+        };
+        if written >= self.flushed + FLUSH_STEP && self.flusher.request(self.flushed, written) {
+            self.flushed = written;
         }
     }
 
@@ -545,6 +624,8 @@ impl PackCore {
 
     /// Undo everything since `mark`: file size, remembered keys, counters, chunk digests.
     pub fn rollback(&mut self, mark: Mark) -> io::Result<()> {
+        // written first: the file is then cut where the mark was, wherever that lies
+        self.write_gathered()?;
         let keys: Vec<u64> = match &mut self.journal {
             Some(j) => j.split_off(mark.remembered),
             None => Vec::new(),
@@ -571,6 +652,7 @@ impl PackCore {
 
     /// All chunks hashed, the file synced: the chunk digests.
     pub fn finish(&mut self) -> io::Result<Vec<[u8; 32]>> {
+        self.write_gathered()?;
         self.hand_over(true);
         self.flusher.stop();
         let sums = self.hasher.finish()?;
@@ -579,6 +661,7 @@ impl PackCore {
     }
 
     pub fn abort(&mut self) {
+        self.gathered.clear();
         self.pending.clear();
         self.flusher.stop();
         let _ = self.hasher.finish();
