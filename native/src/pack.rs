@@ -713,6 +713,59 @@ mod tests {
         crc32c::crc32c(data)
     }
 
+    /// An empty pack file of this process in the temporary directory (the test removes it).
+    fn temp_pack(name: &str) -> (std::path::PathBuf, File) {
+        let path = std::env::temp_dir().join(format!("pack-{name}-{}", std::process::id()));
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        (path, file)
+    }
+
+    /// Small content is held back and written in batches: reads of the pack (dedup
+    /// compares, ranges across the written and the held-back bytes) see every byte
+    /// appended, and the file has them all once `write_gathered` (or `finish`) ran.
+    #[test]
+    fn gathered_bytes_are_read_back_before_they_are_written() {
+        let mut rng = Rng(7);
+        let (path, file) = temp_pack("gather");
+        let mut core = PackCore::new(file, 1 << 20);
+        let big = rng.bytes(GATHER_MAX + 1000); // written at once
+        let small = rng.bytes(3000); // gathered
+        let mut all = Vec::new();
+        for data in [&big, &small] {
+            assert!(matches!(
+                core.put(&[shared(data)], crc(data), true).unwrap(),
+                Put::New(_)
+            ));
+            all.extend_from_slice(data);
+        }
+        assert!(!core.gathered.is_empty());
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), big.len() as u64);
+        // a range across the written and the gathered bytes, equal and then not
+        let at = big.len() - 100;
+        let across = all[at..at + 600].to_vec();
+        assert!(core.same_as_spans((0, at as u64), &[shared(&across)]).unwrap());
+        let mut changed = across.clone();
+        changed[550] ^= 1;
+        assert!(!core.same_as_spans((0, at as u64), &[shared(&changed)]).unwrap());
+        // a duplicate of the gathered content is found in memory
+        let put = core.put(&[shared(&small)], crc(&small), true).unwrap();
+        assert!(matches!(put, Put::Dup((0, o)) if o == big.len() as u64));
+        // reading past the end is an error, not bytes
+        let mut buf = vec![0u8; 10];
+        assert!(core.read_at(0, &mut buf, all.len() as u64 - 5).is_err());
+        core.write_gathered().unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), all);
+        let digests = core.finish().unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(digests, vec![<[u8; 32]>::from(Sha256::digest(&all))]);
+    }
+
     /// The pack's chunk digests computed as the bytes are written equal sha256 of the
     /// file's chunks read back (what the hasher did before), through duplicates rolled
     /// back after streaming, failed streams, and a whole layer rolled back and released.
@@ -721,14 +774,7 @@ mod tests {
         for seed in 1..=6u64 {
             let mut rng = Rng(seed * 0x9e37_79b9_7f4a_7c15);
             let chunk = [4096u64, 1000, 1 << 20][(seed % 3) as usize];
-            let path = std::env::temp_dir().join(format!("pack-test-{}-{seed}", std::process::id()));
-            let file = File::options()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&path)
-                .unwrap();
+            let (path, file) = temp_pack(&format!("test-{seed}"));
             let mut core = PackCore::new(file, chunk);
             let mut contents: Vec<Vec<u8>> = Vec::new();
             let mut layer: Option<(Mark, usize)> = None;
