@@ -446,7 +446,7 @@ fn run(core: &mut PackCore, layer: &Layer, sink: SyncSender<Records>) -> Result<
     let raw = reader.join().unwrap_or_else(|_| Err("reader thread panicked".into()));
     let unc = hasher.map(|h| h.join().unwrap_or_else(|_| Err("hasher thread panicked".into())));
     // the gathered small members written before the layer's end is reported
-    let parsed = parsed.and_then(|()| core.write_gathered().map_err(|e| format!("pack: {e}")));
+    let parsed = parsed.and_then(|()| core.end_layer().map_err(|e| format!("pack: {e}")));
     let outcome = parsed.and_then(|()| {
         let (raw_hex, nbytes) = raw?;
         let unc_hex = match unc {
@@ -466,6 +466,7 @@ fn run(core: &mut PackCore, layer: &Layer, sink: SyncSender<Records>) -> Result<
         }
         Err(msg) => {
             core.rollback(mark).map_err(Failure::Os)?;
+            core.end_layer().map_err(Failure::Os)?;
             Err(Failure::Unsupported(msg))
         }
     }

@@ -401,6 +401,14 @@ impl PackCore {
         Ok(())
     }
 
+    /// A layer's read is over: the gathered bytes written and their buffer freed (the
+    /// build's peak RSS comes later, in the writer).
+    pub fn end_layer(&mut self) -> io::Result<()> {
+        self.write_gathered()?;
+        self.gathered = Vec::new();
+        Ok(())
+    }
+
     /// Are the bytes of `spans` equal to as many bytes at `loc`?
     fn same_as_spans(&mut self, loc: Loc, spans: &[Span]) -> io::Result<bool> {
         let mut at = loc.1;
