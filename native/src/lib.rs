@@ -402,6 +402,7 @@ fn run(core: &mut PackCore, layer: &Layer, sink: SyncSender<Records>) -> Result<
     head.truncate(n as usize);
     let kind = detect(&head).map_err(Failure::Unsupported)?;
     let mark = core.mark();
+    core.begin_layer();
     let (raw_rx, reader) = stream::spawn_reader(fd, start, length);
     let mut hasher = None;
     let mut inflater = None;

@@ -272,7 +272,10 @@ pub struct PackCore {
     journal: Option<Vec<u64>>,
     scratch: Vec<u8>,
     scratch2: Vec<u8>,
-    /// the pack's last bytes, from `gathered_at` to `size`, not yet written to the file
+    /// the pack's last bytes, from `gathered_at` to `size`, not yet written to the file;
+    /// only while a layer is read natively (`begin_layer`): Python's appends, whose readers
+    /// may read the file by another fd, are written at once
+    gathering: bool,
     gathered: Vec<u8>,
     gathered_at: u64,
     /// time the writer waited for the hasher to take a batch (`BUI_NATIVE_TIMES`)
@@ -307,6 +310,7 @@ impl PackCore {
             journal: None,
             scratch: Vec::new(),
             scratch2: Vec::new(),
+            gathering: false,
             gathered: Vec::new(),
             gathered_at: 0,
             hash_wait: std::time::Duration::ZERO,
@@ -401,9 +405,15 @@ impl PackCore {
         Ok(())
     }
 
+    /// A layer is read natively: small content is gathered until `end_layer`.
+    pub fn begin_layer(&mut self) {
+        self.gathering = true;
+    }
+
     /// A layer's read is over: the gathered bytes written and their buffer freed (the
     /// build's peak RSS comes later, in the writer).
     pub fn end_layer(&mut self) -> io::Result<()> {
+        self.gathering = false;
         self.write_gathered()?;
         self.gathered = Vec::new();
         Ok(())
@@ -473,7 +483,7 @@ impl PackCore {
             }
         }
         let at = self.size;
-        if size as usize <= GATHER_MAX {
+        if self.gathering && size as usize <= GATHER_MAX {
             if self.gathered.len() + size as usize > GATHER_BYTES {
                 self.write_gathered()?;
             }
@@ -734,14 +744,15 @@ mod tests {
         (path, file)
     }
 
-    /// Small content is held back and written in batches: reads of the pack (dedup
-    /// compares, ranges across the written and the held-back bytes) see every byte
-    /// appended, and the file has them all once `write_gathered` (or `finish`) ran.
+    /// Small content is held back and written in batches while a layer is read: reads of
+    /// the pack (dedup compares, ranges across the written and the held-back bytes) see
+    /// every byte appended, and the file has them all once the layer ends.
     #[test]
     fn gathered_bytes_are_read_back_before_they_are_written() {
         let mut rng = Rng(7);
         let (path, file) = temp_pack("gather");
         let mut core = PackCore::new(file, 1 << 20);
+        core.begin_layer();
         let big = rng.bytes(GATHER_MAX + 1000); // written at once
         let small = rng.bytes(3000); // gathered
         let mut all = Vec::new();
@@ -767,7 +778,13 @@ mod tests {
         // reading past the end is an error, not bytes
         let mut buf = vec![0u8; 10];
         assert!(core.read_at(0, &mut buf, all.len() as u64 - 5).is_err());
-        core.write_gathered().unwrap();
+        core.end_layer().unwrap();
+        assert!(core.gathered.is_empty() && core.gathered.capacity() == 0);
+        assert_eq!(std::fs::read(&path).unwrap(), all);
+        // outside a layer's native read, content is written at once
+        let more = rng.bytes(100);
+        core.put(&[shared(&more)], crc(&more), true).unwrap();
+        all.extend_from_slice(&more);
         assert_eq!(std::fs::read(&path).unwrap(), all);
         let digests = core.finish().unwrap();
         std::fs::remove_file(&path).unwrap();
@@ -784,6 +801,9 @@ mod tests {
             let chunk = [4096u64, 1000, 1 << 20][(seed % 3) as usize];
             let (path, file) = temp_pack(&format!("test-{seed}"));
             let mut core = PackCore::new(file, chunk);
+            if seed % 2 == 1 {
+                core.begin_layer(); // small content gathered, the rest as Python appends
+            }
             let mut contents: Vec<Vec<u8>> = Vec::new();
             let mut layer: Option<(Mark, usize)> = None;
             for step in 0..300 {
