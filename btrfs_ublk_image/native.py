@@ -7,7 +7,9 @@ Used whenever the extension is installed, unless ``BUI_NATIVE=0`` selects the Py
 native reader does not implement (and every archive with an error) are read by the Python
 reader instead, whole, after the native side rolled its pack writes back: results and
 errors are the Python reader's either way. ``BUI_NATIVE_TIMES=1`` makes the native reader
-print where its time went (waiting for input, writing the pack) to stderr.
+print where its time went to stderr: the parser's (waiting for input, writing the pack and
+of that waiting for the pack hasher, waiting for Python to take a segment) and Python's
+(placing the members: wall and CPU; waiting for segments).
 """
 
 from __future__ import annotations

@@ -57,8 +57,11 @@ impl Pack {
         }
     }
 
+    /// The pack's fd, every byte appended so far written to it (reads go through it).
     fn fileno(&mut self) -> PyResult<i32> {
-        Ok(self.core()?.fd())
+        let core = self.core()?;
+        core.write_gathered().map_err(os_err)?;
+        Ok(core.fd())
     }
 
     #[getter]
@@ -300,24 +303,38 @@ fn read_tar<'py>(
             .expect("spawn tar-parse");
         let mut placed = Ok(());
         let mut rx = Some(segments);
+        let (mut waiting, mut placing) = (std::time::Duration::ZERO, std::time::Duration::ZERO);
+        let cpu0 = thread_cpu();
+        let t0 = std::time::Instant::now();
         while let Some(r) = rx.take() {
+            let t = std::time::Instant::now();
             // the receiver moves in and out: a shared one is not Send
             let (r, got) = py.detach(move || {
                 let got = r.recv();
                 (r, got)
             });
+            waiting += t.elapsed();
             let Ok(seg) = got else {
                 break; // the parser is done
             };
+            let t = std::time::Instant::now();
             let members = Members {
                 segments: VecDeque::from([seg]),
                 next: 0,
             };
             placed = Bound::new(py, members).and_then(|m| place.call1((m,))).map(|_| ());
+            placing += t.elapsed();
             if placed.is_err() {
                 break; // the receiver dropped: the parser stops at its next segment
             }
             rx = Some(r);
+        }
+        if std::env::var_os("BUI_NATIVE_TIMES").is_some() {
+            eprintln!(
+                "native read_tar: placement {placing:?} ({:?} CPU), waiting for segments {waiting:?}, placement done at {:?}",
+                thread_cpu() - cpu0,
+                t0.elapsed()
+            );
         }
         let result = py.detach(|| reader.join());
         (result, placed)
@@ -338,6 +355,14 @@ fn read_tar<'py>(
         Ok(Err(Failure::Os(e))) => Err(os_err(e)),
         Err(_) => Err(PyValueError::new_err("the tar parser thread panicked")),
     }
+}
+
+/// The calling thread's CPU time (`BUI_NATIVE_TIMES`).
+fn thread_cpu() -> std::time::Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a plain syscall filling `ts`
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 enum Failure {
@@ -378,6 +403,7 @@ fn run(core: &mut PackCore, layer: &Layer, sink: SyncSender<Records>) -> Result<
     head.truncate(n as usize);
     let kind = detect(&head).map_err(Failure::Unsupported)?;
     let mark = core.mark();
+    core.begin_layer();
     let (raw_rx, reader) = stream::spawn_reader(fd, start, length);
     let mut hasher = None;
     let mut inflater = None;
@@ -400,10 +426,12 @@ fn run(core: &mut PackCore, layer: &Layer, sink: SyncSender<Records>) -> Result<
     let parsed = parser.run(lenient_end);
     if std::env::var_os("BUI_NATIVE_TIMES").is_some() {
         eprintln!(
-            "native read_tar: {:?} total, {:?} waiting for input, {:?} writing the pack",
+            "native read_tar: {:?} total, {:?} waiting for input, {:?} writing the pack (of which {:?} waiting for the pack hasher), {:?} waiting for placement",
             t0.elapsed(),
             parser.src.waited,
-            parser.packing
+            parser.packing,
+            parser.pack.hash_wait,
+            parser.handing
         );
     }
     let Parser {
@@ -419,6 +447,8 @@ fn run(core: &mut PackCore, layer: &Layer, sink: SyncSender<Records>) -> Result<
     }
     let raw = reader.join().unwrap_or_else(|_| Err("reader thread panicked".into()));
     let unc = hasher.map(|h| h.join().unwrap_or_else(|_| Err("hasher thread panicked".into())));
+    // the gathered small members written before the layer's end is reported
+    let parsed = parsed.and_then(|()| core.end_layer().map_err(|e| format!("pack: {e}")));
     let outcome = parsed.and_then(|()| {
         let (raw_hex, nbytes) = raw?;
         let unc_hex = match unc {
@@ -438,6 +468,7 @@ fn run(core: &mut PackCore, layer: &Layer, sink: SyncSender<Records>) -> Result<
         }
         Err(msg) => {
             core.rollback(mark).map_err(Failure::Os)?;
+            core.end_layer().map_err(Failure::Os)?;
             Err(Failure::Unsupported(msg))
         }
     }

@@ -34,6 +34,11 @@ const FLUSH_STEP: u64 = 16 << 20;
 const BATCH_BYTES: usize = 512 << 10;
 /// batches waiting for the hasher (the blocks they reference stay allocated meanwhile)
 const HASH_DEPTH: usize = 2;
+/// content up to this size is gathered with its neighbours and written in one `pwrite` of
+/// up to `GATHER_BYTES`: one write per small member cost the parser a syscall and the
+/// kernel's per-page work of two partial-page writes per member
+const GATHER_MAX: usize = 64 << 10;
+const GATHER_BYTES: usize = 512 << 10;
 
 /// A place of content: pack index and offset in it.
 pub type Loc = (u32, u64);
@@ -267,6 +272,14 @@ pub struct PackCore {
     journal: Option<Vec<u64>>,
     scratch: Vec<u8>,
     scratch2: Vec<u8>,
+    /// the pack's last bytes, from `gathered_at` to `size`, not yet written to the file;
+    /// only while a layer is read natively (`begin_layer`): Python's appends, whose readers
+    /// may read the file by another fd, are written at once
+    gathering: bool,
+    gathered: Vec<u8>,
+    gathered_at: u64,
+    /// time the writer waited for the hasher to take a batch (`BUI_NATIVE_TIMES`)
+    pub hash_wait: std::time::Duration,
 }
 
 pub enum Put {
@@ -297,6 +310,10 @@ impl PackCore {
             journal: None,
             scratch: Vec::new(),
             scratch2: Vec::new(),
+            gathering: false,
+            gathered: Vec::new(),
+            gathered_at: 0,
+            hash_wait: std::time::Duration::ZERO,
         }
     }
 
@@ -360,43 +377,95 @@ impl PackCore {
         }
     }
 
+    /// `buf.len()` bytes of pack `pack` at `offset` (pack 0's gathered bytes from memory).
+    fn read_at(&self, pack: u32, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        let fd = self.pack_fd(pack)?;
+        let end = offset + buf.len() as u64;
+        if pack != 0 || self.gathered.is_empty() || end <= self.gathered_at {
+            return pread_exact(fd, buf, offset);
+        }
+        let split = self.gathered_at.saturating_sub(offset) as usize;
+        pread_exact(fd, &mut buf[..split], offset)?;
+        let from = (offset + split as u64 - self.gathered_at) as usize;
+        let n = buf.len() - split;
+        let src = self
+            .gathered
+            .get(from..from + n)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "short read of a pack"))?;
+        buf[split..].copy_from_slice(src);
+        Ok(())
+    }
+
+    /// The gathered bytes written to the file (before anything reads the file by its fd).
+    pub fn write_gathered(&mut self) -> io::Result<()> {
+        if !self.gathered.is_empty() {
+            self.file.write_all_at(&self.gathered, self.gathered_at)?;
+            self.gathered.clear();
+        }
+        Ok(())
+    }
+
+    /// A layer is read natively: small content is gathered until `end_layer`.
+    pub fn begin_layer(&mut self) {
+        self.gathering = true;
+    }
+
+    /// A layer's read is over: the gathered bytes written and their buffer freed (the
+    /// build's peak RSS comes later, in the writer).
+    pub fn end_layer(&mut self) -> io::Result<()> {
+        self.gathering = false;
+        self.write_gathered()?;
+        self.gathered = Vec::new();
+        Ok(())
+    }
+
     /// Are the bytes of `spans` equal to as many bytes at `loc`?
     fn same_as_spans(&mut self, loc: Loc, spans: &[Span]) -> io::Result<bool> {
-        let fd = self.pack_fd(loc.0)?;
         let mut at = loc.1;
+        let mut scratch = std::mem::take(&mut self.scratch);
         for span in spans {
             let data = span.bytes();
             let mut done = 0;
             while done < data.len() {
                 let n = COMPARE_STEP.min(data.len() - done);
-                self.scratch.resize(n, 0);
-                pread_exact(fd, &mut self.scratch[..n], at)?;
-                if self.scratch[..n] != data[done..done + n] {
-                    return Ok(false);
+                scratch.resize(n, 0);
+                let read = self.read_at(loc.0, &mut scratch[..n], at);
+                if read.is_err() || scratch[..n] != data[done..done + n] {
+                    self.scratch = scratch;
+                    return read.map(|()| false);
                 }
                 done += n;
                 at += n as u64;
             }
         }
+        self.scratch = scratch;
         Ok(true)
     }
 
     /// Are two ranges of packs equal?
     pub fn same_ranges(&mut self, a: Loc, b: Loc, size: u64) -> io::Result<bool> {
-        let (fa, fb) = (self.pack_fd(a.0)?, self.pack_fd(b.0)?);
+        let (mut sa, mut sb) = (std::mem::take(&mut self.scratch), std::mem::take(&mut self.scratch2));
         let mut done = 0u64;
+        let mut same = Ok(true);
         while done < size {
             let n = (COMPARE_STEP as u64).min(size - done) as usize;
-            self.scratch.resize(n, 0);
-            self.scratch2.resize(n, 0);
-            pread_exact(fa, &mut self.scratch[..n], a.1 + done)?;
-            pread_exact(fb, &mut self.scratch2[..n], b.1 + done)?;
-            if self.scratch[..n] != self.scratch2[..n] {
-                return Ok(false);
+            sa.resize(n, 0);
+            sb.resize(n, 0);
+            if let Err(e) = self
+                .read_at(a.0, &mut sa[..n], a.1 + done)
+                .and_then(|()| self.read_at(b.0, &mut sb[..n], b.1 + done))
+            {
+                same = Err(e);
+                break;
+            }
+            if sa[..n] != sb[..n] {
+                same = Ok(false);
+                break;
             }
             done += n as u64;
         }
-        Ok(true)
+        (self.scratch, self.scratch2) = (sa, sb);
+        same
     }
 
     /// Content in shared blocks, all of it at hand: deduplicated before anything is
@@ -414,8 +483,22 @@ impl PackCore {
             }
         }
         let at = self.size;
-        for span in spans {
-            self.write_span(span.clone())?;
+        if self.gathering && size as usize <= GATHER_MAX {
+            if self.gathered.len() + size as usize > GATHER_BYTES {
+                self.write_gathered()?;
+            }
+            if self.gathered.is_empty() {
+                self.gathered_at = self.size;
+            }
+            for span in spans {
+                self.gathered.extend_from_slice(span.bytes());
+                self.size += (span.end - span.start) as u64;
+                self.hash_later(span.clone());
+            }
+        } else {
+            for span in spans {
+                self.write_span(span.clone())?;
+            }
         }
         if dedupe {
             self.remember(key, (0, at));
@@ -431,18 +514,25 @@ impl PackCore {
 
     /// Streamed content: append a piece of a shared block.
     pub fn write_span(&mut self, span: Span) -> io::Result<()> {
+        self.write_gathered()?;
         let data = span.bytes();
         self.file.write_all_at(data, self.size)?;
         self.size += data.len() as u64;
+        self.hash_later(span);
+        Ok(())
+    }
+
+    /// Written bytes of a shared block on their way to the hasher.
+    fn hash_later(&mut self, span: Span) {
         self.seal_copied();
-        self.pending_bytes += data.len();
+        self.pending_bytes += span.end - span.start;
         self.pending.push(span);
         self.hand_over(false);
-        Ok(())
     }
 
     /// Streamed content: append a piece held elsewhere (copied for the hasher).
     pub fn write_piece(&mut self, mut data: &[u8]) -> io::Result<()> {
+        self.write_gathered()?;
         self.file.write_all_at(data, self.size)?;
         self.size += data.len() as u64;
         while !data.is_empty() {
@@ -475,7 +565,9 @@ impl PackCore {
     fn hand_over(&mut self, now: bool) {
         if self.pending_bytes >= BATCH_BYTES || (now && self.pending_bytes > 0) {
             self.seal_copied();
+            let t = std::time::Instant::now();
             self.hasher.send(Job::Bytes(std::mem::take(&mut self.pending)));
+            self.hash_wait += t.elapsed();
             self.pending_bytes = 0;
         }
     }
@@ -507,8 +599,13 @@ impl PackCore {
     /// The pack's size is final (no rollback but an outer mark's can reach it): start its
     /// write-back every `FLUSH_STEP`.
     fn final_size(&mut self) {
-        if self.size >= self.flushed + FLUSH_STEP && self.flusher.request(self.flushed, self.size) {
-            self.flushed = self.size;
+        let written = if self.gathered.is_empty() {
+            self.size
+        } else {
+            self.gathered_at
+        };
+        if written >= self.flushed + FLUSH_STEP && self.flusher.request(self.flushed, written) {
+            self.flushed = written;
         }
     }
 
@@ -545,6 +642,8 @@ impl PackCore {
 
     /// Undo everything since `mark`: file size, remembered keys, counters, chunk digests.
     pub fn rollback(&mut self, mark: Mark) -> io::Result<()> {
+        // written first: the file is then cut where the mark was, wherever that lies
+        self.write_gathered()?;
         let keys: Vec<u64> = match &mut self.journal {
             Some(j) => j.split_off(mark.remembered),
             None => Vec::new(),
@@ -571,6 +670,7 @@ impl PackCore {
 
     /// All chunks hashed, the file synced: the chunk digests.
     pub fn finish(&mut self) -> io::Result<Vec<[u8; 32]>> {
+        self.write_gathered()?;
         self.hand_over(true);
         self.flusher.stop();
         let sums = self.hasher.finish()?;
@@ -579,6 +679,7 @@ impl PackCore {
     }
 
     pub fn abort(&mut self) {
+        self.gathered.clear();
         self.pending.clear();
         self.flusher.stop();
         let _ = self.hasher.finish();
@@ -630,6 +731,66 @@ mod tests {
         crc32c::crc32c(data)
     }
 
+    /// An empty pack file of this process in the temporary directory (the test removes it).
+    fn temp_pack(name: &str) -> (std::path::PathBuf, File) {
+        let path = std::env::temp_dir().join(format!("pack-{name}-{}", std::process::id()));
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        (path, file)
+    }
+
+    /// Small content is held back and written in batches while a layer is read: reads of
+    /// the pack (dedup compares, ranges across the written and the held-back bytes) see
+    /// every byte appended, and the file has them all once the layer ends.
+    #[test]
+    fn gathered_bytes_are_read_back_before_they_are_written() {
+        let mut rng = Rng(7);
+        let (path, file) = temp_pack("gather");
+        let mut core = PackCore::new(file, 1 << 20);
+        core.begin_layer();
+        let big = rng.bytes(GATHER_MAX + 1000); // written at once
+        let small = rng.bytes(3000); // gathered
+        let mut all = Vec::new();
+        for data in [&big, &small] {
+            assert!(matches!(
+                core.put(&[shared(data)], crc(data), true).unwrap(),
+                Put::New(_)
+            ));
+            all.extend_from_slice(data);
+        }
+        assert!(!core.gathered.is_empty());
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), big.len() as u64);
+        // a range across the written and the gathered bytes, equal and then not
+        let at = big.len() - 100;
+        let across = all[at..at + 600].to_vec();
+        assert!(core.same_as_spans((0, at as u64), &[shared(&across)]).unwrap());
+        let mut changed = across.clone();
+        changed[550] ^= 1;
+        assert!(!core.same_as_spans((0, at as u64), &[shared(&changed)]).unwrap());
+        // a duplicate of the gathered content is found in memory
+        let put = core.put(&[shared(&small)], crc(&small), true).unwrap();
+        assert!(matches!(put, Put::Dup((0, o)) if o == big.len() as u64));
+        // reading past the end is an error, not bytes
+        let mut buf = vec![0u8; 10];
+        assert!(core.read_at(0, &mut buf, all.len() as u64 - 5).is_err());
+        core.end_layer().unwrap();
+        assert!(core.gathered.is_empty() && core.gathered.capacity() == 0);
+        assert_eq!(std::fs::read(&path).unwrap(), all);
+        // outside a layer's native read, content is written at once
+        let more = rng.bytes(100);
+        core.put(&[shared(&more)], crc(&more), true).unwrap();
+        all.extend_from_slice(&more);
+        assert_eq!(std::fs::read(&path).unwrap(), all);
+        let digests = core.finish().unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(digests, vec![<[u8; 32]>::from(Sha256::digest(&all))]);
+    }
+
     /// The pack's chunk digests computed as the bytes are written equal sha256 of the
     /// file's chunks read back (what the hasher did before), through duplicates rolled
     /// back after streaming, failed streams, and a whole layer rolled back and released.
@@ -638,15 +799,11 @@ mod tests {
         for seed in 1..=6u64 {
             let mut rng = Rng(seed * 0x9e37_79b9_7f4a_7c15);
             let chunk = [4096u64, 1000, 1 << 20][(seed % 3) as usize];
-            let path = std::env::temp_dir().join(format!("pack-test-{}-{seed}", std::process::id()));
-            let file = File::options()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&path)
-                .unwrap();
+            let (path, file) = temp_pack(&format!("test-{seed}"));
             let mut core = PackCore::new(file, chunk);
+            if seed % 2 == 1 {
+                core.begin_layer(); // small content gathered, the rest as Python appends
+            }
             let mut contents: Vec<Vec<u8>> = Vec::new();
             let mut layer: Option<(Mark, usize)> = None;
             for step in 0..300 {

@@ -302,6 +302,7 @@ pub struct Parser<'a> {
     next_header: u64,
     spans: Vec<Span>,
     pub packing: std::time::Duration, // in pack writes and dedup compares (BUI_NATIVE_TIMES)
+    pub handing: std::time::Duration, // waiting for Python to take a segment (BUI_NATIVE_TIMES)
 }
 
 impl<'a> Parser<'a> {
@@ -323,6 +324,7 @@ impl<'a> Parser<'a> {
             next_header: 0,
             spans: Vec::new(),
             packing: Default::default(),
+            handing: Default::default(),
         }
     }
 
@@ -601,9 +603,11 @@ impl<'a> Parser<'a> {
             content,
         });
         if self.out.recs.len() >= SEGMENT_RECS || self.out.data.len() + self.out.names.len() >= SEGMENT_BYTES {
+            let t = std::time::Instant::now();
             self.sink
                 .send(std::mem::take(&mut self.out))
                 .map_err(|_| "stopped: the members' placement failed".to_string())?;
+            self.handing += t.elapsed();
         }
         Ok(())
     }
