@@ -415,6 +415,21 @@ class _DataPlacer:
                 )
                 self._logical += length
 
+    def adopt(
+        self, chunks: Sequence[tuple[int, int, int]], state: tuple[int, int, int, int, int, int]
+    ) -> None:
+        """Take over what the native fs tree loop placed into this (fresh) placer's columns:
+        its closed chunks (logical, length, physical) and its cursors, as if ``place`` had
+        placed those extents."""
+        self.chunks.extend(
+            Chunk(logical, length, d.BLOCK_GROUP_DATA, 2, phys) for logical, length, phys in chunks
+        )
+        self._cur, self._end, self._chunk_phys, self._chunk_logical, self._logical, self.used = (
+            state
+        )
+        # where the next chunk would start had ``place`` placed these extents
+        self._ranges_iter = device_ranges(self._end or DEVICE_START)
+
     def place(self, blob: Blob) -> range:
         """The rows of ``blob``'s extents (placed on first use)."""
         first = self.first_extent.get(blob)
@@ -768,14 +783,7 @@ def _fs_tree_items_native(
         (ref_extent, ref_ino, ref_offset),
     )
     if placed is not None:
-        chunks, state = placed
-        placer.chunks.extend(
-            Chunk(logical, length, d.BLOCK_GROUP_DATA, 2, phys) for logical, length, phys in chunks
-        )
-        placer._cur, placer._end, placer._chunk_phys, placer._chunk_logical = state[:4]
-        placer._logical, placer.used = state[4:]
-        # where the next chunk would start had the Python placer placed these extents
-        placer._ranges_iter = device_ranges(placer._end or DEVICE_START)
+        placer.adopt(*placed)
     names = ("files", "directories", "symlinks", "devices", "hardlinks", "inline_files")
     leaves, digest = packer.finish()
     assert digest is not None
