@@ -415,6 +415,11 @@ class _DataPlacer:
                 )
                 self._logical += length
 
+    @property
+    def fresh(self) -> bool:
+        """Nothing placed yet (``adopt`` takes over only from a fresh placer)."""
+        return not self.logical and not self._end
+
     def adopt(
         self, chunks: Sequence[tuple[int, int, int]], state: tuple[int, int, int, int, int, int]
     ) -> None:
@@ -610,6 +615,18 @@ class _FsTree:
     stats: dict[str, int]
 
 
+# the fs tree's counts, in the order both loops give them
+_FS_TREE_STATS = (
+    "files",
+    "directories",
+    "symlinks",
+    "devices",
+    "hardlinks",
+    "inline_files",
+    "content_bytes",
+)
+
+
 def _fs_tree_items(
     num: _Numbering,
     placer: _DataPlacer,
@@ -745,15 +762,8 @@ def _fs_tree_items(
                 add_dir_items(add, ino, gen, names, child_inos, ftypes, indexes)
         for key, data in file_extents:
             add(key, data)
-    stats = {
-        "files": files,
-        "directories": directories,
-        "symlinks": symlinks,
-        "devices": devices,
-        "hardlinks": hardlinks,
-        "inline_files": inline_files,
-        "content_bytes": content_bytes,
-    }
+    counts = (files, directories, symlinks, devices, hardlinks, inline_files, content_bytes)
+    stats = dict(zip(_FS_TREE_STATS, counts, strict=True))
     leaves, digest = packer.finish()
     assert digest is not None
     return _FsTree(leaves, digest, placer, ref_extent, ref_ino, ref_offset, stats)
@@ -766,9 +776,7 @@ def _fs_tree_items_native(
     errors and placement. A fresh placer without a base or encoded extents places there
     too (its columns and state come back here); otherwise the extension calls ``place``."""
     encoded = placer.encoded is not None
-    native_placement = (
-        placer.base is None and not encoded and not placer.logical and not placer._end
-    )
+    native_placement = placer.base is None and not encoded and placer.fresh
     ref_extent, ref_ino, ref_offset = array("Q"), array("Q"), array("Q")
     stats, placed = nat.fs_tree_items(
         packer.native,
@@ -784,7 +792,6 @@ def _fs_tree_items_native(
     )
     if placed is not None:
         placer.adopt(*placed)
-    names = ("files", "directories", "symlinks", "devices", "hardlinks", "inline_files")
     leaves, digest = packer.finish()
     assert digest is not None
     return _FsTree(
@@ -794,7 +801,7 @@ def _fs_tree_items_native(
         ref_extent,
         ref_ino,
         ref_offset,
-        dict(zip((*names, "content_bytes"), stats, strict=True)),
+        dict(zip(_FS_TREE_STATS, stats, strict=True)),
     )
 
 

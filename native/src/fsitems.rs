@@ -72,10 +72,6 @@ fn image_error(py: Python<'_>, msg: String) -> PyErr {
     }
 }
 
-fn add_err(e: std::io::Error) -> PyErr {
-    crate::add_err(e)
-}
-
 /// `layout.device_ranges`: the physical ranges a chunk may occupy, <= 1 GiB, never over a
 /// superblock mirror (the whole MiB holding one is skipped).
 struct DeviceRanges {
@@ -724,7 +720,7 @@ pub fn fs_tree_items<'py>(
         let name = names.get_item(n)?;
         let name = name.cast::<PyBytes>()?;
         let one_ref = (nlink == 1).then(|| (parents[n], indexes[n], name.as_bytes()));
-        p.add_inode(ino, &fields, one_ref).map_err(add_err)?;
+        p.add_inode(ino, &fields, one_ref).map_err(crate::add_err)?;
         if let Some(more) = more.filter(|_| nlink != 1) {
             // names per parent dir in one INODE_REF item while it fits in a leaf, the rest
             // in INODE_EXTREF items (EXTENDED_IREF), as the kernel does when a ref item is full
@@ -748,11 +744,11 @@ pub fn fs_tree_items<'py>(
             }
             for (parent, data) in &by_parent {
                 if !data.is_empty() {
-                    p.add((ino, INODE_REF_KEY, *parent), data).map_err(add_err)?;
+                    p.add((ino, INODE_REF_KEY, *parent), data).map_err(crate::add_err)?;
                 }
             }
             for (h, data) in &extrefs {
-                p.add((ino, INODE_EXTREF_KEY, *h), data).map_err(add_err)?;
+                p.add((ino, INODE_EXTREF_KEY, *h), data).map_err(crate::add_err)?;
             }
         }
         if !xattrs.is_none() && xattrs.is_truthy()? {
@@ -773,7 +769,7 @@ pub fn fs_tree_items<'py>(
                     .extend_from_slice(&leaves::dir_item(0, 0, gen, FT_XATTR, xname, value));
             }
             for (h, data) in &by_hash {
-                p.add((ino, XATTR_ITEM_KEY, *h), data).map_err(add_err)?;
+                p.add((ino, XATTR_ITEM_KEY, *h), data).map_err(crate::add_err)?;
             }
         }
         if let Some(e) = entries.filter(|e| !e.is_empty()) {
@@ -823,23 +819,24 @@ pub fn fs_tree_items<'py>(
             } else {
                 dir_indexes.get_item(ino)?
             };
-            match given {
-                None => p.add_dir(ino, gen, &dir_entries).map_err(add_err)?,
-                Some(ix) => {
-                    let ix: Vec<u64> = PyBuffer::<u64>::get(&ix)?.to_vec(py)?;
-                    if ix.len() != dir_entries.len() {
-                        return Err(PyAssertionError::new_err(format!(
-                            "directory {ino}: dir indexes differ in number from entries"
-                        )));
-                    }
-                    let plain = ix.iter().enumerate().all(|(i, &x)| x == i as u64 + 2);
-                    p.add_dir_indexed(ino, gen, &dir_entries, (!plain).then_some(ix.as_slice()))
-                        .map_err(add_err)?;
+            // a base's indexes, unless they are 2, 3, ... in name order anyway
+            let mut indexes: Option<Vec<u64>> = None;
+            if let Some(ix) = given {
+                let ix: Vec<u64> = PyBuffer::<u64>::get(&ix)?.to_vec(py)?;
+                if ix.len() != dir_entries.len() {
+                    return Err(PyAssertionError::new_err(format!(
+                        "directory {ino}: dir indexes differ in number from entries"
+                    )));
+                }
+                if !ix.iter().enumerate().all(|(i, &x)| x == i as u64 + 2) {
+                    indexes = Some(ix);
                 }
             }
+            p.add_dir_indexed(ino, gen, &dir_entries, indexes.as_deref())
+                .map_err(crate::add_err)?;
         }
         for (key, data) in &file_extents {
-            p.add(*key, data).map_err(add_err)?;
+            p.add(*key, data).map_err(crate::add_err)?;
         }
     }
     for sink in [&mut ref_extent, &mut ref_ino, &mut ref_offset] {
