@@ -178,7 +178,7 @@ def _host_mirror() -> str:
                     uris = [p for p in parts[1:] if "://" in p]
                     if uris and "security" not in uris[0]:
                         return uris[0]
-    return "http://deb.debian.org/debian"
+    raise VMError("no Debian mirror in /etc/apt/sources.list{,.d}: configure apt first")
 
 
 def _private_apt() -> dict[str, str]:
