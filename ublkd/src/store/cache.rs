@@ -26,6 +26,7 @@ use crate::stats::Counters;
 use anyhow::{Context, Result};
 use sha2::{Digest as _, Sha256};
 use std::collections::HashMap;
+use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
@@ -123,7 +124,14 @@ impl DiskCache {
             return found;
         }
         let path = self.path(digest);
-        let data = match std::fs::read(&path) {
+        let mut file = None;
+        let read = std::fs::File::open(&path).and_then(|mut f| {
+            let mut data = Vec::new();
+            f.read_to_end(&mut data)?;
+            file = Some(f);
+            Ok(data)
+        });
+        let data = match read {
             Ok(d) => d,
             Err(e) => {
                 log::warn!("chunk cache {}: {e}; fetching it again", path.display());
@@ -142,8 +150,8 @@ impl DiskCache {
             self.remove(digest);
             return None;
         }
-        // keep the LRU order across restarts
-        if let Ok(f) = std::fs::File::options().write(true).open(&path) {
+        // keep the LRU order across restarts (futimens: the read's descriptor will do)
+        if let Some(f) = file {
             let _ = f.set_modified(SystemTime::now());
         }
         Counters::add(&self.counters.disk_cache_hits, 1);
@@ -416,6 +424,22 @@ mod tests {
         a.put(&c[4].1, &c[4].0);
         assert!(!a.path(&c[0].1).exists() && !b.path(&c[0].1).exists());
         assert!(a.path(&c[4].1).exists() && b.path(&c[2].1).exists() && b.path(&c[3].1).exists());
+    }
+
+    #[test]
+    fn a_hit_refreshes_the_chunks_mtime() {
+        let tmp = tempfile::tempdir().unwrap();
+        let cache = DiskCache::open(&tmp.path().join("chunks"), 1 << 20, Arc::new(Counters::default())).unwrap();
+        let (data, digest) = chunk(7);
+        cache.put(&digest, &data);
+        let path = cache.path(&digest);
+        std::fs::File::open(&path)
+            .unwrap()
+            .set_modified(SystemTime::UNIX_EPOCH)
+            .unwrap();
+        assert_eq!(cache.get(&digest).as_deref(), Some(&data[..]));
+        let mtime = std::fs::metadata(&path).unwrap().modified().unwrap();
+        assert!(mtime > SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(86400));
     }
 
     #[test]
