@@ -15,18 +15,7 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${BARE_WORKDIR:-/var/tmp/btrfs-ublk-image-bare}
-# the Debian mirror this machine's apt already uses (deb822 sources, else one-line ones)
-host_mirror() {
-  local f files=()
-  for f in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list; do
-    [ -f "$f" ] && files+=("$f")
-  done
-  [ ${#files[@]} -gt 0 ] || return 0
-  awk '/^URIs:/ && $2 !~ /security/ {print $2; exit}
-       $1 == "deb" {for (i = 2; i <= NF; i++) if ($i ~ /:\/\// && $i !~ /security/) {print $i; exit}}' \
-    "${files[@]}" 2>/dev/null || true
-}
-MIRROR=${DEBIAN_MIRROR:-$(host_mirror)}
+MIRROR=${DEBIAN_MIRROR:-$("$ROOT/scripts/host-mirror.sh")}
 [ -n "$MIRROR" ] || { echo "bare-check: no Debian mirror in apt's sources: set DEBIAN_MIRROR" >&2; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "bare-check: run as root" >&2; exit 2; }
 [ $# -gt 0 ] || set -- -m 'not vm and not slow' -k 'not bwrap' --ignore tests/test_vm.py

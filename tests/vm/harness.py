@@ -164,21 +164,11 @@ def ensure_host_packages() -> None:
 
 
 def _host_mirror() -> str:
-    """The Debian mirror the host already uses (deb822 or one-line sources)."""
-    d822 = Path("/etc/apt/sources.list.d/debian.sources")
-    if d822.exists():
-        for line in d822.read_text().splitlines():
-            if line.startswith("URIs:"):
-                return line.split()[1]
-    for src in [Path("/etc/apt/sources.list"), *Path("/etc/apt/sources.list.d").glob("*.list")]:
-        if src.exists():
-            for line in src.read_text().splitlines():
-                parts = line.split()
-                if parts[:1] == ["deb"]:
-                    uris = [p for p in parts[1:] if "://" in p]
-                    if uris and "security" not in uris[0]:
-                        return uris[0]
-    raise VMError("no Debian mirror in /etc/apt/sources.list{,.d}: configure apt first")
+    """The Debian mirror the host's apt already uses (scripts/host-mirror.sh)."""
+    mirror = _run([REPO / "scripts" / "host-mirror.sh"]).strip()
+    if not mirror:
+        raise VMError("no Debian mirror in /etc/apt/sources.list{,.d}: configure apt first")
+    return mirror
 
 
 def _private_apt() -> dict[str, str]:
