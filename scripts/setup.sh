@@ -109,35 +109,24 @@ if [ -f ublkd/Cargo.toml ]; then
 fi
 
 # btrfs-ublk-snapshotter (Go): the containerd snapshotter (docs/containerd.md). Its
-# containerd module names the Go version it needs (snapshotter/go.mod); a Go >= 1.21 fetches
-# that toolchain itself through the machine's Go module proxy (GOTOOLCHAIN=auto).
-GO_MIN=1.21
+# containerd module names the Go version it needs (snapshotter/go.mod); a Go >= 1.21
+# (scripts/find-go.sh) fetches that toolchain itself through the machine's Go module proxy
+# (GOTOOLCHAIN=auto).
 GO_BPO=1.23  # the golang-X-go of bookworm-backports installed where no Go is new enough
-find_go() {
-  local g
-  for g in "$(command -v go || true)" /usr/local/go/bin/go /usr/lib/go/bin/go /usr/lib/go-"$GO_BPO"/bin/go; do
-    [ -n "$g" ] && [ -x "$g" ] || continue
-    local have
-    have=$("$g" env GOVERSION 2>/dev/null | sed 's/^go//')
-    [ -n "$have" ] && [ "$(printf '%s\n%s\n' "$GO_MIN" "$have" | sort -V | head -1)" = "$GO_MIN" ] \
-      && { echo "$g"; return 0; }
-  done
-  return 1
-}
-GO=$(find_go || true)
+GO=$(scripts/find-go.sh || true)
 codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-}")
 if [ -z "$GO" ] && [ "$codename" != bookworm ]; then
-  log "go: none >= $GO_MIN found, trying Debian's golang-go"
+  log "go: none >= 1.21 found (scripts/find-go.sh), trying Debian's golang-go"
   DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
     -o Dir::Cache::archives=/var/cache/btrfs-ublk-image/apt golang-go || true
-  GO=$(find_go || true)
+  GO=$(scripts/find-go.sh || true)
 fi
 if [ -z "$GO" ]; then
   # Debian 12's golang-go is 1.19: golang-$GO_BPO-go from bookworm-backports, on the mirror
   # apt already uses, through a source list of this step only (the system's stays as it is)
   mirror=$(scripts/host-mirror.sh)
   [ -n "$codename" ] && [ -n "$mirror" ] \
-    || { log "go: need Go >= $GO_MIN; no Debian codename or apt mirror to find backports"; exit 1; }
+    || { log "go: need Go >= 1.21; no Debian codename or apt mirror to find backports"; exit 1; }
   log "go: installing golang-$GO_BPO-go from $codename-backports"
   bpo=/var/cache/btrfs-ublk-image/backports.list
   mkdir -p /var/cache/btrfs-ublk-image
@@ -148,7 +137,7 @@ if [ -z "$GO" ]; then
   apt-get "${apt_bpo[@]}" update -qq
   DEBIAN_FRONTEND=noninteractive apt-get "${apt_bpo[@]}" install -y -q --no-install-recommends \
     -o Dir::Cache::archives=/var/cache/btrfs-ublk-image/apt -t "$codename-backports" "golang-$GO_BPO-go"
-  GO=$(find_go) || { log "go: need Go >= $GO_MIN (golang-$GO_BPO-go did not provide it)"; exit 1; }
+  GO=$(scripts/find-go.sh) || { log "go: need Go >= 1.21 (golang-$GO_BPO-go did not provide it)"; exit 1; }
 fi
 # Debian's Go defaults to GOTOOLCHAIN=local: the go.mod's newer toolchain is fetched only when
 # asked (a Go as new as go.mod is used as it is)
