@@ -73,6 +73,7 @@ from btrfs_ublk_image.btrfs.treeblocks import (
     plan_blocks,
     plan_items,
     serialize,
+    split_leaves,
     unspill,
 )
 from btrfs_ublk_image.errors import ImageError
@@ -216,6 +217,12 @@ def _number(tree: Tree, base: BaseLayout | None = None) -> _Numbering:
     # held before is overwritten)
     once, more = object(), object()
     root = tree.root
+    nat = native.module()
+    if base is None and nat is not None and hasattr(nat, "number_inodes"):
+        # both passes in the extension (native/src/numbering.rs): the same columns and errors
+        num = _Numbering(root, once)
+        nat.number_inodes(root, num, more)
+        return num
     root.ino = once
     stack = [root]
     while stack:
@@ -852,6 +859,19 @@ class _DataExtentItems:
             for _ in range(nrefs):
                 yield (logical, d.EXTENT_DATA_REF_KEY, 0), _DATA_REF_SIZE
 
+    def leaf_firsts(
+        self, others: list[tuple[d.Key, bytes]], breaks: Sequence[d.Key]
+    ) -> list[d.Key]:
+        """The first key of each leaf of the extent tree: these items (``sizes``) merged with
+        ``others`` (sorted), split as ``split_leaves`` does."""
+        sized = ((key, len(data)) for key, data in others)
+        return split_leaves(heapq.merge(self.sizes(), sized, key=_item_key), breaks)
+
+    def leaves(self, others: list[tuple[d.Key, bytes]], breaks: Sequence[d.Key]) -> Iterator[Leaf]:
+        """The extent tree's leaves: these items, made as they are consumed, merged with
+        ``others`` (sorted)."""
+        return iter_leaves(heapq.merge(self.items(), others, key=_item_key), breaks)
+
     def items(self) -> Iterator[tuple[d.Key, bytes]]:
         gen = GENERATION
         root = d.FS_TREE_OBJECTID
@@ -888,6 +908,37 @@ class _DataExtentItems:
             yield from sorted(keyed)
 
 
+class _NativeDataExtentItems:
+    """``_DataExtentItems`` in the extension (native/src/extents.rs): the same leaf split
+    and leaves, no Python object per extent."""
+
+    def __init__(self, nat: ModuleType, fs: _FsTree) -> None:
+        placer = fs.placer
+        order = None if isinstance(placer.order, range) else placer.order
+        refs = (fs.ref_extent, fs.ref_ino, fs.ref_offset)
+        self._native = nat.DataExtents(placer.logical, placer.disk_bytes, order, refs, GENERATION)
+
+    def leaf_firsts(
+        self, others: list[tuple[d.Key, bytes]], breaks: Sequence[d.Key]
+    ) -> list[d.Key]:
+        firsts: list[d.Key] = self._native.leaf_firsts(
+            [(key, len(data)) for key, data in others], list(breaks)
+        )
+        return firsts
+
+    def leaves(self, others: list[tuple[d.Key, bytes]], breaks: Sequence[d.Key]) -> Iterator[Leaf]:
+        packed = self._native.leaves(others, list(breaks))
+        return (Leaf(key, n, payload) for key, n, payload in packed)
+
+
+def _data_extent_items(fs: _FsTree) -> _DataExtentItems | _NativeDataExtentItems:
+    """The extent tree's data extent items: the extension's when it has them."""
+    nat = native.module()
+    if nat is not None and hasattr(nat, "DataExtents"):
+        return _NativeDataExtentItems(nat, fs)
+    return _DataExtentItems(fs)
+
+
 def _derive_uuid(seed: bytes, purpose: bytes) -> uuid.UUID:
     raw = bytearray(hashlib.sha256(seed + b"\0" + purpose).digest()[:16])
     raw[6] = (raw[6] & 0x0F) | 0x40  # shaped as a version-4 UUID
@@ -909,7 +960,7 @@ _META_TREES = (
 
 
 # trees whose items change with the chunk layout and block addresses (and the extent tree,
-# sized without making its items: see _Metadata.extent_tree_sizes)
+# sized without making its items: see _Metadata.extent_tree_plan)
 _ADDRESS_DEPENDENT = (
     d.DEV_TREE_OBJECTID,
     d.FREE_SPACE_TREE_OBJECTID,
@@ -945,7 +996,12 @@ def _internal_dir_inode(nbytes: int, time_ns: int, otime_ns: int) -> bytes:
 class _Metadata:
     """Items of every tree but the fs tree, given the chunk list and block addresses."""
 
-    def __init__(self, ids: _Ids, opts: WriterOptions, data_extents: _DataExtentItems) -> None:
+    def __init__(
+        self,
+        ids: _Ids,
+        opts: WriterOptions,
+        data_extents: _DataExtentItems | _NativeDataExtentItems,
+    ) -> None:
         self.ids = ids
         self.opts = opts
         self.data_extents = data_extents
@@ -988,23 +1044,31 @@ class _Metadata:
             for c in chunks
         )
 
-    def extent_tree(
-        self, chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
-    ) -> Iterator[tuple[d.Key, bytes]]:
-        """``blocks``: (bytenr, level, owner) of every tree block; ``used``: chunk logical -> bytes used.
+    def extent_tree_leaves(
+        self,
+        chunks: list[Chunk],
+        used: dict[int, int],
+        blocks: list[tuple[int, int, int]],
+        breaks: Sequence[d.Key],
+    ) -> Iterator[Leaf]:
+        """The extent tree's leaves (``breaks``: its leaves' first keys in the base). ``blocks``:
+        (bytenr, level, owner) of every tree block; ``used``: chunk logical -> bytes used.
 
-        Sorted: the data extents' items, made as they are consumed, merged with the rest."""
-        return heapq.merge(
-            self.data_extents.items(), self._block_items(chunks, used, blocks), key=_item_key
-        )
+        Sorted: the data extents' items merged with the rest."""
+        return self.data_extents.leaves(self._block_items(chunks, used, blocks), breaks)
 
-    def extent_tree_sizes(
-        self, chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
-    ) -> Iterator[tuple[d.Key, int]]:
-        """(key, item size) of ``extent_tree``, in order, without making the data extents'
+    def extent_tree_plan(
+        self,
+        chunks: list[Chunk],
+        used: dict[int, int],
+        blocks: list[tuple[int, int, int]],
+        breaks: Breaks | None,
+    ) -> BlockPlan:
+        """``plan_items`` of ``extent_tree_leaves``' items, without making the data extents'
         items (keyed data refs with a stand-in offset, see ``_DataExtentItems.sizes``)."""
-        others = ((key, len(data)) for key, data in self._block_items(chunks, used, blocks))
-        return heapq.merge(self.data_extents.sizes(), others, key=_item_key)
+        others = self._block_items(chunks, used, blocks)
+        leaf_breaks = NO_KEYS if breaks is None else breaks.at(0)
+        return plan_blocks(self.data_extents.leaf_firsts(others, leaf_breaks), breaks)
 
     @staticmethod
     def _block_items(
@@ -1273,7 +1337,7 @@ def _write_image(
         dev_uuid=(_derive_uuid(fb, b"devid-1").bytes, _derive_uuid(fb, b"devid-2").bytes),
         subvol_uuid=_derive_uuid(fb, b"fs-tree").bytes,
     )
-    meta = _Metadata(ids, opts, _DataExtentItems(fs))
+    meta = _Metadata(ids, opts, _data_extent_items(fs))
     fs.ref_extent, fs.ref_ino, fs.ref_offset = array("Q"), array("Q"), array("Q")  # grouped now
     data_end = max(c.physical + c.length for c in data_chunks)
 
@@ -1324,8 +1388,8 @@ def _write_image(
             d.CHUNK_TREE_OBJECTID: meta.chunk_tree(chunks, dev_sizes),
         }
         new = dict(plans)
-        new[d.EXTENT_TREE_OBJECTID] = plan_items(
-            meta.extent_tree_sizes(chunks, used, blocks), breaks(d.EXTENT_TREE_OBJECTID)
+        new[d.EXTENT_TREE_OBJECTID] = meta.extent_tree_plan(
+            chunks, used, blocks, breaks(d.EXTENT_TREE_OBJECTID)
         )
         for tree_id in _ADDRESS_DEPENDENT:
             new[tree_id] = plan_items(_sizes(items[tree_id]), breaks(tree_id))
@@ -1372,9 +1436,7 @@ def _write_image(
         infos = {d.FS_TREE_OBJECTID: tree_blocks(d.FS_TREE_OBJECTID, unspill(fs.leaves, spill))}
         infos[d.EXTENT_TREE_OBJECTID] = tree_blocks(
             d.EXTENT_TREE_OBJECTID,
-            iter_leaves(
-                meta.extent_tree(chunks, used, blocks), leaf_breaks(d.EXTENT_TREE_OBJECTID)
-            ),
+            meta.extent_tree_leaves(chunks, used, blocks, leaf_breaks(d.EXTENT_TREE_OBJECTID)),
         )
         for tree_id, tree_items in items.items():
             infos[tree_id] = tree_blocks(tree_id, pack_leaves(tree_items, leaf_breaks(tree_id)))

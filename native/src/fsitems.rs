@@ -59,7 +59,7 @@ fn ftype_of(mode_type: u32) -> u8 {
     }
 }
 
-fn image_error(py: Python<'_>, msg: String) -> PyErr {
+pub(crate) fn image_error(py: Python<'_>, msg: String) -> PyErr {
     match py
         .import("btrfs_ublk_image.errors")
         .and_then(|m| m.getattr("ImageError"))
@@ -103,7 +103,7 @@ impl DeviceRanges {
 
 /// Values appended to a Python `array("Q")` column a batch at a time: the column holds
 /// them, with no second copy of it made here.
-struct ColumnSink<'py> {
+pub(crate) struct ColumnSink<'py> {
     array: Bound<'py, PyAny>,
     pending: Vec<u64>,
     flushed: usize, // values already in the array (from this call)
@@ -114,7 +114,7 @@ struct ColumnSink<'py> {
 const SINK_BATCH: usize = 8192;
 
 impl<'py> ColumnSink<'py> {
-    fn new(array: Bound<'py, PyAny>) -> PyResult<Self> {
+    pub(crate) fn new(array: Bound<'py, PyAny>) -> PyResult<Self> {
         let base = array.len()?;
         Ok(ColumnSink {
             array,
@@ -124,7 +124,7 @@ impl<'py> ColumnSink<'py> {
         })
     }
 
-    fn push(&mut self, v: u64) -> PyResult<()> {
+    pub(crate) fn push(&mut self, v: u64) -> PyResult<()> {
         self.pending.push(v);
         if self.pending.len() >= SINK_BATCH {
             self.flush()?;
@@ -132,7 +132,7 @@ impl<'py> ColumnSink<'py> {
         Ok(())
     }
 
-    fn flush(&mut self) -> PyResult<()> {
+    pub(crate) fn flush(&mut self) -> PyResult<()> {
         if self.pending.is_empty() {
             return Ok(());
         }
