@@ -580,6 +580,12 @@ class _DataPlacer:
     def block_groups(self, chunks: Sequence[Chunk]) -> dict[int, list[tuple[int, int]]]:
         """Free ranges (logical, length) of each DATA chunk (by its logical address): the
         gaps between its extents and its tail."""
+        nat = native.module()
+        if nat is not None and hasattr(nat, "data_free_ranges"):  # the same loop, natively
+            order = None if isinstance(self.order, range) else self.order
+            bounds = [(c.logical, c.end) for c in chunks]
+            free_of = nat.data_free_ranges(self.logical, self.disk_bytes, order, bounds)
+            return {c.logical: free for c, free in zip(chunks, free_of, strict=True)}
         free: dict[int, list[tuple[int, int]]] = {}
         logical, disk = self.logical, self.disk_bytes
         rows = iter(self.order)

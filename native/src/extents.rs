@@ -303,3 +303,59 @@ impl DataExtents {
             .collect())
     }
 }
+
+/// `_DataPlacer.block_groups`: the free ranges (logical, length) of each DATA chunk (given
+/// as (logical, end), in logical order) around the data extents in it (`logical`,
+/// `disk_bytes`, in logical order by `order` when given): the gaps between its extents and
+/// its tail. An AssertionError names an extent in no chunk.
+#[pyfunction]
+#[pyo3(signature = (logical, disk_bytes, order, chunks))]
+pub fn data_free_ranges(
+    logical: &Bound<'_, PyAny>,
+    disk_bytes: &Bound<'_, PyAny>,
+    order: Option<&Bound<'_, PyAny>>,
+    chunks: Vec<(u64, u64)>,
+) -> PyResult<Vec<Vec<(u64, u64)>>> {
+    let logical = column(logical, "logical")?;
+    let disk_bytes = column(disk_bytes, "disk_bytes")?;
+    let order = order.map(|o| column(o, "order")).transpose()?;
+    let n = logical.len();
+    if disk_bytes.len() != n || order.as_ref().is_some_and(|o| o.len() != n) {
+        return Err(PyValueError::new_err("data extent columns differ in length"));
+    }
+    let row = |i: usize| -> PyResult<usize> {
+        let r = order.as_ref().map_or(i, |o| o[i] as usize);
+        (r < n)
+            .then_some(r)
+            .ok_or_else(|| PyValueError::new_err(format!("data extent order names row {r} of {n}")))
+    };
+    let mut out = Vec::with_capacity(chunks.len());
+    let mut i = 0;
+    for (start, end) in chunks {
+        // `_free_ranges`: the gaps before, between and after the extents taken in the chunk
+        let mut free = Vec::new();
+        let mut at = start;
+        while i < n {
+            let r = row(i)?;
+            if logical[r] >= end {
+                break;
+            }
+            if logical[r] > at {
+                free.push((at, logical[r] - at));
+            }
+            at = at.max(logical[r] + disk_bytes[r]);
+            i += 1;
+        }
+        if at < end {
+            free.push((at, end - at));
+        }
+        out.push(free);
+    }
+    if i < n {
+        return Err(pyo3::exceptions::PyAssertionError::new_err(format!(
+            "data extent at logical {} is in no chunk",
+            logical[row(i)?]
+        )));
+    }
+    Ok(out)
+}

@@ -621,6 +621,7 @@ fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fsitems::fs_tree_items, m)?)?;
     m.add_function(wrap_pyfunction!(numbering::number_inodes, m)?)?;
     m.add_class::<extents::DataExtents>()?;
+    m.add_function(wrap_pyfunction!(extents::data_free_ranges, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;
     Ok(())
 }
