@@ -166,7 +166,10 @@ impl DataExtents {
         let mut rest = others.iter().peekable();
         for e in self.extents() {
             if e >= self.logical.len() {
-                return Err(PyValueError::new_err(format!("data extent order names row {e} of {}", self.logical.len())));
+                return Err(PyValueError::new_err(format!(
+                    "data extent order names row {e} of {}",
+                    self.logical.len()
+                )));
             }
             let mut emit = |key: Key, size: usize, data: Option<Vec<u8>>| -> PyResult<()> {
                 while let Some(&&(k, s, d)) = rest.peek() {
@@ -185,11 +188,6 @@ impl DataExtents {
         }
         Ok(())
     }
-}
-
-/// A ValueError (an item too large for a leaf), as `treeblocks`' packers raise.
-fn split_err(e: std::io::Error) -> PyErr {
-    crate::add_err(e)
 }
 
 #[pymethods]
@@ -213,7 +211,9 @@ impl DataExtents {
         }
         let order = order.map(|o| column(o, "order")).transpose()?;
         if order.as_ref().is_some_and(|o| o.len() != n) {
-            return Err(PyValueError::new_err("data extent order differs in length from its columns"));
+            return Err(PyValueError::new_err(
+                "data extent order differs in length from its columns",
+            ));
         }
         let (ref_extent, ref_ino, ref_offset) = (
             column(&refs.0, "ref_extent")?,
@@ -264,7 +264,7 @@ impl DataExtents {
         let mut firsts = Vec::new();
         let mut first: Option<Key> = None;
         self.merged(&others, true, &mut |key, size, _| {
-            if split.starts_leaf(first, key, size).map_err(split_err)? {
+            if split.starts_leaf(first, key, size).map_err(crate::add_err)? {
                 firsts.extend(first);
                 first = Some(key);
             }
@@ -294,12 +294,18 @@ impl DataExtents {
                 Item::Other(d) => d,
                 Item::Data(d) => d,
             };
-            packer.add(key, data).map_err(split_err)
+            packer.add(key, data).map_err(crate::add_err)
         })?;
         packer.finish().map_err(crate::os_err)?;
         Ok(std::mem::take(&mut packer.leaves)
             .into_iter()
-            .map(|l| (l.first_key, l.nritems, PyBytes::new(py, l.payload.as_deref().unwrap_or(b""))))
+            .map(|l| {
+                (
+                    l.first_key,
+                    l.nritems,
+                    PyBytes::new(py, l.payload.as_deref().unwrap_or(b"")),
+                )
+            })
             .collect())
     }
 }
