@@ -726,9 +726,9 @@ def test_native_fs_tree_loop_errors_are_the_python_loops(
 
 
 # the extension's pieces of the writer after its fs tree loop: `_number` without a base
-# (numbering.rs), the extent tree's data extent items (extents.rs) and the DATA block
-# groups' free ranges
-_AFTER_LOOP = ("number_inodes", "DataExtents", "data_free_ranges")
+# (numbering.rs), the extent tree's data extent items and the DATA block groups' free
+# ranges (extents.rs), the fs tree's leaf blocks written from the spill file (blocks.rs)
+_AFTER_LOOP = ("number_inodes", "DataExtents", "data_free_ranges", "write_spilled_leaves")
 needs_native_writer = pytest.mark.skipif(
     any(getattr(native.module(), name, None) is None for name in _AFTER_LOOP),
     reason="native extension not built",

@@ -73,6 +73,7 @@ from btrfs_ublk_image.btrfs.treeblocks import (
     plan_blocks,
     plan_items,
     serialize,
+    serialize_nodes,
     split_leaves,
     unspill,
 )
@@ -1439,7 +1440,32 @@ def _write_image(
                 raise AssertionError(f"tree {tree_id}: planned {len(addrs)} blocks, built {n}")
             return info
 
-        infos = {d.FS_TREE_OBJECTID: tree_blocks(d.FS_TREE_OBJECTID, unspill(fs.leaves, spill))}
+        def fs_tree_blocks() -> TreeInfo:
+            """The fs tree's blocks: its leaves written from the spill file in the extension
+            when it can (native/src/blocks.rs), else read back and written here."""
+            tree_id, leaves = d.FS_TREE_OBJECTID, fs.leaves
+            write = getattr(native.module(), "write_spilled_leaves", None)
+            if write is None or any(leaf.spilled_at < 0 for leaf in leaves):
+                return tree_blocks(tree_id, unspill(leaves, spill))
+            addrs = addr_of[tree_id]
+            places = [(a, physical(a)) for a in addrs[: len(leaves)]]
+            spill.flush()
+            f.flush()
+            spilled = [(leaf.spilled_at, leaf.nritems) for leaf in leaves]
+            write(spill.fileno(), f.fileno(), spilled, places, tree_id, GENERATION, *ids_uuids)
+            level = [(leaf.first_key, a) for leaf, (a, _) in zip(leaves, places, strict=True)]
+            info, n = serialize_nodes(
+                level, iter(addrs[len(level) :]), tree_id, GENERATION, *ids_uuids, sink,
+                breaks(tree_id),
+            )  # fmt: skip
+            if n + len(level) != len(addrs):
+                raise AssertionError(
+                    f"tree {tree_id}: planned {len(addrs)} blocks, built {n + len(level)}"
+                )
+            return info
+
+        ids_uuids = (ids.fsid, ids.chunk_tree_uuid)
+        infos = {d.FS_TREE_OBJECTID: fs_tree_blocks()}
         infos[d.EXTENT_TREE_OBJECTID] = tree_blocks(
             d.EXTENT_TREE_OBJECTID,
             meta.extent_tree_leaves(chunks, used, blocks, leaf_breaks(d.EXTENT_TREE_OBJECTID)),
