@@ -2,8 +2,9 @@
 
 Order of work (each step decides the bytes named):
 1. ``_number``: inode numbers (DFS, sorted names; a hardlink reuses its inode),
-   dir indexes, nlink. With a base (``BaseLayout``): a path the base has keeps its
-   inode number and dir index, new ones come after the base's highest.
+   dir indexes, nlink (one native call without a base, native/src/numbering.rs). With a
+   base (``BaseLayout``): a path the base has keeps its inode number and dir index, new
+   ones come after the base's highest.
 2. ``_DataPlacer``: every distinct ``Blob`` gets extents (<= 128 MiB) at device-2
    offsets inside DATA chunks; identical content -> one extent, many refs. With a
    base: content the base holds keeps its extents (logical and device-2 offsets),
@@ -13,7 +14,9 @@ Order of work (each step decides the bytes named):
    EXTENT_DATA for every inode, generated already sorted.
 4. ``_plan_metadata``: sizes every other tree, then METADATA chunks, iterating
    until the extent tree (which lists every tree block) stops growing.
-5. Addresses, real items, tree blocks, both superblocks; ``meta.img`` written.
+5. Addresses, real items, tree blocks, both superblocks; ``meta.img`` written (the extent
+   tree's data extent items and the fs tree's leaf blocks natively when the extension has
+   them: native/src/extents.rs, blocks.rs).
 The result says which device-2 ranges hold which pack bytes (the blockmap).
 
 With a base image (``BaseLayout``, ``build --base``), metadata changes stay local: every
