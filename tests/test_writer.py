@@ -758,9 +758,14 @@ def _written(
     meta = tmp / f"meta-{with_native}.img"
     with monkeypatch.context() as m:
         m.setattr(native, "module", lambda: partial)
-        for name in ("_DataExtentItems", "_NativeDataExtentItems"):
-            cls = getattr(writer, name)
-            m.setattr(writer, name, lambda *a, c=cls, n=name: (made.append(n), c(*a))[1])
+        pick = writer._data_extent_items
+
+        def picked(fs: Any) -> Any:
+            items = pick(fs)
+            made.append(type(items).__name__)
+            return items
+
+        m.setattr(writer, "_data_extent_items", picked)
         layout = writer.write_image(tree, str(meta), WriterOptions(), encoded, base)
     assert made == ["_NativeDataExtentItems" if with_native else "_DataExtentItems"]
     data = meta.read_bytes()

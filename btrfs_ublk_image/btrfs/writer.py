@@ -40,7 +40,7 @@ import tempfile
 import uuid
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import IO
@@ -936,9 +936,22 @@ class _NativeDataExtentItems:
         )
         return firsts
 
-    def leaves(self, others: list[tuple[d.Key, bytes]], breaks: Sequence[d.Key]) -> Iterator[Leaf]:
-        packed = self._native.leaves(others, list(breaks))
-        return (Leaf(key, n, payload) for key, n, payload in packed)
+    def write_leaves(
+        self,
+        others: list[tuple[d.Key, bytes]],
+        breaks: Sequence[d.Key],
+        out_fd: int,
+        places: list[tuple[int, int]],
+        ids: tuple[bytes, bytes],
+    ) -> list[d.Key]:
+        """The extent tree's leaves (these items merged with ``others``) written as blocks to
+        ``out_fd`` at ``places`` (each block's address and offset there, the leaves taking
+        the first ones), each as soon as it is full: their first keys."""
+        tree_id = d.EXTENT_TREE_OBJECTID
+        firsts: list[d.Key] = self._native.write_leaves(
+            others, list(breaks), out_fd, places, tree_id, GENERATION, *ids
+        )
+        return firsts
 
 
 def _data_extent_items(fs: _FsTree) -> _DataExtentItems | _NativeDataExtentItems:
@@ -1054,19 +1067,6 @@ class _Metadata:
             for c in chunks
         )
 
-    def extent_tree_leaves(
-        self,
-        chunks: list[Chunk],
-        used: dict[int, int],
-        blocks: list[tuple[int, int, int]],
-        breaks: Sequence[d.Key],
-    ) -> Iterator[Leaf]:
-        """The extent tree's leaves (``breaks``: its leaves' first keys in the base). ``blocks``:
-        (bytenr, level, owner) of every tree block; ``used``: chunk logical -> bytes used.
-
-        Sorted: the data extents' items merged with the rest."""
-        return self.data_extents.leaves(self._block_items(chunks, used, blocks), breaks)
-
     def extent_tree_plan(
         self,
         chunks: list[Chunk],
@@ -1074,14 +1074,16 @@ class _Metadata:
         blocks: list[tuple[int, int, int]],
         breaks: Breaks | None,
     ) -> BlockPlan:
-        """``plan_items`` of ``extent_tree_leaves``' items, without making the data extents'
-        items (keyed data refs with a stand-in offset, see ``_DataExtentItems.sizes``)."""
-        others = self._block_items(chunks, used, blocks)
+        """``plan_items`` of the extent tree's items (``blocks``: (bytenr, level, owner) of every
+        tree block; ``used``: chunk logical -> bytes used): the data extents' merged with
+        ``block_items``, without making the data extents' items (keyed data refs with a
+        stand-in offset, see ``_DataExtentItems.sizes``)."""
+        others = self.block_items(chunks, used, blocks)
         leaf_breaks = NO_KEYS if breaks is None else breaks.at(0)
         return plan_blocks(self.data_extents.leaf_firsts(others, leaf_breaks), breaks)
 
     @staticmethod
-    def _block_items(
+    def block_items(
         chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
     ) -> list[tuple[d.Key, bytes]]:
         """Block group and tree block (METADATA_ITEM) items, sorted."""
@@ -1443,24 +1445,21 @@ def _write_image(
                 raise AssertionError(f"tree {tree_id}: planned {len(addrs)} blocks, built {n}")
             return info
 
-        def fs_tree_blocks() -> TreeInfo:
-            """The fs tree's blocks: its leaves written from the spill file in the extension
-            when it can (native/src/blocks.rs), else read back and written here."""
-            tree_id, leaves = d.FS_TREE_OBJECTID, fs.leaves
-            write = getattr(native.module(), "write_spilled_leaves", None)
-            if write is None or any(leaf.spilled_at < 0 for leaf in leaves):
-                return tree_blocks(tree_id, unspill(leaves, spill))
+        def written_tree(
+            tree_id: int, write: Callable[[list[tuple[int, int]]], list[d.Key]]
+        ) -> TreeInfo:
+            """A tree whose leaf blocks ``write`` writes (given every block's address and
+            offset in meta.img, the leaves taking the first ones; it returns their first
+            keys) in the extension, its nodes written here."""
             addrs = addr_of[tree_id]
-            places = [(a, physical(a)) for a in addrs[: len(leaves)]]
-            spill.flush()
             f.flush()
-            spilled = [(leaf.spilled_at, leaf.nritems) for leaf in leaves]
-            write(spill.fileno(), f.fileno(), spilled, places, tree_id, GENERATION, *ids_uuids)
-            level = [(leaf.first_key, a) for leaf, (a, _) in zip(leaves, places, strict=True)]
+            firsts = write([(a, physical(a)) for a in addrs])
+            level = list(zip(firsts, addrs, strict=False))
+            nodes = iter(addrs[len(level) :])
+            fsid, chunk_tree_uuid = ids_uuids
             info, n = serialize_nodes(
-                level, iter(addrs[len(level) :]), tree_id, GENERATION, *ids_uuids, sink,
-                breaks(tree_id),
-            )  # fmt: skip
+                level, nodes, tree_id, GENERATION, fsid, chunk_tree_uuid, sink, breaks(tree_id)
+            )
             if n + len(level) != len(addrs):
                 raise AssertionError(
                     f"tree {tree_id}: planned {len(addrs)} blocks, built {n + len(level)}"
@@ -1468,11 +1467,35 @@ def _write_image(
             return info
 
         ids_uuids = (ids.fsid, ids.chunk_tree_uuid)
-        infos = {d.FS_TREE_OBJECTID: fs_tree_blocks()}
-        infos[d.EXTENT_TREE_OBJECTID] = tree_blocks(
-            d.EXTENT_TREE_OBJECTID,
-            meta.extent_tree_leaves(chunks, used, blocks, leaf_breaks(d.EXTENT_TREE_OBJECTID)),
-        )
+        nat = native.module()
+        fs_id, fs_leaves = d.FS_TREE_OBJECTID, fs.leaves
+        write_spilled = getattr(nat, "write_spilled_leaves", None)
+        if write_spilled is not None and all(leaf.spilled_at >= 0 for leaf in fs_leaves):
+            # the fs tree's leaves straight from the spill file (native/src/blocks.rs)
+            spilled = [(leaf.spilled_at, leaf.nritems) for leaf in fs_leaves]
+
+            def write_fs(places: list[tuple[int, int]]) -> list[d.Key]:
+                spill.flush()
+                write_spilled(
+                    spill.fileno(), f.fileno(), spilled, places, fs_id, GENERATION, *ids_uuids
+                )
+                return [leaf.first_key for leaf in fs_leaves]
+
+            infos = {fs_id: written_tree(fs_id, write_fs)}
+        else:
+            infos = {fs_id: tree_blocks(fs_id, unspill(fs_leaves, spill))}
+        ext_id = d.EXTENT_TREE_OBJECTID
+        data_extents = meta.data_extents
+        others = meta.block_items(chunks, used, blocks)
+        if isinstance(data_extents, _NativeDataExtentItems):
+            infos[ext_id] = written_tree(
+                ext_id,
+                lambda places: data_extents.write_leaves(
+                    others, leaf_breaks(ext_id), f.fileno(), places, ids_uuids
+                ),
+            )
+        else:
+            infos[ext_id] = tree_blocks(ext_id, data_extents.leaves(others, leaf_breaks(ext_id)))
         for tree_id, tree_items in items.items():
             infos[tree_id] = tree_blocks(tree_id, pack_leaves(tree_items, leaf_breaks(tree_id)))
         nblocks = {t: len(addr_of[t]) for t in _META_TREES}

@@ -10,6 +10,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::blocks::LeafBlocks;
 use crate::leaves::{Key, Packer, Split};
 
 const EXTENT_ITEM_KEY: u8 = 168;
@@ -274,39 +275,52 @@ impl DataExtents {
         Ok(firsts)
     }
 
-    /// The extent tree's leaves: these items merged with `others` ((key, data), sorted),
-    /// packed as `treeblocks.iter_leaves` does with `breaks`; each (first key, item count,
-    /// payload).
-    #[pyo3(signature = (others, breaks=Vec::new()))]
-    fn leaves<'py>(
+    /// The extent tree's leaf blocks: these items merged with `others` ((key, data), sorted),
+    /// packed as `treeblocks.iter_leaves` does with `breaks` and written to meta.img as
+    /// blocks.rs does (`out_fd`, `places`, ...: `write_spilled_leaves`' arguments). Returns
+    /// each leaf's first key.
+    #[pyo3(signature = (others, breaks, out_fd, places, owner, generation, fsid, chunk_tree_uuid))]
+    #[allow(clippy::too_many_arguments)]
+    fn write_leaves(
         &self,
-        py: Python<'py>,
-        others: Vec<(Key, Bound<'py, PyBytes>)>,
+        others: Vec<(Key, Bound<'_, PyBytes>)>,
         breaks: Vec<Key>,
-    ) -> PyResult<Vec<(Key, u32, Bound<'py, PyBytes>)>> {
+        out_fd: i32,
+        places: Vec<(u64, u64)>,
+        owner: u64,
+        generation: u64,
+        fsid: [u8; 16],
+        chunk_tree_uuid: [u8; 16],
+    ) -> PyResult<Vec<Key>> {
         let others: Vec<(Key, usize, Option<&[u8]>)> = others
             .iter()
             .map(|(k, d)| (*k, d.as_bytes().len(), Some(d.as_bytes())))
             .collect();
         let mut packer = Packer::new(None, false, breaks);
+        let mut blocks = LeafBlocks::new(out_fd, places, owner, generation, fsid, chunk_tree_uuid);
+        let mut firsts = Vec::new();
+        let mut written = |packer: &mut Packer| -> PyResult<()> {
+            // each leaf as soon as it is full: the tree's leaves never sit in memory together
+            for leaf in packer.leaves.drain(..) {
+                firsts.push(leaf.first_key);
+                blocks
+                    .put(leaf.payload.as_deref().unwrap_or(&[]), leaf.nritems)
+                    .map_err(crate::os_err)?;
+            }
+            Ok(())
+        };
         self.merged(&others, false, &mut |key, _, item| {
             let data: &[u8] = match &item {
                 Item::Other(d) => d,
                 Item::Data(d) => d,
             };
-            packer.add(key, data).map_err(crate::add_err)
+            packer.add(key, data).map_err(crate::add_err)?;
+            written(&mut packer)
         })?;
         packer.finish().map_err(crate::os_err)?;
-        Ok(std::mem::take(&mut packer.leaves)
-            .into_iter()
-            .map(|l| {
-                (
-                    l.first_key,
-                    l.nritems,
-                    PyBytes::new(py, l.payload.as_deref().unwrap_or(b"")),
-                )
-            })
-            .collect())
+        written(&mut packer)?;
+        blocks.flush().map_err(crate::os_err)?;
+        Ok(firsts)
     }
 }
 
