@@ -546,8 +546,10 @@ pub fn fs_tree_items<'py>(
         let refs: Vec<(u64, u64, Vec<u8>)> = v.extract()?;
         more_refs.insert(k.extract()?, refs);
     }
+    // a Blob's low 128 bits (crc, size, pack, the offset's low byte: `blob_fields`)
+    let low_mask = 1u128.into_pyobject(py)?.lshift(128)?.sub(1)?;
     let mut placement = if native_placement {
-        let mask = 1u128.into_pyobject(py)?.lshift(128)?.sub(1)?;
+        let mask = low_mask.clone();
         let start: u64 = py
             .import("btrfs_ublk_image.btrfs.layout")?
             .getattr("DEVICE_START")?
@@ -606,7 +608,12 @@ pub fn fs_tree_items<'py>(
                     } else {
                         payload.getattr(intern!(py, "segments"))?.extract()?
                     };
-                    size = payload.getattr(intern!(py, "size"))?.extract()?;
+                    size = if is_blob {
+                        // `Blob.size` from the int itself (the property would run Python code)
+                        blob_fields(&payload, &low_mask)?.1
+                    } else {
+                        payload.getattr(intern!(py, "size"))?.extract()?
+                    };
                     for (seg_offset, blob) in &segments {
                         placement.rows(blob, encoded, &mut rows)?;
                         for &(row, (logical, disk, file_offset, num_bytes, comp)) in &rows {
