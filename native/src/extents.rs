@@ -72,7 +72,7 @@ pub struct DataExtents {
     offset: Vec<u64>,
 }
 
-/// One item of the merged stream: its key and how its data is had.
+/// An item's data in the merged stream: another item's (borrowed) or a data extent's (made).
 enum Item<'a> {
     Other(&'a [u8]),
     Data(Vec<u8>),
@@ -88,9 +88,9 @@ impl DataExtents {
         ordered.into_iter().flatten().chain(plain.into_iter().flatten())
     }
 
-    /// Every item of extent `e` (`_DataExtentItems.items`), to `out` in key order; with
-    /// `sizes_only`, keyed refs get a stand-in offset of 0 and empty data of the right size
-    /// is not made (`_DataExtentItems.sizes`): `emit(key, size, data)`.
+    /// Every item of extent `e` (`_DataExtentItems.items`) to `emit(key, size, data)`, in key
+    /// order; with `sizes_only` no data is made and keyed refs get a stand-in offset of 0
+    /// (`_DataExtentItems.sizes`).
     fn items_of(
         &self,
         e: usize,
