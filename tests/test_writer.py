@@ -792,10 +792,10 @@ def _shared_refs(packs: PackWriter, t: Tree) -> None:
 def test_native_writer_after_the_loop_writes_the_python_ones_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """native/src/numbering.rs and extents.rs against the Python paths they replace: the
-    same meta.img, byte for byte, and the same layout, on varied trees (hardlinks, many
-    refs to one extent past the inline room, sparse files), an empty tree, a tree without
-    data extents, a base, and btrfs-zstd extents."""
+    """native/src/numbering.rs, extents.rs and blocks.rs against the Python paths they
+    replace (``_AFTER_LOOP``): the same meta.img, byte for byte, and the same layout, on
+    varied trees (hardlinks, many refs to one extent past the inline room, sparse files),
+    an empty tree, a tree without data extents, a base, and btrfs-zstd extents."""
     from btrfs_ublk_image.base import BaseImage
 
     def same(tree: Tree, **kw: Any) -> tuple[Any, ...]:
