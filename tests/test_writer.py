@@ -723,3 +723,167 @@ def test_native_fs_tree_loop_errors_are_the_python_loops(
             with pytest.raises(ImageError) as err:
                 _fs_tree(tree, native_loop, monkeypatch)
             assert str(err.value) == message
+
+
+# the extension's pieces of the writer after its fs tree loop: `_number` without a base
+# (numbering.rs), the extent tree's data extent items and the DATA block groups' free
+# ranges (extents.rs), the fs tree's leaf blocks written from the spill file (blocks.rs)
+_AFTER_LOOP = ("number_inodes", "DataExtents", "data_free_ranges", "write_spilled_leaves")
+needs_native_writer = pytest.mark.skipif(
+    any(getattr(native.module(), name, None) is None for name in _AFTER_LOOP),
+    reason="native extension not built",
+)
+
+
+def _written(
+    tree: Tree,
+    tmp: Path,
+    with_native: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    base: Any = None,
+    encoded: Any = None,
+) -> tuple[Any, ...]:
+    """``write_image``'s meta.img bytes and layout with the extension's pieces after the fs
+    tree loop (``_AFTER_LOOP``) or without them (their Python paths: everything else,
+    the native fs tree loop and leaf packer included, the same)."""
+    from types import SimpleNamespace
+
+    from btrfs_ublk_image.btrfs import writer
+
+    real = native.module()
+    assert real is not None
+    names = [n for n in dir(real) if with_native or n not in _AFTER_LOOP]
+    partial = SimpleNamespace(**{n: getattr(real, n) for n in names})
+    made: list[str] = []
+    meta = tmp / f"meta-{with_native}.img"
+    with monkeypatch.context() as m:
+        m.setattr(native, "module", lambda: partial)
+        pick = writer._data_extent_items
+
+        def picked(fs: Any) -> Any:
+            items = pick(fs)
+            made.append(type(items).__name__)
+            return items
+
+        m.setattr(writer, "_data_extent_items", picked)
+        layout = writer.write_image(tree, str(meta), WriterOptions(), encoded, base)
+    assert made == ["_NativeDataExtentItems" if with_native else "_DataExtentItems"]
+    data = meta.read_bytes()
+    meta.unlink()
+    r = layout.data_ranges
+    ranges = [bytes(col) for col in (r.dev_offset, r.length, r.pack, r.pack_offset)]
+    return data, ranges, layout.stats, layout.meta_size, layout.data_size
+
+
+def _shared_refs(packs: PackWriter, t: Tree) -> None:
+    """Content referenced more often than an EXTENT_ITEM holds inline refs (keyed
+    EXTENT_DATA_REFs then), by whole files and by sparse files' segments."""
+    many = packs.put_bytes(b"many refs\n" * 900)
+    assert isinstance(many, int)
+    for i in range(45):
+        t.put(f"/refs/{i}", Inode(FileType.REG, content=many), "t")
+    for i in range(12):
+        segments = ((i * 65536, many), ((i + 20) * 65536, many))
+        t.put(f"/refs-sparse/{i}", Inode(FileType.REG, content=Sparse(64 << 20, segments)), "t")
+
+
+@pytest.mark.unit
+@needs_native_writer
+def test_native_writer_after_the_loop_writes_the_python_ones_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """native/src/numbering.rs, extents.rs and blocks.rs against the Python paths they
+    replace (``_AFTER_LOOP``): the same meta.img, byte for byte, and the same layout, on
+    varied trees (hardlinks, many refs to one extent past the inline room, sparse files),
+    an empty tree, a tree without data extents, a base, and btrfs-zstd extents."""
+    from btrfs_ublk_image.base import BaseImage
+
+    def same(tree: Tree, **kw: Any) -> tuple[Any, ...]:
+        ours = _written(tree, tmp_path, True, monkeypatch, **kw)
+        assert ours == _written(tree, tmp_path, False, monkeypatch, **kw)
+        return ours
+
+    def made(name: str, compression: str = "none") -> tuple[Tree, PackWriter]:
+        (tmp_path / name).mkdir()
+        packs = PackWriter(str(tmp_path / name), keep_inline=2048, compression=compression)
+        tree = varied(packs, str(tmp_path), made_up=compression == "none")
+        _shared_refs(packs, tree)
+        return tree, packs
+
+    tree, packs = made("plain")
+    ours = same(tree)
+    assert ours[2]["hardlinks"] == 122 and ours[2]["data_extents"] > 9000
+    packs.abort()
+
+    assert same(Tree())[2]["data_extents"] == 0
+    inline_only = Tree()
+    for i in range(50):
+        inline_only.put(f"/d{i % 3}/f{i}", Inode(FileType.REG, content=b"x" * i), "t")
+    inline_only.put("/d0/link", Inode(FileType.SYMLINK, target=b"f1"), "t")
+    assert same(inline_only)[2]["data_extents"] == 0
+
+    # a base: its inode numbers, dir indexes, extents and tree blocks kept
+    def base_tree(p: PackWriter) -> Tree:
+        t = varied(p, str(tmp_path), made_up=False)
+        _shared_refs(p, t)
+        return t
+
+    base = build(tmp_path, base_tree, "base")
+    layout = BaseImage(base.path).layout()
+    tree, packs = made("v2")
+    del tree.root.entries[b"files"].entries[b"0"].entries[b"7"]
+    del tree.root.entries[b"refs"].entries[b"3"]
+    tree.put("/files/0/new", Inode(FileType.REG, content=packs.put_bytes(b"n" * 3000)), "t")
+    tree.put("/refs/new", Inode(FileType.REG, content=packs.put_bytes(b"many refs\n" * 900)), "t")
+    same(tree, base=layout)
+    packs.abort()
+
+    tree, packs = made("zstd", "btrfs-zstd")
+    assert packs.encoded is not None
+    same(tree, encoded=packs.encoded)
+    packs.abort()
+
+
+@pytest.mark.unit
+@needs_native_writer
+def test_native_numbering_is_the_python_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numbering.rs against ``_number``'s Python passes: the same columns (hardlinks in
+    several directories, directories reached before and after their siblings), and the
+    same error for a hardlinked directory."""
+    from types import SimpleNamespace
+
+    from btrfs_ublk_image.btrfs import writer
+
+    def numbered(tree: Tree, with_native: bool) -> tuple[Any, ...]:
+        with monkeypatch.context() as m:
+            if not with_native:
+                m.setattr(writer, "native", SimpleNamespace(module=lambda: None))
+            num = writer._number(tree)
+        rows = [id(node) for node in num.inodes]
+        inos = [node.ino if isinstance(node.ino, int) else None for node in num.inodes]
+        return (
+            rows, inos, bytes(num.parent), bytes(num.index), num.name,
+            num.more_refs, num.child_base, num.dir_indexes, num.inos,
+        )  # fmt: skip
+
+    rng = random.Random(5)
+    tree = Tree()
+    shared = [Inode(FileType.REG) for _ in range(20)]
+    for i in range(2000):
+        path = "/" + "/".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 5)))
+        node = rng.choice(shared) if i % 9 == 0 else Inode(FileType.REG)
+        tree.put(f"{path}-{i}" if i % 5 else path, node, "t")  # some directories, files later
+    ours = numbered(tree, True)
+    assert ours[5] and ours[6]  # hardlinks, directories
+    assert ours == numbered(tree, False)
+
+    looped = Tree()
+    sub = Inode(FileType.DIR)
+    looped.put("/a/sub", sub, "t")
+    looped.put("/b/again", sub, "t")
+    messages = []
+    for with_native in (True, False):
+        with pytest.raises(ImageError) as err:
+            numbered(looped, with_native)
+        messages.append(str(err.value))
+    assert messages == ["directory b'sub' appears twice in the tree (hardlinked dir)"] * 2

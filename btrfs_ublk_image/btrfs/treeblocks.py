@@ -378,7 +378,6 @@ def serialize(
 
     Returns the tree's root and the number of blocks emitted.
     """
-    n = 0
     level: list[tuple[d.Key, int]] = []  # (first key, bytenr) of the blocks one level down
     for leaf in leaves:
         bytenr = next(addresses)
@@ -389,7 +388,25 @@ def serialize(
             ),
         )
         level.append((leaf.first_key, bytenr))
-        n += 1
+    info, n = serialize_nodes(
+        level, addresses, owner, generation, fsid, chunk_tree_uuid, sink, breaks
+    )
+    return info, n + len(level)
+
+
+def serialize_nodes(
+    level: list[tuple[d.Key, int]],
+    addresses: Iterator[int],
+    owner: int,
+    generation: int,
+    fsid: bytes,
+    chunk_tree_uuid: bytes,
+    sink: BlockSink,
+    breaks: Breaks | None = None,
+) -> tuple[TreeInfo, int]:
+    """``serialize`` above the leaves, which are written already (``level``: each one's
+    first key and address, in order): the tree's root and the number of nodes emitted."""
+    n = 0
     height = 0
     while len(level) > 1:
         height += 1

@@ -2,8 +2,9 @@
 
 Order of work (each step decides the bytes named):
 1. ``_number``: inode numbers (DFS, sorted names; a hardlink reuses its inode),
-   dir indexes, nlink. With a base (``BaseLayout``): a path the base has keeps its
-   inode number and dir index, new ones come after the base's highest.
+   dir indexes, nlink (one native call without a base, native/src/numbering.rs). With a
+   base (``BaseLayout``): a path the base has keeps its inode number and dir index, new
+   ones come after the base's highest.
 2. ``_DataPlacer``: every distinct ``Blob`` gets extents (<= 128 MiB) at device-2
    offsets inside DATA chunks; identical content -> one extent, many refs. With a
    base: content the base holds keeps its extents (logical and device-2 offsets),
@@ -13,7 +14,9 @@ Order of work (each step decides the bytes named):
    EXTENT_DATA for every inode, generated already sorted.
 4. ``_plan_metadata``: sizes every other tree, then METADATA chunks, iterating
    until the extent tree (which lists every tree block) stops growing.
-5. Addresses, real items, tree blocks, both superblocks; ``meta.img`` written.
+5. Addresses, real items, tree blocks, both superblocks; ``meta.img`` written (the extent
+   tree's data extent items and the fs tree's leaf blocks natively when the extension has
+   them: native/src/extents.rs, blocks.rs).
 The result says which device-2 ranges hold which pack bytes (the blockmap).
 
 With a base image (``BaseLayout``, ``build --base``), metadata changes stay local: every
@@ -34,10 +37,11 @@ import itertools
 import os
 import sys
 import tempfile
+import threading
 import uuid
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import IO
@@ -73,6 +77,8 @@ from btrfs_ublk_image.btrfs.treeblocks import (
     plan_blocks,
     plan_items,
     serialize,
+    serialize_nodes,
+    split_leaves,
     unspill,
 )
 from btrfs_ublk_image.errors import ImageError
@@ -216,6 +222,12 @@ def _number(tree: Tree, base: BaseLayout | None = None) -> _Numbering:
     # held before is overwritten)
     once, more = object(), object()
     root = tree.root
+    nat = native.module()
+    if base is None and nat is not None and hasattr(nat, "number_inodes"):
+        # both passes in the extension (native/src/numbering.rs): the same columns and errors
+        num = _Numbering(root, once)
+        nat.number_inodes(root, num, more)
+        return num
     root.ino = once
     stack = [root]
     while stack:
@@ -573,6 +585,12 @@ class _DataPlacer:
     def block_groups(self, chunks: Sequence[Chunk]) -> dict[int, list[tuple[int, int]]]:
         """Free ranges (logical, length) of each DATA chunk (by its logical address): the
         gaps between its extents and its tail."""
+        nat = native.module()
+        if nat is not None and hasattr(nat, "data_free_ranges"):  # the same loop, natively
+            order = None if isinstance(self.order, range) else self.order
+            bounds = [(c.logical, c.end) for c in chunks]
+            free_of = nat.data_free_ranges(self.logical, self.disk_bytes, order, bounds)
+            return {c.logical: free for c, free in zip(chunks, free_of, strict=True)}
         free: dict[int, list[tuple[int, int]]] = {}
         logical, disk = self.logical, self.disk_bytes
         rows = iter(self.order)
@@ -852,6 +870,16 @@ class _DataExtentItems:
             for _ in range(nrefs):
                 yield (logical, d.EXTENT_DATA_REF_KEY, 0), _DATA_REF_SIZE
 
+    def leaf_firsts(self, others: list[tuple[d.Key, int]], breaks: Sequence[d.Key]) -> list[d.Key]:
+        """The first key of each leaf of the extent tree: these items (``sizes``) merged with
+        ``others`` ((key, item size), sorted), split as ``split_leaves`` does."""
+        return split_leaves(heapq.merge(self.sizes(), others, key=_item_key), breaks)
+
+    def leaves(self, others: list[tuple[d.Key, bytes]], breaks: Sequence[d.Key]) -> Iterator[Leaf]:
+        """The extent tree's leaves: these items, made as they are consumed, merged with
+        ``others`` (sorted)."""
+        return iter_leaves(heapq.merge(self.items(), others, key=_item_key), breaks)
+
     def items(self) -> Iterator[tuple[d.Key, bytes]]:
         gen = GENERATION
         root = d.FS_TREE_OBJECTID
@@ -888,6 +916,46 @@ class _DataExtentItems:
             yield from sorted(keyed)
 
 
+class _NativeDataExtentItems:
+    """``_DataExtentItems`` in the extension (native/src/extents.rs): the same leaf split
+    and leaves, no Python object per extent."""
+
+    def __init__(self, nat: ModuleType, fs: _FsTree) -> None:
+        placer = fs.placer
+        order = None if isinstance(placer.order, range) else placer.order
+        refs = (fs.ref_extent, fs.ref_ino, fs.ref_offset)
+        self._native = nat.DataExtents(placer.logical, placer.disk_bytes, order, refs, GENERATION)
+
+    def leaf_firsts(self, others: list[tuple[d.Key, int]], breaks: Sequence[d.Key]) -> list[d.Key]:
+        firsts: list[d.Key] = self._native.leaf_firsts(others, list(breaks))
+        return firsts
+
+    def write_leaves(
+        self,
+        others: list[tuple[d.Key, bytes]],
+        breaks: Sequence[d.Key],
+        out_fd: int,
+        places: list[tuple[int, int]],
+        ids: tuple[bytes, bytes],
+    ) -> list[d.Key]:
+        """The extent tree's leaves (these items merged with ``others``) written as blocks to
+        ``out_fd`` at ``places`` (each block's address and offset there, the leaves taking
+        the first ones), each as soon as it is full: their first keys."""
+        tree_id = d.EXTENT_TREE_OBJECTID
+        firsts: list[d.Key] = self._native.write_leaves(
+            others, list(breaks), out_fd, places, tree_id, GENERATION, *ids
+        )
+        return firsts
+
+
+def _data_extent_items(fs: _FsTree) -> _DataExtentItems | _NativeDataExtentItems:
+    """The extent tree's data extent items: the extension's when it has them."""
+    nat = native.module()
+    if nat is not None and hasattr(nat, "DataExtents"):
+        return _NativeDataExtentItems(nat, fs)
+    return _DataExtentItems(fs)
+
+
 def _derive_uuid(seed: bytes, purpose: bytes) -> uuid.UUID:
     raw = bytearray(hashlib.sha256(seed + b"\0" + purpose).digest()[:16])
     raw[6] = (raw[6] & 0x0F) | 0x40  # shaped as a version-4 UUID
@@ -909,7 +977,7 @@ _META_TREES = (
 
 
 # trees whose items change with the chunk layout and block addresses (and the extent tree,
-# sized without making its items: see _Metadata.extent_tree_sizes)
+# sized without making its items: see _Metadata.extent_tree_plan)
 _ADDRESS_DEPENDENT = (
     d.DEV_TREE_OBJECTID,
     d.FREE_SPACE_TREE_OBJECTID,
@@ -942,10 +1010,20 @@ def _internal_dir_inode(nbytes: int, time_ns: int, otime_ns: int) -> bytes:
     )
 
 
+# the item sizes of a block group and of a tree block (``_Metadata.block_items``)
+_BLOCK_GROUP_SIZE = len(d.pack_block_group_item(0, 0))
+_METADATA_ITEM_SIZE = len(d.pack_metadata_item(0, 0))
+
+
 class _Metadata:
     """Items of every tree but the fs tree, given the chunk list and block addresses."""
 
-    def __init__(self, ids: _Ids, opts: WriterOptions, data_extents: _DataExtentItems) -> None:
+    def __init__(
+        self,
+        ids: _Ids,
+        opts: WriterOptions,
+        data_extents: _DataExtentItems | _NativeDataExtentItems,
+    ) -> None:
         self.ids = ids
         self.opts = opts
         self.data_extents = data_extents
@@ -988,26 +1066,36 @@ class _Metadata:
             for c in chunks
         )
 
-    def extent_tree(
-        self, chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
-    ) -> Iterator[tuple[d.Key, bytes]]:
-        """``blocks``: (bytenr, level, owner) of every tree block; ``used``: chunk logical -> bytes used.
-
-        Sorted: the data extents' items, made as they are consumed, merged with the rest."""
-        return heapq.merge(
-            self.data_extents.items(), self._block_items(chunks, used, blocks), key=_item_key
-        )
-
-    def extent_tree_sizes(
-        self, chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
-    ) -> Iterator[tuple[d.Key, int]]:
-        """(key, item size) of ``extent_tree``, in order, without making the data extents'
-        items (keyed data refs with a stand-in offset, see ``_DataExtentItems.sizes``)."""
-        others = ((key, len(data)) for key, data in self._block_items(chunks, used, blocks))
-        return heapq.merge(self.data_extents.sizes(), others, key=_item_key)
+    def extent_tree_plan(
+        self,
+        chunks: list[Chunk],
+        used: dict[int, int],
+        blocks: list[tuple[int, int, int]],
+        breaks: Breaks | None,
+    ) -> BlockPlan:
+        """``plan_items`` of the extent tree's items (``blocks``: (bytenr, level, owner) of every
+        tree block; ``used``: chunk logical -> bytes used): the data extents' merged with
+        ``block_items``, without making the data extents' items (keyed data refs with a
+        stand-in offset, see ``_DataExtentItems.sizes``)."""
+        others = self.block_item_sizes(chunks, blocks)
+        leaf_breaks = NO_KEYS if breaks is None else breaks.at(0)
+        return plan_blocks(self.data_extents.leaf_firsts(others, leaf_breaks), breaks)
 
     @staticmethod
-    def _block_items(
+    def block_item_sizes(
+        chunks: list[Chunk], blocks: list[tuple[int, int, int]]
+    ) -> list[tuple[d.Key, int]]:
+        """(key, item size) of ``block_items``, sorted, without making the items."""
+        sizes = [((c.logical, d.BLOCK_GROUP_ITEM_KEY, c.length), _BLOCK_GROUP_SIZE) for c in chunks]
+        sizes.extend(
+            ((bytenr, d.METADATA_ITEM_KEY, level), _METADATA_ITEM_SIZE)
+            for bytenr, level, _ in blocks
+        )
+        sizes.sort(key=_item_key)
+        return sizes
+
+    @staticmethod
+    def block_items(
         chunks: list[Chunk], used: dict[int, int], blocks: list[tuple[int, int, int]]
     ) -> list[tuple[d.Key, bytes]]:
         """Block group and tree block (METADATA_ITEM) items, sorted."""
@@ -1218,10 +1306,15 @@ def write_image(
     device 2's layout. ``encoded``: the blobs' btrfs extents when the packs store them so
     (btrfs-zstd). ``base``: the layout of the base image to keep (``build --base``)."""
     # the fs tree's leaf payloads wait on disk (unnamed, next to meta.img), not in memory
-    with tempfile.TemporaryFile(
+    spill = tempfile.TemporaryFile(  # noqa: SIM115 (closed below, on a thread)
         "w+b", buffering=SPILL_BUFFER, dir=os.path.dirname(meta_path) or "."
-    ) as spill:
+    )
+    try:
         return _write_image(tree, meta_path, opts, spill, encoded, base)
+    finally:
+        # closing it frees its pages (~600 MB at 1,000,000 entries, ~0.3 s of kernel time,
+        # the GIL released): on a thread of its own, while the build goes on
+        threading.Thread(target=spill.close, name="fs-tree-spill-close").start()
 
 
 def _write_image(
@@ -1273,7 +1366,7 @@ def _write_image(
         dev_uuid=(_derive_uuid(fb, b"devid-1").bytes, _derive_uuid(fb, b"devid-2").bytes),
         subvol_uuid=_derive_uuid(fb, b"fs-tree").bytes,
     )
-    meta = _Metadata(ids, opts, _DataExtentItems(fs))
+    meta = _Metadata(ids, opts, _data_extent_items(fs))
     fs.ref_extent, fs.ref_ino, fs.ref_offset = array("Q"), array("Q"), array("Q")  # grouped now
     data_end = max(c.physical + c.length for c in data_chunks)
 
@@ -1324,8 +1417,8 @@ def _write_image(
             d.CHUNK_TREE_OBJECTID: meta.chunk_tree(chunks, dev_sizes),
         }
         new = dict(plans)
-        new[d.EXTENT_TREE_OBJECTID] = plan_items(
-            meta.extent_tree_sizes(chunks, used, blocks), breaks(d.EXTENT_TREE_OBJECTID)
+        new[d.EXTENT_TREE_OBJECTID] = meta.extent_tree_plan(
+            chunks, used, blocks, breaks(d.EXTENT_TREE_OBJECTID)
         )
         for tree_id in _ADDRESS_DEPENDENT:
             new[tree_id] = plan_items(_sizes(items[tree_id]), breaks(tree_id))
@@ -1369,13 +1462,57 @@ def _write_image(
                 raise AssertionError(f"tree {tree_id}: planned {len(addrs)} blocks, built {n}")
             return info
 
-        infos = {d.FS_TREE_OBJECTID: tree_blocks(d.FS_TREE_OBJECTID, unspill(fs.leaves, spill))}
-        infos[d.EXTENT_TREE_OBJECTID] = tree_blocks(
-            d.EXTENT_TREE_OBJECTID,
-            iter_leaves(
-                meta.extent_tree(chunks, used, blocks), leaf_breaks(d.EXTENT_TREE_OBJECTID)
-            ),
-        )
+        def written_tree(
+            tree_id: int, write: Callable[[list[tuple[int, int]]], list[d.Key]]
+        ) -> TreeInfo:
+            """A tree whose leaf blocks ``write`` writes (given every block's address and
+            offset in meta.img, the leaves taking the first ones; it returns their first
+            keys) in the extension, its nodes written here."""
+            addrs = addr_of[tree_id]
+            f.flush()
+            firsts = write([(a, physical(a)) for a in addrs])
+            level = list(zip(firsts, addrs, strict=False))
+            nodes = iter(addrs[len(level) :])
+            fsid, chunk_tree_uuid = ids_uuids
+            info, n = serialize_nodes(
+                level, nodes, tree_id, GENERATION, fsid, chunk_tree_uuid, sink, breaks(tree_id)
+            )
+            if n + len(level) != len(addrs):
+                raise AssertionError(
+                    f"tree {tree_id}: planned {len(addrs)} blocks, built {n + len(level)}"
+                )
+            return info
+
+        ids_uuids = (ids.fsid, ids.chunk_tree_uuid)
+        nat = native.module()
+        fs_id, fs_leaves = d.FS_TREE_OBJECTID, fs.leaves
+        write_spilled = getattr(nat, "write_spilled_leaves", None)
+        if write_spilled is not None and all(leaf.spilled_at >= 0 for leaf in fs_leaves):
+            # the fs tree's leaves straight from the spill file (native/src/blocks.rs)
+            spilled = [(leaf.spilled_at, leaf.nritems) for leaf in fs_leaves]
+
+            def write_fs(places: list[tuple[int, int]]) -> list[d.Key]:
+                spill.flush()
+                write_spilled(
+                    spill.fileno(), f.fileno(), spilled, places, fs_id, GENERATION, *ids_uuids
+                )
+                return [leaf.first_key for leaf in fs_leaves]
+
+            infos = {fs_id: written_tree(fs_id, write_fs)}
+        else:
+            infos = {fs_id: tree_blocks(fs_id, unspill(fs_leaves, spill))}
+        ext_id = d.EXTENT_TREE_OBJECTID
+        data_extents = meta.data_extents
+        others = meta.block_items(chunks, used, blocks)
+        if isinstance(data_extents, _NativeDataExtentItems):
+            infos[ext_id] = written_tree(
+                ext_id,
+                lambda places: data_extents.write_leaves(
+                    others, leaf_breaks(ext_id), f.fileno(), places, ids_uuids
+                ),
+            )
+        else:
+            infos[ext_id] = tree_blocks(ext_id, data_extents.leaves(others, leaf_breaks(ext_id)))
         for tree_id, tree_items in items.items():
             infos[tree_id] = tree_blocks(tree_id, pack_leaves(tree_items, leaf_breaks(tree_id)))
         nblocks = {t: len(addr_of[t]) for t in _META_TREES}

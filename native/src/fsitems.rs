@@ -59,7 +59,7 @@ fn ftype_of(mode_type: u32) -> u8 {
     }
 }
 
-fn image_error(py: Python<'_>, msg: String) -> PyErr {
+pub(crate) fn image_error(py: Python<'_>, msg: String) -> PyErr {
     match py
         .import("btrfs_ublk_image.errors")
         .and_then(|m| m.getattr("ImageError"))
@@ -103,7 +103,7 @@ impl DeviceRanges {
 
 /// Values appended to a Python `array("Q")` column a batch at a time: the column holds
 /// them, with no second copy of it made here.
-struct ColumnSink<'py> {
+pub(crate) struct ColumnSink<'py> {
     array: Bound<'py, PyAny>,
     pending: Vec<u64>,
     flushed: usize, // values already in the array (from this call)
@@ -114,7 +114,7 @@ struct ColumnSink<'py> {
 const SINK_BATCH: usize = 8192;
 
 impl<'py> ColumnSink<'py> {
-    fn new(array: Bound<'py, PyAny>) -> PyResult<Self> {
+    pub(crate) fn new(array: Bound<'py, PyAny>) -> PyResult<Self> {
         let base = array.len()?;
         Ok(ColumnSink {
             array,
@@ -124,7 +124,7 @@ impl<'py> ColumnSink<'py> {
         })
     }
 
-    fn push(&mut self, v: u64) -> PyResult<()> {
+    pub(crate) fn push(&mut self, v: u64) -> PyResult<()> {
         self.pending.push(v);
         if self.pending.len() >= SINK_BATCH {
             self.flush()?;
@@ -132,7 +132,7 @@ impl<'py> ColumnSink<'py> {
         Ok(())
     }
 
-    fn flush(&mut self) -> PyResult<()> {
+    pub(crate) fn flush(&mut self) -> PyResult<()> {
         if self.pending.is_empty() {
             return Ok(());
         }
@@ -546,8 +546,10 @@ pub fn fs_tree_items<'py>(
         let refs: Vec<(u64, u64, Vec<u8>)> = v.extract()?;
         more_refs.insert(k.extract()?, refs);
     }
+    // a Blob's low 128 bits (crc, size, pack, the offset's low byte: `blob_fields`)
+    let low_mask = 1u128.into_pyobject(py)?.lshift(128)?.sub(1)?;
     let mut placement = if native_placement {
-        let mask = 1u128.into_pyobject(py)?.lshift(128)?.sub(1)?;
+        let mask = low_mask.clone();
         let start: u64 = py
             .import("btrfs_ublk_image.btrfs.layout")?
             .getattr("DEVICE_START")?
@@ -606,7 +608,12 @@ pub fn fs_tree_items<'py>(
                     } else {
                         payload.getattr(intern!(py, "segments"))?.extract()?
                     };
-                    size = payload.getattr(intern!(py, "size"))?.extract()?;
+                    size = if is_blob {
+                        // `Blob.size` from the int itself (the property would run Python code)
+                        blob_fields(&payload, &low_mask)?.1
+                    } else {
+                        payload.getattr(intern!(py, "size"))?.extract()?
+                    };
                     for (seg_offset, blob) in &segments {
                         placement.rows(blob, encoded, &mut rows)?;
                         for &(row, (logical, disk, file_offset, num_bytes, comp)) in &rows {

@@ -143,7 +143,6 @@ pub struct Packer {
     keys: Vec<Key>,
     ends: Vec<usize>, // end of each item's data in `data`
     data: Vec<u8>,
-    used: usize,
     pub leaves: Vec<Leaf>,
     /// the spill file (the caller's fd, not closed here), where the next payload goes, and
     /// the payloads not written yet
@@ -154,10 +153,59 @@ pub struct Packer {
     /// with a spill file: the thread that hashes the spilled leaves' items and writes them
     spiller: Option<Spiller>,
     digest: Option<Sha256>,
-    /// a build with a base: a leaf also ends before each of these keys (sorted: the base's
-    /// leaves' first keys), `next_break` the first one after the current leaf's first key
+    /// where the current leaf ends (its first key is `keys[0]`)
+    split: Split,
+}
+
+/// Where leaves end (`treeblocks.split_leaves`): when the next item does not fit, or, in a
+/// build with a base, before each of `breaks` (sorted: the base's leaves' first keys).
+pub struct Split {
+    used: usize,
     breaks: Vec<Key>,
+    /// the first break after the current leaf's first key
     next_break: usize,
+}
+
+impl Split {
+    pub fn new(breaks: Vec<Key>) -> Split {
+        Split {
+            used: 0,
+            breaks,
+            next_break: 0,
+        }
+    }
+
+    /// Whether an item (`key`, `size` bytes of data) begins a leaf: the first item (`first`,
+    /// the current leaf's first key, None), or one that does not fit after the current
+    /// leaf's; it is counted in the leaf it goes to. An InvalidInput error for an item
+    /// larger than a leaf holds.
+    pub fn starts_leaf(&mut self, first: Option<Key>, key: Key, size: usize) -> io::Result<bool> {
+        if size > MAX_ITEM_DATA {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("item of {size} bytes does not fit in a {NODESIZE}-byte leaf"),
+            ));
+        }
+        let need = ITEM_SIZE + size;
+        let new = match first {
+            None => true,
+            Some(first) => self.used + need > LEAF_DATA_SIZE || self.ends_before(first, key),
+        };
+        self.used = if new { need } else { self.used + need };
+        Ok(new)
+    }
+
+    /// Whether a leaf begun at `first` must end before `key`: a base's leaf began at a key
+    /// after `first` and at or before `key`.
+    fn ends_before(&mut self, first: Key, key: Key) -> bool {
+        if self.breaks.is_empty() {
+            return false;
+        }
+        while self.next_break < self.breaks.len() && self.breaks[self.next_break] <= first {
+            self.next_break += 1;
+        }
+        self.next_break < self.breaks.len() && self.breaks[self.next_break] <= key
+    }
 }
 
 /// Spilled leaves, a buffer at a time: their payloads, item counts and spill file offset.
@@ -255,7 +303,6 @@ impl Packer {
             keys: Vec::new(),
             ends: Vec::new(),
             data: Vec::with_capacity(LEAF_DATA_SIZE),
-            used: 0,
             leaves: Vec::new(),
             // SAFETY: the fd stays open for the packer's life (the caller's spill file);
             // ManuallyDrop: never closed here
@@ -265,42 +312,19 @@ impl Packer {
             spill_nritems: Vec::new(),
             spiller,
             digest,
-            breaks,
-            next_break: 0,
+            split: Split::new(breaks),
         }
-    }
-
-    /// Whether the current leaf (not empty) must end before `key`: a base's leaf began at
-    /// a key after the current leaf's first and at or before `key`.
-    fn ends_before(&mut self, key: Key) -> bool {
-        let Some(&first) = self.keys.first() else {
-            return false;
-        };
-        while self.next_break < self.breaks.len() && self.breaks[self.next_break] <= first {
-            self.next_break += 1;
-        }
-        self.next_break < self.breaks.len() && self.breaks[self.next_break] <= key
     }
 
     /// One item, in key order: an InvalidInput error for one larger than a leaf holds, others
     /// from writing the spill file.
     pub fn add(&mut self, key: Key, data: &[u8]) -> io::Result<()> {
-        let size = data.len();
-        if size > MAX_ITEM_DATA {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("item of {size} bytes does not fit in a {NODESIZE}-byte leaf"),
-            ));
-        }
-        let mut used = self.used + ITEM_SIZE + size;
-        if used > LEAF_DATA_SIZE || (!self.breaks.is_empty() && self.ends_before(key)) {
+        if self.split.starts_leaf(self.keys.first().copied(), key, data.len())? && !self.keys.is_empty() {
             self.flush()?;
-            used = ITEM_SIZE + size;
         }
         self.keys.push(key);
         self.data.extend_from_slice(data);
         self.ends.push(self.data.len());
-        self.used = used;
         Ok(())
     }
 
@@ -451,7 +475,6 @@ impl Packer {
         self.keys.clear();
         self.ends.clear();
         self.data.clear();
-        self.used = 0;
         Ok(())
     }
 

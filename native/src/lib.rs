@@ -4,8 +4,11 @@
 //! CRC-32C, deduplication, pack writes, pack chunk digests on their own threads) and hands
 //! back compact member records.
 
+mod blocks;
+mod extents;
 mod fsitems;
 mod leaves;
+mod numbering;
 mod pack;
 mod stream;
 mod tar;
@@ -617,6 +620,10 @@ fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LeafPacker>()?;
     m.add_function(wrap_pyfunction!(read_tar, m)?)?;
     m.add_function(wrap_pyfunction!(fsitems::fs_tree_items, m)?)?;
+    m.add_function(wrap_pyfunction!(numbering::number_inodes, m)?)?;
+    m.add_class::<extents::DataExtents>()?;
+    m.add_function(wrap_pyfunction!(extents::data_free_ranges, m)?)?;
+    m.add_function(wrap_pyfunction!(blocks::write_spilled_leaves, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;
     Ok(())
 }

@@ -1,0 +1,129 @@
+//! `writer._number` without a base (kept as the reference and for `BUI_NATIVE=0`) in one
+//! call: which inodes have more than one name, then inode numbers (DFS, sorted names; a
+//! directory's new children take consecutive numbers when it is reached; a hardlink
+//! reuses its inode's number), dir indexes from 2 in name order, and the first name of
+//! each inode, into a `_Numbering`'s columns. The `Inode` slots are read and set through
+//! the Python API: no Python code runs per inode.
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+
+use crate::fsitems::{image_error, ColumnSink};
+
+const S_IFMT: u32 = 0o170000;
+const S_IFDIR: u32 = 0o040000;
+const FIRST_FREE_OBJECTID: u64 = 256;
+
+/// Whether an inode is a directory (its `_meta`'s type).
+fn is_dir(node: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let meta = node.getattr(intern!(node.py(), "_meta"))?;
+    let mode_type: u32 = meta.cast::<PyTuple>()?.get_item(0)?.extract()?;
+    Ok(mode_type & S_IFMT == S_IFDIR)
+}
+
+/// A directory's entries (its `_payload`: name -> Inode).
+fn entries<'py>(node: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
+    let payload = node.getattr(intern!(node.py(), "_payload"))?;
+    payload
+        .cast_into::<PyDict>()
+        .map_err(|_| PyTypeError::new_err("directory entries are not a dict"))
+}
+
+/// `_number(tree)` for a build without a base: `root` is the tree's root directory, `num`
+/// a fresh `_Numbering(root, once)` whose columns are filled; `more` marks (in `Inode.ino`)
+/// an inode reached under more than one name. Errors as `_number`'s (a hardlinked
+/// directory names the name it was found under the second time).
+#[pyfunction]
+pub fn number_inodes(
+    py: Python<'_>,
+    root: &Bound<'_, PyAny>,
+    num: &Bound<'_, PyAny>,
+    more: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let ino_attr = intern!(py, "ino");
+    let once = num.getattr("once")?;
+    // pass 1: which inodes have more than one name (marks of this run: whatever `ino` held
+    // before is overwritten); the same walk as the Python pass, so the same name is reported
+    root.setattr(ino_attr, &once)?;
+    let mut stack = vec![root.clone()];
+    while let Some(dir) = stack.pop() {
+        for (name, child) in entries(&dir)?.iter() {
+            let mark = child.getattr(ino_attr)?;
+            if mark.is(&once) {
+                if is_dir(&child)? {
+                    let shown = name.cast::<PyBytes>()?.repr()?;
+                    return Err(image_error(
+                        py,
+                        format!("directory {shown} appears twice in the tree (hardlinked dir)"),
+                    ));
+                }
+                child.setattr(ino_attr, more)?;
+            } else if !mark.is(more) {
+                child.setattr(ino_attr, &once)?;
+                if is_dir(&child)? {
+                    stack.push(child);
+                }
+            }
+        }
+    }
+    // pass 2: numbers
+    let first = FIRST_FREE_OBJECTID;
+    root.setattr(ino_attr, first)?;
+    let inodes = num.getattr("inodes")?;
+    let inodes = inodes.cast::<PyList>()?;
+    let names = num.getattr("name")?;
+    let names = names.cast::<PyList>()?;
+    let more_refs = num.getattr("more_refs")?;
+    let more_refs = more_refs.cast::<PyDict>()?;
+    let child_base = num.getattr("child_base")?;
+    let child_base = child_base.cast::<PyDict>()?;
+    let mut parents = ColumnSink::new(num.getattr("parent")?)?;
+    let mut indexes = ColumnSink::new(num.getattr("index")?)?;
+    let mut count = inodes.len() as u64; // rows so far (the root's)
+    let mut dirs = vec![(root.clone(), first)];
+    let mut children: Vec<(Bound<'_, PyBytes>, Bound<'_, PyAny>)> = Vec::new();
+    let mut pending = Vec::new();
+    while let Some((dir, pino)) = dirs.pop() {
+        child_base.set_item(pino, first + count)?;
+        children.clear();
+        for (name, child) in entries(&dir)?.iter() {
+            children.push((name.cast_into::<PyBytes>()?, child));
+        }
+        children.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+        pending.clear();
+        for (index, (name, child)) in (2u64..).zip(&children) {
+            let mark = child.getattr(ino_attr)?;
+            if !mark.is(&once) && !mark.is(more) {
+                // numbered already: another name of a hardlinked inode
+                let refs = match more_refs.get_item(&mark)? {
+                    Some(r) => r.cast_into::<PyList>()?,
+                    None => {
+                        let r = PyList::empty(py);
+                        more_refs.set_item(&mark, &r)?;
+                        r
+                    }
+                };
+                refs.append((pino, index, name))?;
+                continue;
+            }
+            let ino = first + count;
+            if is_dir(child)? {
+                child.setattr(ino_attr, ino)?;
+                pending.push((child.clone(), ino));
+            } else if mark.is(more) {
+                child.setattr(ino_attr, ino)?;
+            }
+            inodes.append(child)?;
+            parents.push(pino)?;
+            indexes.push(index)?;
+            names.append(name)?;
+            count += 1;
+        }
+        dirs.extend(pending.drain(..).rev());
+    }
+    parents.flush()?;
+    indexes.flush()?;
+    Ok(())
+}
