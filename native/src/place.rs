@@ -28,10 +28,8 @@ const PACK_BITS: u32 = 24; // tree._PACK_BITS
 /// (type, mode, uid, gid): the key of a shared `_meta` tuple
 type MetaKey = (u8, u32, u32, u32);
 
-/// `LayerContext._last_dir` as last read: the tuple (held, so its address names it), its
-/// path components and the directory's entries.
+/// `LayerContext._last_dir` as last read: its path components and the directory's entries.
 struct LastDir {
-    tuple: Py<PyAny>,
     parts: Vec<Vec<u8>>,
     entries: Option<Py<PyDict>>, // None: not a directory's entries now (members go slow)
 }
@@ -79,6 +77,14 @@ impl<'py> Aside<'py> {
         self.pending.clear();
         Ok(())
     }
+}
+
+/// One `place` call's objects.
+struct Call<'py> {
+    ctx: Bound<'py, PyAny>,
+    tree: Bound<'py, PyAny>,
+    aside: Option<Aside<'py>>,
+    changes: Option<Bound<'py, PyList>>, // the undo log (the native read may hand back)
 }
 
 /// `tree.split_path` for the paths it handles without climbing: None when a component is
@@ -145,22 +151,35 @@ impl Placer {
     /// Place every member left in `members`, in order.
     fn place(&mut self, py: Python<'_>, members: &Bound<'_, Members>) -> PyResult<()> {
         let ctx = self.ctx.bind(py).clone();
-        let tree = ctx.getattr(intern!(py, "tree"))?;
         // OCI layers' `upper` set: tracked by the Python path
         let tracked = !ctx.getattr(intern!(py, "upper"))?.is_none();
-        let mut aside: Option<Aside<'_>> = None;
+        let changes = ctx.getattr(intern!(py, "_changes"))?;
+        let changes = if changes.is_none() {
+            None
+        } else {
+            Some(
+                changes
+                    .cast_into::<PyList>()
+                    .map_err(|_| PyTypeError::new_err("LayerContext._changes: not a list"))?,
+            )
+        };
+        let mut call = Call {
+            tree: ctx.getattr(intern!(py, "tree"))?,
+            ctx,
+            aside: None,
+            changes,
+        };
         let mut m = members.borrow_mut();
         let result = (|| -> PyResult<()> {
             while let Some(seg) = m.segments.front() {
                 for r in &seg.recs[m.next..] {
-                    let done = !tracked && self.fast(py, &ctx, &tree, &mut aside, seg, r)?;
-                    if !done {
-                        if let Some(a) = aside.as_mut() {
+                    if tracked || !self.fast(py, &mut call, seg, r)? {
+                        if let Some(a) = call.aside.as_mut() {
                             a.flush(py)?; // the Python path may put content too
                             a.end = None;
                         }
                         self.last = None; // the Python path may change it
-                        self.tell_progress(py, &ctx)?;
+                        self.tell_progress(py, &call.ctx)?;
                         self.slow.bind(py).call1((crate::member_tuple(py, seg, r)?,))?;
                     }
                 }
@@ -168,10 +187,10 @@ impl Placer {
             }
             Ok(())
         })();
-        if let Some(a) = aside.as_mut() {
+        if let Some(a) = call.aside.as_mut() {
             a.flush(py)?;
         }
-        self.tell_progress(py, &ctx)?;
+        self.tell_progress(py, &call.ctx)?;
         result
     }
 }
@@ -189,14 +208,17 @@ impl Placer {
         Ok(())
     }
 
-    /// `ctx._last_dir`'s components and entries, read again when it is a new tuple.
+    /// `ctx._last_dir`'s components and entries (read again after the Python path ran).
     fn last_dir(&mut self, py: Python<'_>, ctx: &Bound<'_, PyAny>) -> PyResult<Option<&LastDir>> {
+        // only Python code changes it, and none runs between two members placed here
+        if self.last.is_some() {
+            return Ok(self.last.as_ref());
+        }
         let now = ctx.getattr(intern!(py, "_last_dir"))?;
         if now.is_none() {
-            self.last = None;
             return Ok(None);
         }
-        if self.last.as_ref().is_none_or(|l| !l.tuple.bind(py).is(&now)) {
+        {
             let t = now.cast::<PyTuple>()?;
             let parts: Vec<Vec<u8>> = t.get_item(0)?.extract()?;
             // `node.entries` as `place` reads it: the dict of a directory only
@@ -208,11 +230,7 @@ impl Placer {
             } else {
                 None
             };
-            self.last = Some(LastDir {
-                tuple: now.unbind(),
-                parts,
-                entries,
-            });
+            self.last = Some(LastDir { parts, entries });
         }
         Ok(self.last.as_ref())
     }
@@ -258,15 +276,7 @@ impl Placer {
     }
 
     /// Place `r` here if it is the common member; false: the Python path's.
-    fn fast<'py>(
-        &mut self,
-        py: Python<'py>,
-        ctx: &Bound<'py, PyAny>,
-        tree: &Bound<'py, PyAny>,
-        aside: &mut Option<Aside<'py>>,
-        seg: &Records,
-        r: &Rec,
-    ) -> PyResult<bool> {
+    fn fast<'py>(&mut self, py: Python<'py>, call: &mut Call<'py>, seg: &Records, r: &Rec) -> PyResult<bool> {
         let kind = match r.typ {
             t if is_regular(t) => 0,
             b'5' => 1,
@@ -310,18 +320,18 @@ impl Placer {
             _ => None,
         };
         let set_aside = inline.is_some_and(|d| d.len() > self.aside_min);
-        if set_aside && aside.is_none() {
-            let store = tree.getattr(intern!(py, "_aside"))?;
+        if set_aside && call.aside.is_none() {
+            let store = call.tree.getattr(intern!(py, "_aside"))?;
             if store.is_none() {
                 return Ok(false);
             }
-            *aside = Some(Aside {
+            call.aside = Some(Aside {
                 store,
                 end: None,
                 pending: Vec::new(),
             });
         }
-        let Some(last) = self.last_dir(py, ctx)? else {
+        let Some(last) = self.last_dir(py, &call.ctx)? else {
             return Ok(false);
         };
         if last.parts.len() != dir.len() || last.parts.iter().zip(dir).any(|(a, b)| a.as_slice() != *b) {
@@ -341,7 +351,7 @@ impl Placer {
                 Content::Inline(..) => {
                     let data = inline.expect("inline content");
                     if set_aside {
-                        let a = aside.as_mut().expect("the side file");
+                        let a = call.aside.as_mut().expect("the side file");
                         let end = match a.end {
                             Some(e) => e,
                             None => a.store.getattr(intern!(py, "_end"))?.extract()?,
@@ -380,13 +390,9 @@ impl Placer {
         inode.setattr(intern!(py, "_times"), PyBytes::new(py, &times))?;
         inode.setattr(intern!(py, "ino"), self.zero.bind(py))?;
         inode.setattr(intern!(py, "_payload"), payload)?;
-        let changes = ctx.getattr(intern!(py, "_changes"))?;
-        if !changes.is_none() {
+        if let Some(changes) = &call.changes {
             let undo = PyTuple::new(py, [entries.as_any(), key.as_any(), &py.None().into_bound(py)])?;
-            changes
-                .cast::<PyList>()
-                .map_err(|_| PyTypeError::new_err("LayerContext._changes: not a list"))?
-                .append(undo)?;
+            changes.append(undo)?;
         }
         entries.set_item(key, inode)?;
         self.placed += 1;
