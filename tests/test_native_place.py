@@ -282,7 +282,8 @@ def test_layers_owner_overrides_and_no_epoch(
 
 
 def test_oci_layers_with_whiteouts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """OCI layers (whiteouts, opaque directories, the layer's own entries kept)."""
+    """OCI layers (whiteouts, opaque directories, the layer's own entries kept: the upper
+    set, which Placer adds to as _mark_upper does)."""
     from ocitools import Layout, entry
 
     layout = Layout(tmp_path / "oci")
@@ -290,10 +291,15 @@ def test_oci_layers_with_whiteouts(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     lower += [entry("o/in", data=b"i" * 120), entry("k", data=b"k" * 3000)]
     upper = [entry("a/.wh.x"), entry("b", data=b"b" * 4000), entry("o/.wh..wh..opq")]
     upper += [entry("o/new", data=b"n" * 96), entry("a/z", data=b"z" * 100)]
+    # whiteouts after this layer's own entries: they stay (they are in its upper set)
+    upper += [entry("a/w", data=b"w" * 300), entry("a/.wh.w"), entry("o/n2", data=b"2")]
+    upper += [entry("o/.wh..wh..opq"), entry("a/.wh.y")]
     layout.tag(layout.image([lower, upper], compression="gzip"), "latest")
-    image_id, tree, *_ = _all_ways(
+    image_id, tree, calls, ref_calls, _ = _all_ways(
         tmp_path, _spec(f"oci: {{path: {tmp_path / 'oci'}, ref: latest}}"), monkeypatch
     )
     assert not image_id.startswith("error"), image_id
+    assert calls < ref_calls, (calls, ref_calls)  # the upper set tracked by Placer too
     names = [entry[0] for entry in tree]
-    assert b"/a/x" not in names and b"/o/in" not in names and b"/o/new" in names
+    assert b"/a/x" not in names and b"/a/y" not in names and b"/o/in" not in names
+    assert {b"/o/new", b"/o/n2", b"/a/w", b"/a/z"} <= set(names)

@@ -2,7 +2,8 @@
 //! (`sources/tar.py`'s `_place_member` and `LayerContext.place`, kept as the reference and
 //! for every other member): a plain regular file, directory or symlink (no xattrs, no `..`
 //! in its path, not a whiteout) whose directory is the one `place` resolved last
-//! (`LayerContext._last_dir`) and whose name is new there. Its `Inode` is made as
+//! (`LayerContext._last_dir`) and whose name is new there (in OCI layers, its path is added
+//! to `LayerContext.upper` as `_mark_upper` adds it). Its `Inode` is made as
 //! `tree.Inode.__init__` makes it (the slots set through the Python API: `_meta` shared
 //! through `tree._SHARED_META`, `_times` packed as `tree._pack_times` packs them), small
 //! content is set aside as `tree.AsideFile.put` sets it, the undo log gets its entry and
@@ -14,7 +15,7 @@ use std::collections::HashMap;
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple, PyType};
+use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple, PyType};
 
 use crate::tar::{is_regular, Content, Rec, Records};
 use crate::Members;
@@ -32,6 +33,7 @@ type MetaKey = (u8, u32, u32, u32);
 struct LastDir {
     parts: Vec<Vec<u8>>,
     entries: Option<Py<PyDict>>, // None: not a directory's entries now (members go slow)
+    resolved: Vec<u8>,
 }
 
 /// Places one layer's members (`read_tar`'s `place` callback, one call per segment).
@@ -85,6 +87,7 @@ struct Call<'py> {
     tree: Bound<'py, PyAny>,
     aside: Option<Aside<'py>>,
     changes: Option<Bound<'py, PyList>>, // the undo log (the native read may hand back)
+    upper: Option<Bound<'py, PySet>>,    // OCI layers: `LayerContext.upper`
 }
 
 /// `tree.split_path` for the paths it handles without climbing: None when a component is
@@ -151,8 +154,12 @@ impl Placer {
     /// Place every member left in `members`, in order.
     fn place(&mut self, py: Python<'_>, members: &Bound<'_, Members>) -> PyResult<()> {
         let ctx = self.ctx.bind(py).clone();
-        // OCI layers' `upper` set: tracked by the Python path
-        let tracked = !ctx.getattr(intern!(py, "upper"))?.is_none();
+        let upper = ctx.getattr(intern!(py, "upper"))?;
+        let upper = if upper.is_none() {
+            None
+        } else {
+            Some(upper.cast_into::<PySet>()?)
+        };
         let changes = ctx.getattr(intern!(py, "_changes"))?;
         let changes = if changes.is_none() {
             None
@@ -168,12 +175,13 @@ impl Placer {
             ctx,
             aside: None,
             changes,
+            upper,
         };
         let mut m = members.borrow_mut();
         let result = (|| -> PyResult<()> {
             while let Some(seg) = m.segments.front() {
                 for r in &seg.recs[m.next..] {
-                    if tracked || !self.fast(py, &mut call, seg, r)? {
+                    if !self.fast(py, &mut call, seg, r)? {
                         if let Some(a) = call.aside.as_mut() {
                             a.flush(py)?; // the Python path may put content too
                             a.end = None;
@@ -230,7 +238,14 @@ impl Placer {
             } else {
                 None
             };
-            self.last = Some(LastDir { parts, entries });
+            // `_mark_upper`'s key of the directory: its resolved components joined
+            let resolved: Vec<Vec<u8>> = t.get_item(2)?.extract()?;
+            let resolved = resolved.join(&b'/');
+            self.last = Some(LastDir {
+                parts,
+                entries,
+                resolved,
+            });
         }
         Ok(self.last.as_ref())
     }
@@ -341,6 +356,11 @@ impl Placer {
             return Ok(false);
         };
         let entries = entries.bind(py).clone();
+        let last_resolved = if call.upper.is_some() {
+            last.resolved.clone()
+        } else {
+            Vec::new()
+        };
         let key = PyBytes::new(py, name);
         if entries.contains(&key)? {
             return Ok(false);
@@ -390,6 +410,25 @@ impl Placer {
         inode.setattr(intern!(py, "_times"), PyBytes::new(py, &times))?;
         inode.setattr(intern!(py, "ino"), self.zero.bind(py))?;
         inode.setattr(intern!(py, "_payload"), payload)?;
+        if let Some(upper) = &call.upper {
+            // `LayerContext._mark_upper`: the path and its ancestors, as far as they are new
+            let mut path = last_resolved;
+            if !path.is_empty() {
+                path.push(b'/');
+            }
+            path.extend_from_slice(name);
+            while !path.is_empty() {
+                let k = PyBytes::new(py, &path);
+                if upper.contains(&k)? {
+                    break;
+                }
+                if let Some(changes) = &call.changes {
+                    changes.append(PyTuple::new(py, [upper.as_any(), k.as_any()])?)?;
+                }
+                upper.add(&k)?;
+                path.truncate(path.iter().rposition(|&b| b == b'/').unwrap_or(0));
+            }
+        }
         if let Some(changes) = &call.changes {
             let undo = PyTuple::new(py, [entries.as_any(), key.as_any(), &py.None().into_bound(py)])?;
             changes.append(undo)?;
