@@ -2,7 +2,8 @@
 //! (`sources/tar.py`'s `_place_member` and `LayerContext.place`, kept as the reference and
 //! for every other member): a plain regular file, directory or symlink (no xattrs, no `..`
 //! in its path, not a whiteout) whose directory is the one `place` resolved last
-//! (`LayerContext._last_dir`) and whose name is new there (in OCI layers, its path is added
+//! (`LayerContext._last_dir`), or a path of plain directories (which becomes `_last_dir`, as
+//! `place` makes it), and whose name is new there (in OCI layers, its path is added
 //! to `LayerContext.upper` as `_mark_upper` adds it). Its `Inode` is made as
 //! `tree.Inode.__init__` makes it (the slots set through the Python API: `_meta` shared
 //! through `tree._SHARED_META`, `_times` packed as `tree._pack_times` packs them), small
@@ -250,6 +251,49 @@ impl Placer {
         Ok(self.last.as_ref())
     }
 
+    /// `LayerContext._resolve_dir`'s fast path, as `place` takes it: `dir` made of plain
+    /// directories all the way from the root, which becomes `_last_dir` (its components
+    /// given and resolved the same list). False (nothing changed): the Python path resolves
+    /// it (symlinks, missing directories, a file in the way).
+    fn resolve_plain(&mut self, py: Python<'_>, call: &Call<'_>, dir: &[&[u8]]) -> PyResult<bool> {
+        let dir_kind = self.kinds[1].bind(py);
+        let is_dir = |node: &Bound<'_, PyAny>| -> PyResult<bool> {
+            Ok(node
+                .getattr(intern!(py, "_meta"))?
+                .cast::<PyTuple>()?
+                .get_item(0)?
+                .is(dir_kind))
+        };
+        let mut node = call.tree.getattr(intern!(py, "root"))?;
+        if !is_dir(&node)? {
+            return Ok(false);
+        }
+        let names = PyList::empty(py);
+        for comp in dir {
+            let name = PyBytes::new(py, comp);
+            let entries = node.getattr(intern!(py, "_payload"))?.cast_into::<PyDict>()?;
+            let Some(child) = entries.get_item(&name)? else {
+                return Ok(false);
+            };
+            if !is_dir(&child)? {
+                return Ok(false);
+            }
+            names.append(name)?;
+            node = child;
+        }
+        let entries = node.getattr(intern!(py, "_payload"))?.cast_into::<PyDict>()?;
+        call.ctx.setattr(
+            intern!(py, "_last_dir"),
+            PyTuple::new(py, [names.as_any(), &node, names.as_any()])?,
+        )?;
+        self.last = Some(LastDir {
+            parts: dir.iter().map(|c| c.to_vec()).collect(),
+            entries: Some(entries.unbind()),
+            resolved: dir.join(&b'/'),
+        });
+        Ok(true)
+    }
+
     /// The shared `_meta` tuple for these values (`tree._meta` without xattrs).
     fn meta<'py>(&mut self, py: Python<'py>, kind: usize, key: MetaKey) -> PyResult<Bound<'py, PyTuple>> {
         if let Some(t) = self.metas.get(&key) {
@@ -346,12 +390,13 @@ impl Placer {
                 pending: Vec::new(),
             });
         }
-        let Some(last) = self.last_dir(py, &call.ctx)? else {
-            return Ok(false);
-        };
-        if last.parts.len() != dir.len() || last.parts.iter().zip(dir).any(|(a, b)| a.as_slice() != *b) {
+        let same = self.last_dir(py, &call.ctx)?.is_some_and(|last| {
+            last.parts.len() == dir.len() && last.parts.iter().zip(dir).all(|(a, b)| a.as_slice() == *b)
+        });
+        if !same && !self.resolve_plain(py, call, dir)? {
             return Ok(false);
         }
+        let last = self.last.as_ref().expect("the directory resolved");
         let Some(entries) = &last.entries else {
             return Ok(false);
         };
