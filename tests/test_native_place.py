@@ -210,6 +210,9 @@ def _cases() -> dict[str, bytes]:
             [_e(long_dir, D), _e(f"{long_dir}/{'n' * 255}", data=b"n" * 97)]
             + [_e(f"{long_dir}/{'s' * 255}", S, link="t" * 4095), *_files(long_dir, 3)]
         ),
+        # more set-aside content in one segment than Placer hands the side file at once
+        "many-set-aside": _tar([_e(f"s/f{i}", data=bytes([i % 251]) * 2000 + b"%d" % i)
+                                for i in range(300)]),
         "raw-owner-minus-one": regular(b"o", b"y" * 300, uid=0xFFFFFFFF, gid=0xFFFFFFFF)
         + regular(b"o2", b"z" * 30, uid=0xFFFFFFFF)
         + END,
