@@ -158,6 +158,7 @@ impl Placer {
 
     /// Place every member left in `members`, in order.
     fn place(&mut self, py: Python<'_>, members: &Bound<'_, Members>) -> PyResult<()> {
+        self.last = None; // other Python threads may have run since the last segment
         let ctx = self.ctx.bind(py).clone();
         let upper = ctx.getattr(intern!(py, "upper"))?;
         let upper = if upper.is_none() {
