@@ -65,6 +65,9 @@ from btrfs_ublk_image.tree import Blob, Content, FileType, Inode, split_path
 
 ZSTD_READ_SIZE = 1 << 14  # compressed bytes per decompress call: bounds a call's output
 NO_OWNER = 0xFFFFFFFF  # (uid_t)-1 / (gid_t)-1
+# the native reader's common members placed by the extension (``Placer``); False: all by
+# ``_place_member``, the reference the tests compare it with
+NATIVE_PLACE = True
 
 # magic bytes -> compression name
 _MAGICS: list[tuple[bytes, str]] = [
@@ -640,37 +643,33 @@ def _read_native(
     except (OSError, ValueError):
         return None
 
-    def place(members: Iterable[NativeMember]) -> None:
-        for (
-            name,
+    def place_one(member: NativeMember) -> None:
+        name, t, mode, uid, gid, mtime, atime, ctime, xattrs, link, major, minor, data = member
+        _place_member(
+            ctx,
+            opts,
+            tar_path,
+            name.decode("utf-8", "surrogateescape"),
             t,
+            link.decode("utf-8", "surrogateescape"),
             mode,
             uid,
             gid,
-            mtime,
-            atime,
-            ctime,
-            xattrs,
-            link,
             major,
             minor,
-            data,
-        ) in members:
-            _place_member(
-                ctx,
-                opts,
-                tar_path,
-                name.decode("utf-8", "surrogateescape"),
-                t,
-                link.decode("utf-8", "surrogateescape"),
-                mode,
-                uid,
-                gid,
-                major,
-                minor,
-                (mtime, atime, ctime, xattrs, None),  # ACL records: the Python reader's
-                Blob(*data) if isinstance(data, tuple) else (data or b""),
-            )
+            (mtime, atime, ctime, xattrs, None),  # ACL records: the Python reader's
+            Blob(*data) if isinstance(data, tuple) else (data or b""),
+        )
+
+    def place_all(members: Iterable[NativeMember]) -> None:
+        for member in members:
+            place_one(member)
+
+    # the common member (a plain file, directory or symlink new in the directory placed
+    # last) placed by the extension itself; every other one by ``place_one``, in order
+    place: Callable[[Iterable[NativeMember]], None] = place_all
+    if NATIVE_PLACE and hasattr(nat, "Placer"):
+        place = nat.Placer(ctx, opts.uid, opts.gid, opts.whiteouts, place_one).place
 
     # members are placed while the native side still reads (its threads leave part of the
     # second core idle); should it hand the archive back, the Python reader places them again

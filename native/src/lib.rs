@@ -10,6 +10,7 @@ mod fsitems;
 mod leaves;
 mod numbering;
 mod pack;
+mod place;
 mod stream;
 mod tar;
 
@@ -181,9 +182,55 @@ impl Pack {
 /// devmajor, devminor, content) with content None, bytes (inline) or (crc32c, size, pack,
 /// offset). Records are freed as they are taken.
 #[pyclass(unsendable)]
-struct Members {
-    segments: VecDeque<Records>,
-    next: usize, // in the first segment
+pub(crate) struct Members {
+    pub(crate) segments: VecDeque<Records>,
+    pub(crate) next: usize, // in the first segment
+}
+
+impl Members {
+    /// The first segment taken: freed, and given back to the system (the tree that grows
+    /// meanwhile is Python's, in its own arenas, which would not reuse malloc's free pages).
+    pub(crate) fn pop_front(&mut self) {
+        self.segments.pop_front();
+        self.next = 0;
+        // SAFETY: a plain libc call
+        unsafe { libc::malloc_trim(0) };
+    }
+}
+
+/// One member's tuple, as `Members` hands it over.
+pub(crate) fn member_tuple<'py>(py: Python<'py>, seg: &Records, r: &tar::Rec) -> PyResult<Bound<'py, PyTuple>> {
+    let s = |(at, n): (usize, usize)| &seg.names[at..at + n];
+    let xattrs: Bound<'py, PyAny> = if r.xattrs.1 == 0 {
+        py.None().into_bound(py)
+    } else {
+        let d = PyDict::new(py);
+        for (k, v) in &seg.xattrs[r.xattrs.0..r.xattrs.0 + r.xattrs.1] {
+            d.set_item(PyBytes::new(py, s(*k)), PyBytes::new(py, s(*v)))?;
+        }
+        d.into_any()
+    };
+    let content: Bound<'py, PyAny> = match r.content {
+        Content::None => py.None().into_bound(py),
+        Content::Inline(at, n) => PyBytes::new(py, &seg.data[at..at + n]).into_any(),
+        Content::Blob(crc, size, pack, offset) => (crc, size, pack, offset).into_pyobject(py)?.into_any(),
+    };
+    let items: Vec<Bound<'py, PyAny>> = vec![
+        PyBytes::new(py, s(r.name)).into_any(),
+        PyBytes::new(py, &[r.typ]).into_any(),
+        r.mode.into_pyobject(py)?.into_any(),
+        r.uid.into_pyobject(py)?.into_any(),
+        r.gid.into_pyobject(py)?.into_any(),
+        r.mtime_ns.into_pyobject(py)?.into_any(),
+        r.atime_ns.into_pyobject(py)?.into_any(),
+        r.ctime_ns.into_pyobject(py)?.into_any(),
+        xattrs,
+        PyBytes::new(py, s(r.link)).into_any(),
+        r.devmajor.into_pyobject(py)?.into_any(),
+        r.devminor.into_pyobject(py)?.into_any(),
+        content,
+    ];
+    PyTuple::new(py, items)
 }
 
 #[pymethods]
@@ -198,49 +245,14 @@ impl Members {
 
     fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyTuple>>> {
         while self.segments.front().is_some_and(|s| self.next >= s.recs.len()) {
-            self.segments.pop_front(); // taken: freed
-            self.next = 0;
-            // and given back to the system: the tree that grows meanwhile is Python's
-            // (its own arenas), which would not reuse malloc's free pages
-            // SAFETY: a plain libc call
-            unsafe { libc::malloc_trim(0) };
+            self.pop_front();
         }
         let Some(seg) = self.segments.front() else {
             return Ok(None);
         };
         let r = &seg.recs[self.next];
         self.next += 1;
-        let s = |(at, n): (usize, usize)| &seg.names[at..at + n];
-        let xattrs: Bound<'py, PyAny> = if r.xattrs.1 == 0 {
-            py.None().into_bound(py)
-        } else {
-            let d = PyDict::new(py);
-            for (k, v) in &seg.xattrs[r.xattrs.0..r.xattrs.0 + r.xattrs.1] {
-                d.set_item(PyBytes::new(py, s(*k)), PyBytes::new(py, s(*v)))?;
-            }
-            d.into_any()
-        };
-        let content: Bound<'py, PyAny> = match r.content {
-            Content::None => py.None().into_bound(py),
-            Content::Inline(at, n) => PyBytes::new(py, &seg.data[at..at + n]).into_any(),
-            Content::Blob(crc, size, pack, offset) => (crc, size, pack, offset).into_pyobject(py)?.into_any(),
-        };
-        let items: Vec<Bound<'py, PyAny>> = vec![
-            PyBytes::new(py, s(r.name)).into_any(),
-            PyBytes::new(py, &[r.typ]).into_any(),
-            r.mode.into_pyobject(py)?.into_any(),
-            r.uid.into_pyobject(py)?.into_any(),
-            r.gid.into_pyobject(py)?.into_any(),
-            r.mtime_ns.into_pyobject(py)?.into_any(),
-            r.atime_ns.into_pyobject(py)?.into_any(),
-            r.ctime_ns.into_pyobject(py)?.into_any(),
-            xattrs,
-            PyBytes::new(py, s(r.link)).into_any(),
-            r.devmajor.into_pyobject(py)?.into_any(),
-            r.devminor.into_pyobject(py)?.into_any(),
-            content,
-        ];
-        Ok(Some(PyTuple::new(py, items)?))
+        member_tuple(py, seg, r).map(Some)
     }
 }
 
@@ -617,6 +629,7 @@ impl LeafPacker {
 fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pack>()?;
     m.add_class::<Members>()?;
+    m.add_class::<place::Placer>()?;
     m.add_class::<LeafPacker>()?;
     m.add_function(wrap_pyfunction!(read_tar, m)?)?;
     m.add_function(wrap_pyfunction!(fsitems::fs_tree_items, m)?)?;

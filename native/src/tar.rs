@@ -195,7 +195,7 @@ fn checksum_ok(block: &[u8; BLOCK], chk: i64) -> bool {
     chk2 == unsigned - 256 * high
 }
 
-fn is_regular(t: u8) -> bool {
+pub(crate) fn is_regular(t: u8) -> bool {
     matches!(t, b'0' | 0 | b'7')
 }
 

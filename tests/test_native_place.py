@@ -1,0 +1,308 @@
+"""The native reader's members placed by the extension (``btrfs_ublk_native.Placer``)
+against ``_place_member`` (the reference, ``tar.NATIVE_PLACE = False``) and the Python
+reader (``BUI_NATIVE=0``): the same tree, entry by entry (names, types, modes, owners,
+times, xattrs, content and where it is kept, hardlink identity, shared metadata), the
+same image id, or the same error."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tartools import END, pax, rec, regular
+
+from btrfs_ublk_image import native, sources
+from btrfs_ublk_image.bundle import build_spec
+from btrfs_ublk_image.errors import ImageError, SourceError
+from btrfs_ublk_image.sources import tar as tar_source
+from btrfs_ublk_image.spec import load_spec
+from btrfs_ublk_image.tree import _SHARED_META, Blob, FileType, Tree, _SetAside
+
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(
+        native.module() is None or not hasattr(native.module(), "Placer"),
+        reason="native extension (with Placer) not built",
+    ),
+]
+
+_serial = itertools.count()
+Snapshot = list[tuple[Any, ...]]
+
+
+def snapshot(tree: Tree) -> Snapshot:
+    """Every entry of ``tree`` as comparable values, in walk order."""
+    first: dict[int, bytes] = {}
+    out: Snapshot = []
+    for path, node in tree.walk():
+        t, mode, uid, gid, xattrs = node.meta()
+        p = node._payload
+        payload: Any
+        if type(p) is _SetAside:
+            payload = ("aside", p.offset, p.size, p.read())
+        elif t is FileType.DIR:
+            payload = "dir"
+        elif isinstance(p, Blob):
+            payload = ("blob", p.crc32c, p.size, p.pack, p.offset)
+        else:
+            payload = (type(p).__name__, p)
+        shared = xattrs is None and _SHARED_META.get(node._meta) is node._meta
+        out.append(
+            (
+                path,
+                type(t).__name__,
+                int(t),
+                mode,
+                uid,
+                gid,
+                node.times(),
+                type(node._times).__name__,
+                dict(xattrs or {}),
+                payload,
+                first.setdefault(id(node), path),  # hardlinks: the first name of the inode
+                shared,
+                node.ino,
+            )
+        )
+    return out
+
+
+def _build(tmp: Path, spec_text: str, how: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """(image id, tree snapshot, _place_member calls) of the spec built ``how`` ("python":
+    the Python reader; "reference": the native reader, every member by _place_member;
+    "native": the native reader and Placer), or 'error: MESSAGE'."""
+    tag = f"{how}{next(_serial)}"
+    spec_path = tmp / f"spec-{tag}.yaml"
+    spec_path.write_text(spec_text)
+    out = tmp / f"out-{tag}"
+    trees: list[Snapshot] = []
+    calls = [0]
+    real_sources, real_place = sources.build_sources, tar_source._place_member
+
+    def build_sources(*args: Any, **kw: Any) -> Any:
+        built = real_sources(*args, **kw)
+        trees.append(snapshot(built.tree))
+        return built
+
+    def place_member(*args: Any, **kw: Any) -> None:
+        calls[0] += 1
+        real_place(*args, **kw)
+
+    with monkeypatch.context() as m:
+        m.setenv(native.ENV, "0" if how == "python" else "1")
+        m.setattr(tar_source, "NATIVE_PLACE", how == "native")
+        m.setattr(sources, "build_sources", build_sources)
+        m.setattr(tar_source, "_place_member", place_member)
+        try:
+            result = build_spec(load_spec(spec_path), spec_path, str(out), None)
+        except (SourceError, ImageError) as e:
+            assert not out.exists(), "a failed build left its output behind"
+            return f"error: {e}", None, calls[0]
+    assert len(trees) == 1
+    return result.image_id, trees[0], calls[0]
+
+
+def _all_ways(tmp: Path, spec_text: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, ...]:
+    """The three builds' results, checked equal; returns the native one's."""
+    py = _build(tmp, spec_text, "python", monkeypatch)
+    del native.fallbacks[:]
+    ref = _build(tmp, spec_text, "reference", monkeypatch)
+    got = _build(tmp, spec_text, "native", monkeypatch)
+    assert got[0] == ref[0] == py[0]
+    assert got[1] == ref[1]
+    if py[1] is not None and not native.fallbacks:
+        assert got[1] == py[1]
+    return got + (ref[2], list(native.fallbacks))
+
+
+def _tar(entries: list[tuple[tarfile.TarInfo, bytes]], fmt: int = tarfile.PAX_FORMAT) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt, encoding="utf-8") as tf:
+        for t, data in entries:
+            tf.addfile(t, io.BytesIO(data) if data else None)
+    return buf.getvalue()
+
+
+def _e(
+    name: str,
+    kind: bytes = tarfile.REGTYPE,
+    data: bytes = b"",
+    link: str = "",
+    mode: int = 0o644,
+    uid: int = 0,
+    gid: int = 0,
+    mtime: float = 1_700_000_000,
+    pax_headers: dict[str, str] | None = None,
+) -> tuple[tarfile.TarInfo, bytes]:
+    t = tarfile.TarInfo(name)
+    t.type, t.linkname, t.mode, t.uid, t.gid, t.mtime = kind, link, mode, uid, gid, mtime
+    t.size = len(data) if kind == tarfile.REGTYPE else 0
+    if kind == tarfile.CHRTYPE:
+        t.devmajor, t.devminor = 1, 3
+    if pax_headers:
+        t.pax_headers = pax_headers
+    return t, data
+
+
+D, S, H = tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE
+
+
+def _files(prefix: str, n: int) -> Iterator[tuple[tarfile.TarInfo, bytes]]:
+    sizes = [0, 1, 95, 96, 97, 98, 300, 4095, 4096, 9000, 70_000]
+    for i in range(n):
+        size = sizes[i % len(sizes)]
+        yield _e(f"{prefix}/f{i}", data=bytes([i % 251]) * size, mode=0o600 + i % 3, uid=i % 4)
+
+
+def _cases() -> dict[str, bytes]:
+    long_dir = "d" * 200
+    return {
+        "plain": _tar(
+            [_e("a", D, mode=0o755), *_files("a", 40), _e("a/s", S, link="f1"), _e("a/b", D)]
+            + [*_files("a/b", 20), _e("a/b/sym", S, link="../f2"), _e("c", D), *_files("c", 5)]
+            + [*_files("a", 3)]  # back to a directory placed before: replaced entries
+        ),
+        "no-directories-listed": _tar([*_files("x/y/z", 30), *_files("x", 5), *_files("w", 3)]),
+        "hardlinks": _tar(
+            [*_files("h", 12), _e("h/l1", H, link="h/f3"), _e("h/l2", H, link="h/f10")]
+            + [_e("h/s", S, link="f1"), _e("h/ls", H, link="h/s"), _e("h/after", data=b"q" * 200)]
+        ),
+        "replaced": _tar(
+            [*_files("r", 6), _e("r/f1", data=b"new" * 50), _e("r/f2", D), _e("r/f2/in", data=b"i")]
+            + [_e("r/d", D), _e("r/d/x", data=b"x" * 99), _e("r/d", data=b"now a file" * 20)]
+            + [_e("r/g", data=b"g" * 100), _e("r/g", S, link="f1"), _e("r/tail", data=b"t" * 97)]
+        ),
+        "dir-metadata-updates": _tar(
+            [_e("m", D, mode=0o700, mtime=5), *_files("m", 5), _e("m", D, mode=0o751, uid=7)]
+            + [_e("m/n", D), _e("m/n", D, mode=0o711, mtime=9.5), *_files("m/n", 4)]
+            + [_e("./", D, mode=0o750, mtime=3), _e("m/tail", data=b"z" * 500)]
+        ),
+        "symlinked-dirs": _tar(
+            [_e("real", D), *_files("real", 4), _e("link", S, link="real"), *_files("link", 4)]
+            + [_e("abs", S, link="/real"), *_files("abs/deeper", 3), _e("loop", S, link="loop")]
+            + [*_files("real", 2)]
+        ),
+        "dotdot-paths": _tar(
+            [*_files("p", 3), _e("p/../q", data=b"q" * 150), _e("../../top", data=b"t" * 98)]
+            + [_e("p/./x/../y", data=b"y" * 97), _e("./p/z", data=b"z"), _e("p//w", data=b"w" * 96)]
+        ),
+        "times-owners-modes": _tar(
+            [_e("t", D)]
+            + [_e(f"t/m{i}", data=b"m" * 120, mode=m, mtime=1.5 * i) for i, m in
+               enumerate([0o4755, 0o2755, 0o1777, 0o7777, 0o000])]
+            + [_e("t/neg", data=b"n", mtime=-5), _e("t/big-owner", data=b"o" * 100, uid=1 << 30,
+                                                      gid=(1 << 32) - 2)]
+            + [_e("t/pax-times", data=b"p" * 100, pax_headers={"atime": "12.5", "ctime": "-1.25"})]
+            + [_e("t/atime-only", data=b"a", pax_headers={"atime": "7"})]
+        ),  # fmt: skip
+        "xattrs-and-specials": _tar(
+            [_e("x", D), *_files("x", 3)]
+            + [_e("x/xa", data=b"x" * 200, pax_headers={"SCHILY.xattr.user.k": "v"})]
+            + [_e("x/fifo", tarfile.FIFOTYPE), _e("x/chr", tarfile.CHRTYPE), *_files("x", 2)]
+            + [_e("x/dx", D, pax_headers={"SCHILY.xattr.user.d": "w"}), *_files("x/dx", 2)]
+        ),
+        "long-names": _tar(
+            [_e(long_dir, D), _e(f"{long_dir}/{'n' * 255}", data=b"n" * 97)]
+            + [_e(f"{long_dir}/{'s' * 255}", S, link="t" * 4095), *_files(long_dir, 3)]
+        ),
+        # more set-aside content in one segment than Placer hands the side file at once
+        "many-set-aside": _tar([_e(f"s/f{i}", data=bytes([i % 251]) * 2000 + b"%d" % i)
+                                for i in range(300)]),
+        "raw-owner-minus-one": regular(b"o", b"y" * 300, uid=0xFFFFFFFF, gid=0xFFFFFFFF)
+        + regular(b"o2", b"z" * 30, uid=0xFFFFFFFF)
+        + END,
+        "raw-pax-path": pax(rec(b"path", b"pp/named-by-pax")) + regular(b"ignored", b"x" * 100)
+        + regular(b"pp/plain", b"y" * 100)
+        + END,
+    }  # fmt: skip
+
+
+def _bad_cases() -> dict[str, bytes]:
+    return {
+        "name-too-long": _tar([*_files("a", 3), _e(f"a/{'n' * 256}", data=b"x")]),
+        "symlink-target-too-long": _tar([*_files("a", 3), _e("a/s", S, link="t" * 4096)]),
+        "empty-symlink-target": _tar([*_files("a", 3), _e("a/s", S, link="")]),
+        "hard-link-to-nothing": _tar([*_files("a", 3), _e("a/l", H, link="a/none")]),
+        "symlink-loop": _tar([_e("a", S, link="b"), _e("b", S, link="a"), *_files("a", 2)]),
+        "dir-name-too-long": _tar([*_files("a", 3), _e(f"a/{'d' * 256}/x", data=b"x")]),
+    }
+
+
+def _spec(*layers: str, epoch: bool = True) -> str:
+    head = "version: 1\nname: t\n" + ("source_date_epoch: 1\n" if epoch else "")
+    return head + "layers:\n" + "".join(f"  - {layer}\n" for layer in layers)
+
+
+@pytest.mark.parametrize("case", sorted(_cases()))
+def test_placed_natively_same_tree(
+    tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "in.tar"
+    path.write_bytes(_cases()[case])
+    image_id, tree, calls, ref_calls, fellback = _all_ways(
+        tmp_path, _spec(f"tar: {{path: {path}}}"), monkeypatch
+    )
+    assert not image_id.startswith("error"), image_id
+    assert fellback == [], fellback
+    assert tree is not None and len(tree) >= 3
+    # some members went through Placer, not _place_member
+    assert calls < ref_calls, (calls, ref_calls)
+
+
+@pytest.mark.parametrize("case", sorted(_bad_cases()))
+def test_placed_natively_same_error(
+    tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "in.tar"
+    path.write_bytes(_bad_cases()[case])
+    image_id, *_ = _all_ways(tmp_path, _spec(f"tar: {{path: {path}}}"), monkeypatch)
+    assert image_id.startswith("error: ") and str(path) in image_id, image_id
+
+
+def test_layers_owner_overrides_and_no_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Later layers replacing and adding entries; uid/gid overrides; created directories'
+    times without source_date_epoch."""
+    cases = _cases()
+    layers = []
+    for i, case in enumerate(["plain", "replaced", "no-directories-listed", "hardlinks"]):
+        path = tmp_path / f"in{i}.tar"
+        path.write_bytes(cases[case])
+        owner = ", uid: 42, gid: 4242" if i % 2 else ""
+        layers.append(f"tar: {{path: {path}{owner}}}")
+    for epoch in (True, False):
+        image_id, tree, calls, ref_calls, _ = _all_ways(
+            tmp_path, _spec(*layers, epoch=epoch), monkeypatch
+        )
+        assert not image_id.startswith("error"), image_id
+        assert calls < ref_calls, (calls, ref_calls)
+
+
+def test_oci_layers_with_whiteouts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OCI layers (whiteouts, opaque directories, the layer's own entries kept: the upper
+    set, which Placer adds to as _mark_upper does)."""
+    from ocitools import Layout, entry
+
+    layout = Layout(tmp_path / "oci")
+    lower = [entry("a/x", data=b"x" * 5000), entry("a/y", data=b"y" * 97)]
+    lower += [entry("o/in", data=b"i" * 120), entry("k", data=b"k" * 3000)]
+    upper = [entry("a/.wh.x"), entry("b", data=b"b" * 4000), entry("o/.wh..wh..opq")]
+    upper += [entry("o/new", data=b"n" * 96), entry("a/z", data=b"z" * 100)]
+    # whiteouts after this layer's own entries: they stay (they are in its upper set)
+    upper += [entry("a/w", data=b"w" * 300), entry("a/.wh.w"), entry("o/n2", data=b"2")]
+    upper += [entry("o/.wh..wh..opq"), entry("a/.wh.y")]
+    layout.tag(layout.image([lower, upper], compression="gzip"), "latest")
+    image_id, tree, calls, ref_calls, _ = _all_ways(
+        tmp_path, _spec(f"oci: {{path: {tmp_path / 'oci'}, ref: latest}}"), monkeypatch
+    )
+    assert not image_id.startswith("error"), image_id
+    assert calls < ref_calls, (calls, ref_calls)  # the upper set tracked by Placer too
+    names = [entry[0] for entry in tree]
+    assert b"/a/x" not in names and b"/a/y" not in names and b"/o/in" not in names
+    assert {b"/o/new", b"/o/n2", b"/a/w", b"/a/z"} <= set(names)
