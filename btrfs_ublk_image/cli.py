@@ -511,9 +511,10 @@ def run() -> NoReturn:
     that the imports, the spec's models and the sources ran ~60 collections) and, once
     the bundle is written and reported, the interpreter's teardown, which frees every
     module and object one by one: the process ends when nothing is left to do (output
-    flushed, atexit handlers run, no other non-daemon thread alive; else the ordinary
-    exit). A build closes every file it writes itself; the other commands keep the
-    ordinary exit, which flushes what they may leave open."""
+    flushed, atexit handlers run, no other non-daemon thread alive, no profiler or tracer
+    that writes its data after; else the ordinary exit). A build closes every file it
+    writes itself; the other commands keep the ordinary exit, which flushes what they
+    may leave open."""
     _without_pydantic_plugins()
     gc.disable()
     args = parser().parse_args()
@@ -521,6 +522,8 @@ def run() -> NoReturn:
         gc.enable()
         sys.exit(_main(args))
     rc = _main(args)
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(rc)  # a profiler or tracer (python -m cProfile -o FILE) writes its data after
     others = [t for t in threading.enumerate() if t is not threading.main_thread()]
     if any(t.is_alive() and not t.daemon for t in others):
         sys.exit(rc)

@@ -4,6 +4,7 @@ page cache (the benchmarks drop it before each build)."""
 from __future__ import annotations
 
 import json
+import pstats
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +177,12 @@ def test_the_pydantic_plugin_loader_the_program_replaces_is_what_pydantic_calls(
     from pydantic.plugin import _loader
 
     assert list(_loader.get_plugins()) == []  # the real one finds none here either
+
+
+@pytest.mark.unit
+def test_a_build_under_cprofile_ends_the_ordinary_way(tmp_path: Path) -> None:
+    # bench/build.py's profile_ours: cProfile writes its file after the module returns
+    prof = tmp_path / "build.prof"
+    cmd = [sys.executable, "-m", "cProfile", "-o", str(prof), *BUILD_HELLO[1:]]
+    subprocess.run([*cmd, "-o", str(tmp_path / "hello.bundle")], check=True, capture_output=True)
+    assert pstats.Stats(str(prof)).total_calls > 0  # type: ignore[attr-defined]
