@@ -5,8 +5,8 @@
 
 Each run is ``DIR/.venv/bin/btrfs-ublk-image build SPEC -o OUT`` in a child process; its
 wall time, user and sys CPU and peak RSS come from ``os.wait4``. The side that runs first
-alternates from pair to pair; the 1-minute load average is read after each pair. Both
-sides must print the same image id (same bytes out).
+alternates from pair to pair, after one untimed build (``--warmup``); the 1-minute load
+average is read after each pair. Both sides must print the same image id (same bytes out).
 """
 
 from __future__ import annotations
@@ -55,12 +55,15 @@ def main() -> int:
     ap.add_argument("spec", type=Path)
     ap.add_argument("--baseline", type=Path, required=True, help="the other checkout")
     ap.add_argument("--pairs", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed builds first (baseline)")
     ap.add_argument("--out", type=Path, default=Path("/var/tmp/bench-pairs.bundle"))
     ap.add_argument("--json", type=Path, help="write the samples here")
     args = ap.parse_args()
     sides = {"ours": ROOT, "base": args.baseline.resolve()}
     pairs: list[dict[str, Any]] = []
     try:
+        for _ in range(args.warmup):  # the first build after other work runs slow: not a pair's
+            run_build(sides["base"], args.spec, args.out)
         for i in range(args.pairs):
             order = ["ours", "base"] if i % 2 == 0 else ["base", "ours"]
             pair: dict[str, Any] = {"first": order[0]}
