@@ -1,3 +1,3 @@
-from btrfs_ublk_image.cli import main
+from btrfs_ublk_image.cli import run
 
-raise SystemExit(main())
+run()

@@ -4,14 +4,17 @@ push-trace | convert``."""
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import os
 import signal
 import sys
 import threading
+import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from btrfs_ublk_image import __version__
 from btrfs_ublk_image.errors import ImageError
@@ -488,8 +491,56 @@ def _terminate(signum: int, frame: object) -> None:
     raise Terminated
 
 
+def _without_pydantic_plugins() -> None:
+    """The program's spec models take no pydantic plugins. pydantic (2.14, pinned) looks
+    for them when it builds the first model, through ``pydantic.plugin._loader``, whose
+    import loads ``importlib.metadata`` (with ``email``, ``zipfile``, ``csv``...: ~12 ms of
+    CPU, and its lookup lists every ``sys.path`` directory: ~2 ms) even where
+    ``PYDANTIC_DISABLE_PLUGINS`` turns the lookup off; this loader finds none. Only in the
+    program (``run``): a process that imports this package keeps pydantic's own."""
+    loader = types.ModuleType("pydantic.plugin._loader")
+    loader.get_plugins = tuple  # type: ignore[attr-defined] # no plugins: ()
+    sys.modules.setdefault(loader.__name__, loader)
+
+
+def run() -> NoReturn:
+    """The program (``btrfs-ublk-image``, ``python -m btrfs_ublk_image``): ``main``, with
+    what only a process that ends after one command can skip (docs/benchmarks.md, "The
+    program's start and end"): pydantic's plugin lookup; for ``build``, the cyclic garbage
+    collector from the start (the build turns it off for its own part, ``bundle``; before
+    that the imports, the spec's models and the sources ran ~60 collections) and, once
+    the bundle is written and reported, the interpreter's teardown, which frees every
+    module and object one by one: the process ends when nothing is left to do (output
+    flushed, atexit handlers run, no other non-daemon thread alive, no profiler or tracer
+    that writes its data after; else the ordinary exit). A build closes every file it
+    writes itself; the other commands keep the ordinary exit, which flushes what they
+    may leave open."""
+    _without_pydantic_plugins()
+    gc.disable()
+    args = parser().parse_args()
+    if args.func is not cmd_build:
+        gc.enable()
+        sys.exit(_main(args))
+    rc = _main(args)
+    if sys.getprofile() is not None or sys.gettrace() is not None:
+        sys.exit(rc)  # a profiler or tracer (python -m cProfile -o FILE) writes its data after
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if any(t.is_alive() and not t.daemon for t in others):
+        sys.exit(rc)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:
+        sys.exit(rc)  # the ordinary exit reports it (a closed pipe: status 120)
+    atexit._run_exitfuncs()
+    os._exit(rc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    return _main(parser().parse_args(argv))
+
+
+def _main(args: argparse.Namespace) -> int:
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if on_main else None
     try:

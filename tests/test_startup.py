@@ -4,6 +4,7 @@ page cache (the benchmarks drop it before each build)."""
 from __future__ import annotations
 
 import json
+import pstats
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,87 @@ def test_build_program_prints_and_exits_with_the_command_status(tmp_path: Path) 
         again.stderr
         == f"btrfs-ublk-image: error: {out}: already exists (a bundle is never overwritten; remove it first)\n"
     )
+
+
+# the program (cli.run) with an atexit handler and an object whose __del__ only the
+# interpreter's teardown calls; it counts the cyclic collector's runs from run()'s start
+# (gc.get_stats: a gc.callbacks entry would keep the module alive past the teardown)
+RUN_PROGRAM = (
+    "import atexit, gc, os, sys\n"
+    "from btrfs_ublk_image.cli import run\n"
+    "class Torn:\n"
+    "    def __del__(self, write=os.write): write(1, b'torn down\\n')\n"
+    "kept = Torn()\n"
+    "def runs(): return sum(g['collections'] for g in gc.get_stats())\n"
+    "before = runs()\n"
+    "atexit.register(lambda: print(f'atexit ran, {runs() - before} collections', flush=True))\n"
+    "sys.argv = ['btrfs-ublk-image', *sys.argv[1:]]\n"
+    "run()\n"
+)
+
+
+@pytest.mark.unit
+def test_the_program_ends_a_build_without_teardown_and_other_commands_with_it(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "hello.bundle"
+    spec = str(ROOT / "examples/hello/spec.yaml")
+    build = subprocess.run(
+        [sys.executable, "-c", RUN_PROGRAM, "build", spec, "-o", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert build.returncode == 0, build.stderr
+    lines = build.stdout.splitlines()
+    # reported, atexit handlers run, the collector off from the start, no teardown
+    assert lines[0].startswith(f"{out}: sha256:") and lines[1:] == ["atexit ran, 0 collections"]
+    assert not [p.name for p in tmp_path.iterdir() if p.name != "hello.bundle"]  # no leftovers
+    failed = subprocess.run(
+        [sys.executable, "-c", RUN_PROGRAM, "build", spec, "-o", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert failed.returncode == 1 and "already exists" in failed.stderr
+    assert failed.stdout.splitlines() == ["atexit ran, 0 collections"]
+    inspect = subprocess.run(
+        [sys.executable, "-c", RUN_PROGRAM, "inspect", str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert inspect.returncode == 0, inspect.stderr
+    # the ordinary exit: the teardown calls __del__ after the atexit handlers
+    assert inspect.stdout.splitlines()[-2:-1][0].startswith("atexit ran")
+    assert inspect.stdout.splitlines()[-1] == "torn down"
+
+
+@pytest.mark.unit
+def test_the_pydantic_plugin_loader_the_program_replaces_is_what_pydantic_calls() -> None:
+    # cli._without_pydantic_plugins stands in for pydantic.plugin._loader (pydantic is
+    # pinned): pydantic must still call its get_plugins() and take () as "none"
+    code = (
+        "import sys\n"
+        "from btrfs_ublk_image import cli\n"
+        "cli._without_pydantic_plugins()\n"
+        "from btrfs_ublk_image.spec import load_spec\n"
+        "load_spec(sys.argv[1])\n"
+        "assert 'importlib.metadata' not in sys.modules\n"
+        "import pydantic.plugin._schema_validator as v, inspect\n"
+        "assert 'get_plugins()' in inspect.getsource(v.create_schema_validator)\n"
+    )
+    spec = str(ROOT / "examples/hello/spec.yaml")
+    subprocess.run([sys.executable, "-c", code, spec], check=True)
+    from pydantic.plugin import _loader
+
+    assert list(_loader.get_plugins()) == []  # the real one finds none here either
+
+
+@pytest.mark.unit
+def test_a_build_under_cprofile_ends_the_ordinary_way(tmp_path: Path) -> None:
+    # bench/build.py's profile_ours: cProfile writes its file after the module returns
+    prof = tmp_path / "build.prof"
+    cmd = [sys.executable, "-m", "cProfile", "-o", str(prof), *BUILD_HELLO[1:]]
+    subprocess.run([*cmd, "-o", str(tmp_path / "hello.bundle")], check=True, capture_output=True)
+    assert pstats.Stats(str(prof)).total_calls > 0  # type: ignore[attr-defined]

@@ -1,0 +1,108 @@
+"""Alternating pairs of whole builds: this checkout's command against another checkout's
+(each in its own venv), warm page cache, ``rm -rf OUT; sync; sleep 1`` before each run.
+
+    .venv/bin/python -m bench.pairs SPEC --baseline DIR [--pairs 10] [--json OUT.json]
+
+Each run is ``DIR/.venv/bin/btrfs-ublk-image build SPEC -o OUT`` in a child process; its
+wall time, user and sys CPU and peak RSS come from ``os.wait4``. The side that runs first
+alternates from pair to pair, after one untimed build (``--warmup``); the 1-minute load
+average is read after each pair. Both sides must print the same image id (same bytes out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_build(checkout: Path, spec: Path, out: Path) -> dict[str, Any]:
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run(["sync"], check=True)
+    time.sleep(1)
+    cmd = [str(checkout / ".venv/bin/btrfs-ublk-image"), "build", str(spec), "-o", str(out)]
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, ru = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    assert proc.stdout is not None and proc.stderr is not None
+    stdout, stderr = proc.stdout.read().decode(), proc.stderr.read().decode()
+    proc.stdout.close()
+    proc.stderr.close()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)}: exit {proc.returncode}\n{stderr}")
+    return {
+        "wall_s": round(wall, 4),
+        "user_s": round(ru.ru_utime, 3),
+        "sys_s": round(ru.ru_stime, 3),
+        "maxrss_kib": ru.ru_maxrss,
+        "image_id": stdout.split(": ")[1],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("spec", type=Path)
+    ap.add_argument("--baseline", type=Path, required=True, help="the other checkout")
+    ap.add_argument("--pairs", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed builds first (baseline)")
+    ap.add_argument("--out", type=Path, default=Path("/var/tmp/bench-pairs.bundle"))
+    ap.add_argument("--json", type=Path, help="write the samples here")
+    args = ap.parse_args()
+    sides = {"ours": ROOT, "base": args.baseline.resolve()}
+    pairs: list[dict[str, Any]] = []
+    try:
+        for _ in range(args.warmup):  # the first build after other work runs slow: not a pair's
+            run_build(sides["base"], args.spec, args.out)
+        for i in range(args.pairs):
+            order = ["ours", "base"] if i % 2 == 0 else ["base", "ours"]
+            pair: dict[str, Any] = {"first": order[0]}
+            for side in order:
+                pair[side] = run_build(sides[side], args.spec, args.out)
+            pair["load_1min_after"] = os.getloadavg()[0]
+            if pair["ours"]["image_id"] != pair["base"]["image_id"]:
+                raise SystemExit(f"image ids differ: {pair}")
+            pairs.append(pair)
+            print(
+                f"pair {i + 1}: ours {pair['ours']['wall_s']:.3f} s,"
+                f" base {pair['base']['wall_s']:.3f} s, load {pair['load_1min_after']:.2f}",
+                file=sys.stderr,
+            )
+    finally:
+        shutil.rmtree(args.out, ignore_errors=True)
+    summary = {
+        side: {
+            k: statistics.median(p[side][k] for p in pairs)
+            for k in ("wall_s", "user_s", "sys_s", "maxrss_kib")
+        }
+        for side in sides
+    }
+    summary["ours_faster_in"] = sum(p["ours"]["wall_s"] < p["base"]["wall_s"] for p in pairs)
+    summary["load_1min"] = [
+        min(p["load_1min_after"] for p in pairs),
+        max(p["load_1min_after"] for p in pairs),
+    ]
+    doc = {
+        "spec": str(args.spec),
+        "baseline": str(sides["base"]),
+        "pairs": pairs,
+        "medians": summary,
+    }
+    print(json.dumps(summary, indent=1))
+    if args.json is not None:
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
