@@ -1067,14 +1067,11 @@ class _Metadata:
         )
 
     def extent_tree_plan(
-        self,
-        chunks: list[Chunk],
-        used: dict[int, int],
-        blocks: list[tuple[int, int, int]],
-        breaks: Breaks | None,
+        self, chunks: list[Chunk], blocks: list[tuple[int, int, int]], breaks: Breaks | None
     ) -> BlockPlan:
         """``plan_items`` of the extent tree's items (``blocks``: (bytenr, level, owner) of every
-        tree block; ``used``: chunk logical -> bytes used): the data extents' merged with
+        tree block; a block group item's size does not depend on its bytes used): the data
+        extents' merged with
         ``block_items``, without making the data extents' items (keyed data refs with a
         stand-in offset, see ``_DataExtentItems.sizes``)."""
         others = self.block_item_sizes(chunks, blocks)
@@ -1418,7 +1415,7 @@ def _write_image(
         }
         new = dict(plans)
         new[d.EXTENT_TREE_OBJECTID] = meta.extent_tree_plan(
-            chunks, used, blocks, breaks(d.EXTENT_TREE_OBJECTID)
+            chunks, blocks, breaks(d.EXTENT_TREE_OBJECTID)
         )
         for tree_id in _ADDRESS_DEPENDENT:
             new[tree_id] = plan_items(_sizes(items[tree_id]), breaks(tree_id))

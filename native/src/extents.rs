@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::blocks::LeafBlocks;
-use crate::leaves::{Key, Packer, Split};
+use crate::leaves::{raw_crc32c, Key, Packer, Split};
 
 const EXTENT_ITEM_KEY: u8 = 168;
 const EXTENT_DATA_REF_KEY: u8 = 178;
@@ -25,11 +25,6 @@ const DATA_REF_SIZE: usize = 28;
 const MAX_EXTENT_ITEM_SIZE: usize = (crate::leaves::LEAF_DATA_SIZE >> 4) - crate::leaves::ITEM_SIZE;
 /// refs an EXTENT_ITEM holds inline (`writer._INLINE_ROOM`)
 const INLINE_ROOM: usize = (MAX_EXTENT_ITEM_SIZE - EXTENT_HEAD_SIZE) / INLINE_DATA_REF_SIZE;
-
-/// The kernel's `crc32c(seed, data)`: no inversion before or after.
-fn raw_crc32c(seed: u32, data: &[u8]) -> u32 {
-    !crc32c::crc32c_append(!seed, data)
-}
 
 /// `hash_extent_data_ref` (`ondisk.extent_data_ref_hash`): a keyed EXTENT_DATA_REF's key
 /// offset, and the order of inline ones.

@@ -37,15 +37,20 @@ pub const FILE_EXTENT_ITEM_SIZE: usize = 53;
 const FILE_EXTENT_INLINE: u8 = 0;
 const FILE_EXTENT_REG: u8 = 1;
 
-/// `btrfs_name_hash`: a DIR_ITEM's key offset (crc32c seeded with ~1, not inverted after).
-pub fn name_hash(name: &[u8]) -> u64 {
-    (crc32c::crc32c_append(1, name) ^ 0xFFFF_FFFF) as u64
+/// The kernel's `crc32c(seed, data)`: no inversion before or after (the key hashes below
+/// and `extents::extent_data_ref_hash`).
+pub(crate) fn raw_crc32c(seed: u32, data: &[u8]) -> u32 {
+    !crc32c::crc32c_append(!seed, data)
 }
 
-/// `btrfs_extref_hash`: an INODE_EXTREF's key offset (the kernel's crc32c, no inversions,
-/// seeded with the parent's low 32 bits).
+/// `btrfs_name_hash`: a DIR_ITEM's key offset (crc32c seeded with ~1).
+pub fn name_hash(name: &[u8]) -> u64 {
+    raw_crc32c(!1, name) as u64
+}
+
+/// `btrfs_extref_hash`: an INODE_EXTREF's key offset (seeded with the parent's low 32 bits).
 pub fn extref_hash(parent: u64, name: &[u8]) -> u64 {
-    !crc32c::crc32c_append(!(parent as u32), name) as u64
+    raw_crc32c(parent as u32, name) as u64
 }
 
 /// struct btrfs_dir_item (a DIR_ITEM, DIR_INDEX or XATTR_ITEM's data): the location
