@@ -168,7 +168,9 @@ class PackWriter:
         # by _ExtentSink): the native pack does neither
         if nat is not None and base is None and compression != "btrfs-zstd":
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-            self.core = nat.Pack(fd, chunk_size)
+            # streamed content with O_DIRECT (pack.rs), not where the pack is read back
+            # whole right after (zstd rewrites every chunk: from the page cache)
+            self.core = nat.Pack(fd, chunk_size, compression == "none")
         # read back only with pread on its fd (hashing, dedup): a BufferedWriter on an O_RDWR
         # fd, as a BufferedRandom would lseek(2) (and release the GIL) after every flush
         if self.core is None:

@@ -5,6 +5,7 @@
 //! back compact member records.
 
 mod blocks;
+mod direct;
 mod extents;
 mod fsitems;
 mod leaves;
@@ -51,13 +52,15 @@ impl Pack {
 
 #[pymethods]
 impl Pack {
-    /// Writes to `fd` (taken over: closed with the pack), an empty file.
+    /// Writes to `fd` (taken over: closed with the pack), an empty file; `direct`: a layer's
+    /// streamed content with O_DIRECT where the filesystem takes it (pack.rs).
     #[new]
-    fn new(fd: i32, chunk_size: u64) -> Self {
+    #[pyo3(signature = (fd, chunk_size, direct = true))]
+    fn new(fd: i32, chunk_size: u64, direct: bool) -> Self {
         // SAFETY: the caller hands the fd over (os.dup of its own)
         let file = unsafe { File::from_raw_fd(fd) };
         Pack {
-            core: Some(PackCore::new(file, chunk_size)),
+            core: Some(PackCore::new(file, chunk_size, direct)),
         }
     }
 

@@ -20,6 +20,7 @@ use std::thread::JoinHandle;
 
 use sha2::{Digest, Sha256};
 
+use crate::direct::{Aligned, Direct, ALIGN, BLOCK};
 use crate::stream::{Buf, Pool, Span};
 
 const COMPARE_STEP: usize = 1 << 20;
@@ -278,6 +279,12 @@ pub struct PackCore {
     gathering: bool,
     gathered: Vec<u8>,
     gathered_at: u64,
+    /// streamed content's O_DIRECT writer (None: every write is buffered)
+    direct: Option<Direct>,
+    /// while content streams in a layer's native read: the block it is copied into, its
+    /// file offset (a multiple of `ALIGN`) and how many bytes it holds; the pack's bytes
+    /// from there to `size` are in it, the full blocks before it written or queued
+    staged: Option<(u64, Aligned, usize)>,
     /// time the writer waited for the hasher to take a batch (`BUI_NATIVE_TIMES`)
     pub hash_wait: std::time::Duration,
 }
@@ -288,8 +295,10 @@ pub enum Put {
 }
 
 impl PackCore {
-    pub fn new(file: File, chunk_size: u64) -> PackCore {
+    /// `direct`: streamed content is written with O_DIRECT where the filesystem takes it.
+    pub fn new(file: File, chunk_size: u64, direct: bool) -> PackCore {
         let file = Arc::new(file);
+        let direct = if direct { Direct::open(&file) } else { None };
         let hasher = Hasher::new(chunk_size);
         let flusher = Flusher::new(Arc::clone(&file));
         PackCore {
@@ -313,6 +322,8 @@ impl PackCore {
             gathering: false,
             gathered: Vec::new(),
             gathered_at: 0,
+            direct,
+            staged: None,
             hash_wait: std::time::Duration::ZERO,
         }
     }
@@ -396,8 +407,10 @@ impl PackCore {
         Ok(())
     }
 
-    /// The gathered bytes written to the file (before anything reads the file by its fd).
+    /// The gathered and staged bytes written to the file (before anything reads the file by
+    /// its fd).
     pub fn write_gathered(&mut self) -> io::Result<()> {
+        self.unstage()?;
         if !self.gathered.is_empty() {
             self.file.write_all_at(&self.gathered, self.gathered_at)?;
             self.gathered.clear();
@@ -416,11 +429,72 @@ impl PackCore {
         self.gathering = false;
         self.write_gathered()?;
         self.gathered = Vec::new();
+        if let Some(d) = &mut self.direct {
+            d.release_memory();
+        }
         Ok(())
+    }
+
+    /// Streamed bytes of a layer's native read go through an aligned block to the O_DIRECT
+    /// writer (not where O_DIRECT was refused).
+    fn staging(&self) -> bool {
+        self.gathering && self.direct.as_ref().is_some_and(|d| !d.refused())
+    }
+
+    /// `data` appended through the staged block (started at the aligned offset at or below
+    /// the pack's end, its first bytes read back from the file); each full block queued.
+    fn stage(&mut self, mut data: &[u8]) -> io::Result<()> {
+        let Some(direct) = &mut self.direct else {
+            return Err(io::Error::other("the pack has no direct writer"));
+        };
+        let (mut at, mut block, mut fill) = match self.staged.take() {
+            Some(s) => s,
+            None => {
+                // gathered bytes are written first (the head below may lie in them)
+                let at = self.size & !(ALIGN - 1);
+                let fill = (self.size - at) as usize;
+                let mut block = direct.block()?;
+                pread_exact(self.file.as_raw_fd(), &mut block.bytes_mut()[..fill], at)?;
+                (at, block, fill)
+            }
+        };
+        while !data.is_empty() {
+            let n = (BLOCK - fill).min(data.len());
+            block.bytes_mut()[fill..fill + n].copy_from_slice(&data[..n]);
+            fill += n;
+            data = &data[n..];
+            self.size += n as u64;
+            if fill == BLOCK {
+                direct.submit(at, block)?;
+                block = direct.block()?;
+                at += BLOCK as u64;
+                fill = 0;
+            }
+        }
+        self.staged = Some((at, block, fill));
+        Ok(())
+    }
+
+    /// The staged bytes on file: the queued blocks written, the partial one through the
+    /// buffered fd (the pack's page cache then holds the end the next append joins).
+    fn unstage(&mut self) -> io::Result<()> {
+        let staged = self.staged.take();
+        let Some(direct) = &mut self.direct else {
+            return Ok(());
+        };
+        // every queued block, also after a failed append (a rollback truncates next)
+        let drained = direct.drain();
+        let Some((at, block, fill)) = staged else {
+            return drained;
+        };
+        let tail = drained.and_then(|()| self.file.write_all_at(&block.bytes()[..fill], at));
+        direct.recycle(block);
+        tail
     }
 
     /// Are the bytes of `spans` equal to as many bytes at `loc`?
     fn same_as_spans(&mut self, loc: Loc, spans: &[Span]) -> io::Result<bool> {
+        self.unstage()?;
         let mut at = loc.1;
         let mut scratch = std::mem::take(&mut self.scratch);
         for span in spans {
@@ -444,6 +518,7 @@ impl PackCore {
 
     /// Are two ranges of packs equal?
     pub fn same_ranges(&mut self, a: Loc, b: Loc, size: u64) -> io::Result<bool> {
+        self.unstage()?;
         let (mut sa, mut sb) = (std::mem::take(&mut self.scratch), std::mem::take(&mut self.scratch2));
         let mut done = 0u64;
         let mut same = Ok(true);
@@ -474,6 +549,7 @@ impl PackCore {
         let size: u64 = spans.iter().map(|s| (s.end - s.start) as u64).sum();
         self.bytes_in += size;
         let key = size << 32 | crc as u64;
+        self.unstage()?;
         if dedupe {
             for loc in self.candidates(key) {
                 if self.same_as_spans(loc, spans)? {
@@ -514,10 +590,17 @@ impl PackCore {
 
     /// Streamed content: append a piece of a shared block.
     pub fn write_span(&mut self, span: Span) -> io::Result<()> {
-        self.write_gathered()?;
-        let data = span.bytes();
-        self.file.write_all_at(data, self.size)?;
-        self.size += data.len() as u64;
+        if self.staging() {
+            if !self.gathered.is_empty() {
+                self.write_gathered()?;
+            }
+            self.stage(span.bytes())?;
+        } else {
+            self.write_gathered()?;
+            let data = span.bytes();
+            self.file.write_all_at(data, self.size)?;
+            self.size += data.len() as u64;
+        }
         self.hash_later(span);
         Ok(())
     }
@@ -577,6 +660,7 @@ impl PackCore {
     pub fn end_stream(&mut self, mark: Mark, size: u64, crc: u32, dedupe: bool) -> io::Result<Put> {
         let start = mark.size;
         let key = size << 32 | crc as u64;
+        self.unstage()?;
         if dedupe {
             for loc in self.candidates(key) {
                 if self.same_ranges(loc, (0, start), size)? {
@@ -671,6 +755,9 @@ impl PackCore {
     /// All chunks hashed, the file synced: the chunk digests.
     pub fn finish(&mut self) -> io::Result<Vec<[u8; 32]>> {
         self.write_gathered()?;
+        if let Some(d) = &mut self.direct {
+            d.stop();
+        }
         self.hand_over(true);
         self.flusher.stop();
         let sums = self.hasher.finish()?;
@@ -679,6 +766,10 @@ impl PackCore {
     }
 
     pub fn abort(&mut self) {
+        self.staged = None;
+        if let Some(d) = &mut self.direct {
+            d.stop();
+        }
         self.gathered.clear();
         self.pending.clear();
         self.flusher.stop();
@@ -751,7 +842,7 @@ mod tests {
     fn gathered_bytes_are_read_back_before_they_are_written() {
         let mut rng = Rng(7);
         let (path, file) = temp_pack("gather");
-        let mut core = PackCore::new(file, 1 << 20);
+        let mut core = PackCore::new(file, 1 << 20, true);
         core.begin_layer();
         let big = rng.bytes(GATHER_MAX + 1000); // written at once
         let small = rng.bytes(3000); // gathered
@@ -800,7 +891,7 @@ mod tests {
             let mut rng = Rng(seed * 0x9e37_79b9_7f4a_7c15);
             let chunk = [4096u64, 1000, 1 << 20][(seed % 3) as usize];
             let (path, file) = temp_pack(&format!("test-{seed}"));
-            let mut core = PackCore::new(file, chunk);
+            let mut core = PackCore::new(file, chunk, seed % 3 != 0);
             if seed % 2 == 1 {
                 core.begin_layer(); // small content gathered, the rest as Python appends
             }
@@ -864,6 +955,80 @@ mod tests {
             assert_eq!(all.len() as u64, size);
             let expect: Vec<[u8; 32]> = all.chunks(chunk as usize).map(|c| Sha256::digest(c).into()).collect();
             assert_eq!(digests, expect, "seed {seed}, chunk {chunk}");
+        }
+    }
+
+    /// Streamed content through the O_DIRECT blocks (as the filesystem takes them, and
+    /// where the writes are refused): the file holds every byte appended, in order, through
+    /// streams that span blocks, duplicates found after they went to disk (rolled back,
+    /// the next stream starting inside a written block), small content gathered between
+    /// streams, a failed stream and a whole layer rolled back; the chunk digests match.
+    #[test]
+    fn streamed_content_through_direct_blocks() {
+        for refuse in [false, true] {
+            let mut rng = Rng(if refuse { 11 } else { 5 });
+            let (path, file) = temp_pack(&format!("direct-{refuse}"));
+            let mut core = PackCore::new(file, 1 << 20, true);
+            if refuse {
+                core.direct = Some(Direct::refusing(&core.file));
+            }
+            assert!(core.direct.is_some(), "this test's filesystem takes O_DIRECT");
+            core.begin_layer();
+            let mut all: Vec<u8> = Vec::new();
+            let stream = |core: &mut PackCore, data: &[u8], rng: &mut Rng| {
+                let mark = core.begin_stream();
+                let mut at = 0;
+                while at < data.len() {
+                    let n = (1 + rng.below(300_000) as usize).min(data.len() - at);
+                    core.write_span(shared(&data[at..at + n])).unwrap();
+                    at += n;
+                }
+                core.end_stream(mark, data.len() as u64, crc(data), true).unwrap()
+            };
+            let big = rng.bytes(3 * BLOCK + 12_345);
+            let small = rng.bytes(777);
+            for data in [&small, &big, &small] {
+                let put = if data.len() > 1000 {
+                    stream(&mut core, data, &mut rng)
+                } else {
+                    core.put(&[shared(data)], crc(data), true).unwrap()
+                };
+                if let Put::New(_) = put {
+                    all.extend_from_slice(data);
+                }
+            }
+            // a duplicate of the streamed content: compared with what went to disk, rolled back
+            let put = stream(&mut core, &big, &mut rng);
+            assert!(matches!(put, Put::Dup((0, 777))), "{refuse}");
+            assert_eq!(core.size, all.len() as u64);
+            // the next stream starts inside a block written before the rollback
+            let other = rng.bytes(BLOCK + 5);
+            assert!(matches!(stream(&mut core, &other, &mut rng), Put::New(_)));
+            all.extend_from_slice(&other);
+            // a stream that fails after full blocks were queued: rolled back
+            let mark = core.begin_stream();
+            core.write_span(shared(&rng.bytes(2 * BLOCK + 3))).unwrap();
+            core.rollback(mark).unwrap();
+            // a layer rolled back whole after streams went to disk
+            let layer = core.mark();
+            let gone = rng.bytes(2 * BLOCK);
+            assert!(matches!(stream(&mut core, &gone, &mut rng), Put::New(_)));
+            core.rollback(layer).unwrap();
+            let last = rng.bytes(BLOCK / 2);
+            assert!(matches!(stream(&mut core, &last, &mut rng), Put::New(_)));
+            all.extend_from_slice(&last);
+            core.end_layer().unwrap();
+            let queued = core.direct.as_ref().map_or(0, |d| d.queued);
+            // refused: the first block went through the buffered fd, the rest never staged
+            let want = if refuse { BLOCK as u64 } else { 6 * BLOCK as u64 };
+            assert!(queued >= want && (!refuse || queued == want), "{queued}");
+            assert_eq!(core.direct.as_ref().unwrap().refused(), refuse);
+            let digests = core.finish().unwrap();
+            let file = std::fs::read(&path).unwrap();
+            std::fs::remove_file(&path).unwrap();
+            assert!(file == all, "refuse {refuse}: the file differs");
+            let expect: Vec<[u8; 32]> = all.chunks(1 << 20).map(|c| Sha256::digest(c).into()).collect();
+            assert_eq!(digests, expect);
         }
     }
 }

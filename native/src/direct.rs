@@ -1,0 +1,263 @@
+//! O_DIRECT writes of pack 0's streamed content (members larger than `pack::MEM_MAX`, most
+//! of a pack's bytes where there are large files): the bytes are copied into page-aligned
+//! blocks and each full block is written from there by a thread of its own, with `O_DIRECT`
+//! on a second open of the pack. A buffered write's kernel side (page-cache folios
+//! allocated and copied into, ext4's delayed allocation, the write-back later) cost the
+//! synthetic set's build more CPU than the copy into a block that is reused while it is
+//! still in the CPU's caches (docs/benchmarks.md, "Pack writes without the page cache").
+//!
+//! Only full aligned blocks go this way; the staged block's partial end is written through
+//! the buffered fd when the stream ends (`PackCore::unstage`), so small content, and with
+//! it nearly every dedup compare, still reads the pack from the page cache. Where the
+//! filesystem refuses `O_DIRECT` (the open fails, or the first write is refused with
+//! EINVAL) every block is written through the buffered fd instead.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, sync_channel, Receiver, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// file offsets and buffers of O_DIRECT writes are multiples of this (4 KiB: every logical
+/// block size a Linux filesystem uses for the page cache's own I/O)
+pub const ALIGN: u64 = 4096;
+/// one write (1 MiB: as fast as larger ones on this kind of disk, `dd oflag=direct`)
+pub const BLOCK: usize = 1 << 20;
+/// blocks queued for the writer thread besides the one being filled: with `BLOCK` this
+/// bounds the staging memory (4 MiB), freed when a layer's read ends
+const DEPTH: usize = 3;
+
+/// `BLOCK` bytes of anonymous memory, page-aligned (mmap: given back to the kernel when
+/// dropped, so the staging never stays in the heap the build's later peak RSS counts).
+pub struct Aligned {
+    ptr: NonNull<u8>,
+}
+
+// SAFETY: the mapping is owned by this value alone
+unsafe impl Send for Aligned {}
+
+impl Aligned {
+    fn new() -> io::Result<Aligned> {
+        // SAFETY: a fresh private anonymous mapping
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                BLOCK,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        NonNull::new(p.cast())
+            .map(|ptr| Aligned { ptr })
+            .ok_or_else(io::Error::last_os_error)
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: BLOCK bytes mapped for as long as self lives
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), BLOCK) }
+    }
+
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as bytes, and &mut self is the only reference
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), BLOCK) }
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in new, unmapped once
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), BLOCK) };
+    }
+}
+
+/// A block written (back for reuse) and the write's error.
+type Done = (Aligned, Option<io::Error>);
+
+/// The O_DIRECT writer of one pack: blocks in, written blocks back.
+pub struct Direct {
+    tx: Option<SyncSender<(u64, Aligned)>>,
+    back: Receiver<Done>,
+    thread: Option<JoinHandle<()>>,
+    refused: Arc<AtomicBool>,
+    in_flight: usize,
+    spare: Vec<Aligned>,
+    /// bytes queued for writing (`BUI_NATIVE_TIMES`, tests)
+    pub queued: u64,
+}
+
+/// pwrite of all of `data` at `offset` (O_DIRECT writes of a block may come back short).
+fn pwrite_all(fd: RawFd, mut data: &[u8], mut offset: u64) -> io::Result<()> {
+    while !data.is_empty() {
+        // SAFETY: data is valid for its length
+        let n = unsafe { libc::pwrite(fd, data.as_ptr().cast(), data.len(), offset as i64) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(io::Error::new(io::ErrorKind::WriteZero, "pack write wrote nothing"));
+        }
+        data = &data[n as usize..];
+        offset += n as u64;
+    }
+    Ok(())
+}
+
+impl Direct {
+    /// A second open of `file` with O_DIRECT; None where the filesystem refuses it (or
+    /// /proc is not there to reopen the file by).
+    pub fn open(file: &Arc<File>) -> Option<Direct> {
+        let path = format!("/proc/self/fd/{}", file.as_raw_fd());
+        let dio = File::options()
+            .write(true)
+            .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+            .open(path)
+            .ok()?;
+        Some(Direct::start(dio, Arc::clone(file), None))
+    }
+
+    /// The writer thread: `dio` takes the blocks until it refuses one with EINVAL, then
+    /// `buffered` takes them all (`refuse`: the error every O_DIRECT write gets, in tests).
+    fn start(dio: File, buffered: Arc<File>, refuse: Option<i32>) -> Direct {
+        let (tx, rx) = sync_channel::<(u64, Aligned)>(DEPTH);
+        let (back_tx, back) = channel::<Done>();
+        let refused = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&refused);
+        let thread = std::thread::Builder::new()
+            .name("pack-direct".into())
+            .spawn(move || {
+                for (offset, block) in rx {
+                    let mut r = Err(io::Error::from_raw_os_error(libc::EINVAL));
+                    if !flag.load(Ordering::Relaxed) {
+                        r = match refuse {
+                            Some(errno) => Err(io::Error::from_raw_os_error(errno)),
+                            None => pwrite_all(dio.as_raw_fd(), block.bytes(), offset),
+                        };
+                        if matches!(&r, Err(e) if e.raw_os_error() == Some(libc::EINVAL)) {
+                            flag.store(true, Ordering::Relaxed);
+                        }
+                    }
+                    if flag.load(Ordering::Relaxed) {
+                        r = buffered.write_all_at(block.bytes(), offset);
+                    }
+                    if back_tx.send((block, r.err())).is_err() {
+                        return;
+                    }
+                }
+            })
+            .expect("spawn pack-direct");
+        Direct {
+            tx: Some(tx),
+            back,
+            thread: Some(thread),
+            refused,
+            in_flight: 0,
+            spare: Vec::new(),
+            queued: 0,
+        }
+    }
+
+    /// The filesystem refused O_DIRECT: blocks are written through the buffered fd.
+    pub fn refused(&self) -> bool {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// A block to fill: a spare one, a new one while fewer than `DEPTH` are queued, else the
+    /// next one the writer is done with.
+    pub fn block(&mut self) -> io::Result<Aligned> {
+        if let Some(b) = self.spare.pop() {
+            return Ok(b);
+        }
+        if self.in_flight < DEPTH {
+            return Aligned::new();
+        }
+        self.take_back()?;
+        self.spare
+            .pop()
+            .ok_or_else(|| io::Error::other("the pack's direct writer lost a block"))
+    }
+
+    fn take_back(&mut self) -> io::Result<()> {
+        let (block, err) = self
+            .back
+            .recv()
+            .map_err(|_| io::Error::other("the pack's direct writer thread failed"))?;
+        self.in_flight -= 1;
+        self.spare.push(block);
+        err.map_or(Ok(()), Err)
+    }
+
+    /// Queue the full `block` for writing at `offset` (a multiple of `ALIGN`).
+    pub fn submit(&mut self, offset: u64, block: Aligned) -> io::Result<()> {
+        debug_assert_eq!(offset % ALIGN, 0);
+        let tx = self
+            .tx
+            .as_ref()
+            .ok_or_else(|| io::Error::other("the pack's direct writer is stopped"))?;
+        tx.send((offset, block))
+            .map_err(|_| io::Error::other("the pack's direct writer thread failed"))?;
+        self.in_flight += 1;
+        self.queued += BLOCK as u64;
+        Ok(())
+    }
+
+    /// Every queued block written: the first error among them.
+    pub fn drain(&mut self) -> io::Result<()> {
+        let mut first = Ok(());
+        while self.in_flight > 0 {
+            let r = self.take_back();
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    pub fn recycle(&mut self, block: Aligned) {
+        self.spare.push(block);
+    }
+
+    /// The spare blocks unmapped (a layer's read is over).
+    pub fn release_memory(&mut self) {
+        self.spare.clear();
+    }
+
+    pub fn stop(&mut self) {
+        self.tx = None;
+        while self.in_flight > 0 && self.take_back().is_ok() {}
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.spare.clear();
+    }
+}
+
+impl Drop for Direct {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+#[cfg(test)]
+impl Direct {
+    /// A writer whose O_DIRECT writes are refused with EINVAL, as some filesystems do at
+    /// the first write rather than at the open (the refusal injected: this machine's
+    /// filesystems either take O_DIRECT writes or refuse the open).
+    pub fn refusing(file: &Arc<File>) -> Direct {
+        let path = format!("/proc/self/fd/{}", file.as_raw_fd());
+        let dio = File::options().write(true).open(path).expect("reopen");
+        Direct::start(dio, Arc::clone(file), Some(libc::EINVAL))
+    }
+}
