@@ -1,7 +1,8 @@
 """Alternating pairs of whole builds: this checkout's command against another checkout's
-(each in its own venv), warm page cache, ``rm -rf OUT; sync; sleep 1`` before each run.
+(each in its own venv), warm page cache, ``rm -rf OUT; sync; sleep 1`` before each run
+(``--cold``: the page cache dropped after that, ``echo 3 > /proc/sys/vm/drop_caches``; root).
 
-    .venv/bin/python -m bench.pairs SPEC --baseline DIR [--pairs 10] [--json OUT.json]
+    .venv/bin/python -m bench.pairs SPEC --baseline DIR [--pairs 10] [--cold] [--json OUT.json]
 
 Each run is ``DIR/.venv/bin/btrfs-ublk-image build SPEC -o OUT`` in a child process; its
 wall time, user and sys CPU and peak RSS come from ``os.wait4``. The side that runs first
@@ -25,10 +26,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_build(checkout: Path, spec: Path, out: Path) -> dict[str, Any]:
+def run_build(checkout: Path, spec: Path, out: Path, cold: bool = False) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
     time.sleep(1)
+    if cold:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
     cmd = [str(checkout / ".venv/bin/btrfs-ublk-image"), "build", str(spec), "-o", str(out)]
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -58,6 +61,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1, help="untimed builds first (baseline)")
     ap.add_argument("--out", type=Path, default=Path("/var/tmp/bench-pairs.bundle"))
     ap.add_argument("--json", type=Path, help="write the samples here")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before each run")
     args = ap.parse_args()
     sides = {"ours": ROOT, "base": args.baseline.resolve()}
     pairs: list[dict[str, Any]] = []
@@ -68,7 +72,7 @@ def main() -> int:
             order = ["ours", "base"] if i % 2 == 0 else ["base", "ours"]
             pair: dict[str, Any] = {"first": order[0]}
             for side in order:
-                pair[side] = run_build(sides[side], args.spec, args.out)
+                pair[side] = run_build(sides[side], args.spec, args.out, args.cold)
             pair["load_1min_after"] = os.getloadavg()[0]
             if pair["ours"]["image_id"] != pair["base"]["image_id"]:
                 raise SystemExit(f"image ids differ: {pair}")
@@ -95,6 +99,7 @@ def main() -> int:
     doc = {
         "spec": str(args.spec),
         "baseline": str(sides["base"]),
+        "page_cache": "cold" if args.cold else "warm",
         "pairs": pairs,
         "medians": summary,
     }

@@ -28,7 +28,10 @@ pub const ALIGN: u64 = 4096;
 /// one write (1 MiB: as fast as larger ones on this kind of disk, `dd oflag=direct`)
 pub const BLOCK: usize = 1 << 20;
 /// blocks queued for the writer thread besides the one being filled: with `BLOCK` this
-/// bounds the staging memory (4 MiB), freed when a layer's read ends
+/// bounds the staging memory (4 MiB), freed when a layer's read ends. A block that finds the
+/// queue full is written through the buffered fd instead (`PackCore::stage`): the parser
+/// never waits for the disk, whose write-back of those pages comes later, as before (a cold
+/// build reads the input from the same disk: waiting there made it slower)
 const DEPTH: usize = 3;
 
 /// `BLOCK` bytes of anonymous memory, page-aligned (mmap: given back to the kernel when
@@ -89,7 +92,11 @@ pub struct Direct {
     thread: Option<JoinHandle<()>>,
     refused: Arc<AtomicBool>,
     in_flight: usize,
+    /// `DEPTH` (tests: 0, every full block through the page cache)
+    pub depth: usize,
     spare: Vec<Aligned>,
+    /// the first error of a write taken back by `has_room` (reported by `drain`)
+    failed: Option<io::Error>,
     /// bytes queued for writing (`BUI_NATIVE_TIMES`, tests)
     pub queued: u64,
 }
@@ -164,7 +171,9 @@ impl Direct {
             thread: Some(thread),
             refused,
             in_flight: 0,
+            depth: DEPTH,
             spare: Vec::new(),
+            failed: None,
             queued: 0,
         }
     }
@@ -174,19 +183,13 @@ impl Direct {
         self.refused.load(Ordering::Relaxed)
     }
 
-    /// A block to fill: a spare one, a new one while fewer than `DEPTH` are queued, else the
-    /// next one the writer is done with.
+    /// A block to fill: a spare one or a new one (at most `DEPTH` + 1 are ever made: one is
+    /// filled while the others are queued).
     pub fn block(&mut self) -> io::Result<Aligned> {
-        if let Some(b) = self.spare.pop() {
-            return Ok(b);
+        match self.spare.pop() {
+            Some(b) => Ok(b),
+            None => Aligned::new(),
         }
-        if self.in_flight < DEPTH {
-            return Aligned::new();
-        }
-        self.take_back()?;
-        self.spare
-            .pop()
-            .ok_or_else(|| io::Error::other("the pack's direct writer lost a block"))
     }
 
     fn take_back(&mut self) -> io::Result<()> {
@@ -199,7 +202,19 @@ impl Direct {
         err.map_or(Ok(()), Err)
     }
 
-    /// Queue the full `block` for writing at `offset` (a multiple of `ALIGN`).
+    /// Has the writer room for another block? (The blocks it is done with taken back.)
+    pub fn has_room(&mut self) -> bool {
+        while let Ok((block, err)) = self.back.try_recv() {
+            self.in_flight -= 1;
+            self.spare.push(block);
+            if self.failed.is_none() {
+                self.failed = err;
+            }
+        }
+        self.in_flight < self.depth
+    }
+
+    /// Queue the full `block` for writing at `offset` (a multiple of `ALIGN`; `has_room`).
     pub fn submit(&mut self, offset: u64, block: Aligned) -> io::Result<()> {
         debug_assert_eq!(offset % ALIGN, 0);
         let tx = self
@@ -215,7 +230,7 @@ impl Direct {
 
     /// Every queued block written: the first error among them.
     pub fn drain(&mut self) -> io::Result<()> {
-        let mut first = Ok(());
+        let mut first = self.failed.take().map_or(Ok(()), Err);
         while self.in_flight > 0 {
             let r = self.take_back();
             if first.is_ok() {
