@@ -82,6 +82,45 @@ impl Drop for Aligned {
     }
 }
 
+/// `src` copied to `dst` (as long) with non-temporal stores where the CPU has them: the
+/// staged bytes are next read by the disk's DMA, not the CPU, so filling the caches with
+/// them (and reading each destination line in first) only cost time: the synthetic set's
+/// copy took 0.47 s of CPU with `copy_from_slice` (4.3 GB/s), evicting what the hashers read.
+/// `fence` must follow before another thread or the device reads `dst`.
+pub fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        // up to the first 16-byte aligned destination byte, and the rest after the last
+        let head = dst.as_ptr().align_offset(16).min(dst.len());
+        let body = (dst.len() - head) & !15;
+        dst[..head].copy_from_slice(&src[..head]);
+        let mut i = head;
+        while i < head + body {
+            // SAFETY: SSE2 is part of x86_64; i..i+16 lies in both slices, dst + i is
+            // 16-byte aligned (head), the load is unaligned
+            unsafe {
+                let v = _mm_loadu_si128(src.as_ptr().add(i).cast::<__m128i>());
+                _mm_stream_si128(dst.as_mut_ptr().add(i).cast::<__m128i>(), v);
+            }
+            i += 16;
+        }
+        dst[i..].copy_from_slice(&src[i..]);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    dst.copy_from_slice(src);
+}
+
+/// The non-temporal stores of `copy_streaming` made visible before what follows.
+pub fn fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is part of x86_64
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
 /// A block written (back for reuse) and the write's error.
 type Done = (Aligned, Option<io::Error>);
 

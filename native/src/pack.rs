@@ -20,7 +20,7 @@ use std::thread::JoinHandle;
 
 use sha2::{Digest, Sha256};
 
-use crate::direct::{Aligned, Direct, ALIGN, BLOCK};
+use crate::direct::{copy_streaming, fence, Aligned, Direct, ALIGN, BLOCK};
 use crate::stream::{Buf, Pool, Span};
 
 const COMPARE_STEP: usize = 1 << 20;
@@ -471,11 +471,12 @@ impl PackCore {
         };
         while !data.is_empty() {
             let n = (BLOCK - fill).min(data.len());
-            block.bytes_mut()[fill..fill + n].copy_from_slice(&data[..n]);
+            copy_streaming(&mut block.bytes_mut()[fill..fill + n], &data[..n]);
             fill += n;
             data = &data[n..];
             self.size += n as u64;
             if fill == BLOCK {
+                fence();
                 if direct.has_room() {
                     direct.submit(at, block)?;
                     block = direct.block()?;
@@ -496,6 +497,7 @@ impl PackCore {
     /// buffered fd (the pack's page cache then holds the end the next append joins).
     fn unstage(&mut self) -> io::Result<()> {
         let staged = self.staged.take();
+        fence();
         let Some(direct) = &mut self.direct else {
             return Ok(());
         };
