@@ -10,6 +10,7 @@ fsynced. Any error removes the sibling, so nothing is left at the destination.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import hashlib
 import os
@@ -198,9 +199,12 @@ def write_bundle(
         syncer.start(tmp)  # its entries
         syncer.wait()  # every file and directory on disk: only then the rename
         os.rename(tmp, out_dir)
-    except BaseException:
+    except BaseException as e:
         syncer.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            # the output's filesystem is full (a pack or meta.img write, or their fsync)
+            raise ImageError(f"{out_dir}: writing the bundle: {os.strerror(e.errno)}") from None
         raise
     finally:
         if base_image is not None:

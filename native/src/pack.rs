@@ -497,7 +497,9 @@ impl PackCore {
     /// buffered fd (the pack's page cache then holds the end the next append joins).
     fn unstage(&mut self) -> io::Result<()> {
         let staged = self.staged.take();
-        fence();
+        if staged.is_some() {
+            fence(); // the tail below is read by this thread's write
+        }
         let Some(direct) = &mut self.direct else {
             return Ok(());
         };
