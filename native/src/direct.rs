@@ -14,7 +14,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -140,27 +140,6 @@ pub struct Direct {
     pub queued: u64,
 }
 
-/// pwrite of all of `data` at `offset` (O_DIRECT writes of a block may come back short).
-fn pwrite_all(fd: RawFd, mut data: &[u8], mut offset: u64) -> io::Result<()> {
-    while !data.is_empty() {
-        // SAFETY: data is valid for its length
-        let n = unsafe { libc::pwrite(fd, data.as_ptr().cast(), data.len(), offset as i64) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        if n == 0 {
-            return Err(io::Error::new(io::ErrorKind::WriteZero, "pack write wrote nothing"));
-        }
-        data = &data[n as usize..];
-        offset += n as u64;
-    }
-    Ok(())
-}
-
 impl Direct {
     /// A second open of `file` with O_DIRECT; None where the filesystem refuses it (or
     /// /proc is not there to reopen the file by).
@@ -189,7 +168,8 @@ impl Direct {
                     if !flag.load(Ordering::Relaxed) {
                         r = match refuse {
                             Some(errno) => Err(io::Error::from_raw_os_error(errno)),
-                            None => pwrite_all(dio.as_raw_fd(), block.bytes(), offset),
+                            // a short write's rest is misaligned: EINVAL, then buffered
+                            None => dio.write_all_at(block.bytes(), offset),
                         };
                         if matches!(&r, Err(e) if e.raw_os_error() == Some(libc::EINVAL)) {
                             flag.store(true, Ordering::Relaxed);
