@@ -25,14 +25,18 @@ use std::thread::JoinHandle;
 /// file offsets and buffers of O_DIRECT writes are multiples of this (4 KiB: every logical
 /// block size a Linux filesystem uses for the page cache's own I/O)
 pub const ALIGN: u64 = 4096;
-/// one write (1 MiB: as fast as larger ones on this kind of disk, `dd oflag=direct`)
-pub const BLOCK: usize = 1 << 20;
+/// one write: each waits for the disk before the writer thread issues the next, so larger
+/// writes keep it busier while the input is read from it too (the synthetic set cold:
+/// with 1 MiB slower than buffered writes in most pairs, 2 MiB even, 4 MiB faster in 11
+/// of 12; docs/benchmarks.md)
+pub const BLOCK: usize = 4 << 20;
 /// blocks queued for the writer thread besides the one being filled: with `BLOCK` this
-/// bounds the staging memory (4 MiB), freed when a layer's read ends. A block that finds the
+/// bounds the staging memory (12 MiB), freed when a layer's read ends (3 queued, 16 MiB,
+/// took the synthetic set's peak RSS to 1,013 B per entry). A block that finds the
 /// queue full is written through the buffered fd instead (`PackCore::stage`): the parser
 /// never waits for the disk, whose write-back of those pages comes later, as before (a cold
 /// build reads the input from the same disk: waiting there made it slower)
-const DEPTH: usize = 3;
+const DEPTH: usize = 2;
 
 /// `BLOCK` bytes of anonymous memory, page-aligned (mmap: given back to the kernel when
 /// dropped, so the staging never stays in the heap the build's later peak RSS counts).
