@@ -27,8 +27,8 @@ use std::thread::JoinHandle;
 pub const ALIGN: u64 = 4096;
 /// one write: each waits for the disk before the writer thread issues the next, so larger
 /// writes keep it busier while the input is read from it too (the synthetic set cold:
-/// with 1 MiB slower than buffered writes in most pairs, 2 MiB even, 4 MiB faster in 11
-/// of 12; docs/benchmarks.md)
+/// with 1 MiB slower than buffered writes in most pairs, 2 MiB even, 4 MiB faster in 15
+/// of 18; docs/benchmarks.md)
 pub const BLOCK: usize = 4 << 20;
 /// blocks queued for the writer thread besides the one being filled: with `BLOCK` this
 /// bounds the staging memory (12 MiB), freed when a layer's read ends (3 queued, 16 MiB,
