@@ -11,6 +11,7 @@ mod leaves;
 mod numbering;
 mod pack;
 mod place;
+mod sha256x4;
 mod stream;
 mod tar;
 
