@@ -276,23 +276,8 @@ mod ni {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pack::tests::Rng;
     use sha2::{Digest, Sha256};
-
-    /// xorshift64*: reproducible test data without a dependency
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
 
     /// Cut into slices of random lengths (empty ones included), block-aligned or not.
     fn cut<'a>(data: &'a [u8], rng: &mut Rng) -> Vec<&'a [u8]> {
