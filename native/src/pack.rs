@@ -928,4 +928,50 @@ pub(crate) mod tests {
             assert_eq!(digests, expect, "seed {seed}, chunk {chunk}");
         }
     }
+
+    /// `ChunkSums` against a model (the bytes kept, with the lengths the marks saw):
+    /// spans of any length, nested marks released or rolled back (landing inside chunks
+    /// still gathered, inside complete chunks waiting for their lanes, or on a boundary),
+    /// and settles between, give sha256 of each chunk of the bytes kept.
+    #[test]
+    fn chunk_sums_match_a_model_through_nested_rollbacks() {
+        for seed in 1..=40u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let chunk = [64u64, 100, 1000, 4096, 1 << 16][(seed % 5) as usize];
+            let mut sums = ChunkSums::new(chunk);
+            let mut kept: Vec<u8> = Vec::new();
+            let mut marks: Vec<usize> = Vec::new(); // kept.len() at each open mark
+            for _ in 0..400 {
+                match rng.below(10) {
+                    0 if marks.len() < 4 => {
+                        sums.mark(marks.len());
+                        marks.push(kept.len());
+                    }
+                    1 if !marks.is_empty() => {
+                        let depth = rng.below(marks.len() as u64) as usize;
+                        sums.release(depth);
+                        marks.truncate(depth);
+                    }
+                    2 | 3 if !marks.is_empty() => {
+                        let depth = rng.below(marks.len() as u64) as usize;
+                        sums.rollback(depth);
+                        kept.truncate(marks[depth]);
+                        marks.truncate(depth);
+                    }
+                    4 => sums.hash(true),
+                    _ => {
+                        let most = [10, 300, 3 * chunk][rng.below(3) as usize];
+                        let len = 1 + rng.below(most) as usize;
+                        let data = rng.bytes(len);
+                        for span in spans_of(&data, &mut rng) {
+                            sums.update(span);
+                        }
+                        kept.extend_from_slice(&data);
+                    }
+                }
+            }
+            let expect: Vec<[u8; 32]> = kept.chunks(chunk as usize).map(|c| Sha256::digest(c).into()).collect();
+            assert_eq!(sums.finish(), expect, "seed {seed}, chunk {chunk}");
+        }
+    }
 }
