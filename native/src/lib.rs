@@ -11,6 +11,7 @@ mod leaves;
 mod numbering;
 mod pack;
 mod place;
+mod sha256x4;
 mod stream;
 mod tar;
 
@@ -373,7 +374,7 @@ fn read_tar<'py>(
 }
 
 /// The calling thread's CPU time (`BUI_NATIVE_TIMES`).
-fn thread_cpu() -> std::time::Duration {
+pub(crate) fn thread_cpu() -> std::time::Duration {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: a plain syscall filling `ts`
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
