@@ -53,7 +53,7 @@ def start_prehash(path: Path, limit: int | None = None) -> None:
     whose error names it. ``limit``: stop after that many bytes (tests)."""
     nat = module()
     key = os.path.abspath(path)
-    if nat is None or not hasattr(nat, "Prehash") or key in _prehashes or os.environ.get("XPRE") == "0":
+    if nat is None or not hasattr(nat, "Prehash") or key in _prehashes:
         return
     try:
         _prehashes[key] = nat.Prehash(key, limit)
