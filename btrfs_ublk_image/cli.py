@@ -63,9 +63,9 @@ def _start_prehashes(text: SpecYaml, spec_path: Path) -> None:
     layers = text.data.get("layers") if isinstance(text.data, dict) else None
     for layer in layers if isinstance(layers, list) else ():
         src = layer.get("tar") if isinstance(layer, dict) and len(layer) == 1 else None
-        if isinstance(src, dict) and isinstance(src.get("path"), str):
-            if src.keys() <= _PREHASHED_TAR_KEYS:
-                native.start_prehash(source_path(spec_path.parent, src["path"]))
+        path = src.get("path") if isinstance(src, dict) else None
+        if isinstance(src, dict) and isinstance(path, str) and src.keys() <= _PREHASHED_TAR_KEYS:
+            native.start_prehash(source_path(spec_path.parent, path))
 
 
 def _build(args: argparse.Namespace, spec_path: Path, text: SpecYaml) -> int:

@@ -14,6 +14,7 @@ of that waiting for the pack hasher, waiting for Python to take a segment) and P
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from types import ModuleType
@@ -55,10 +56,8 @@ def start_prehash(path: Path, limit: int | None = None) -> None:
     key = os.path.abspath(path)
     if nat is None or not hasattr(nat, "Prehash") or key in _prehashes:
         return
-    try:
+    with contextlib.suppress(OSError):
         _prehashes[key] = nat.Prehash(key, limit)
-    except OSError:
-        pass
 
 
 def take_prehash(path: Path | str) -> Any | None:

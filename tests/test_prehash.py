@@ -4,6 +4,7 @@ errors are the same as without it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -71,20 +72,16 @@ def _build(spec: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[i
 def _prehash_threads() -> int:
     n = 0
     for task in Path("/proc/self/task").iterdir():
-        try:
+        with contextlib.suppress(OSError):  # ended meanwhile
             n += (task / "comm").read_text().strip() == "prehash"
-        except OSError:
-            pass  # ended meanwhile
     return n
 
 
 def _fds_to(path: Path) -> int:
     n = 0
     for fd in Path("/proc/self/fd").iterdir():
-        try:
+        with contextlib.suppress(OSError):
             n += os.readlink(fd) == str(path)
-        except OSError:
-            pass
     return n
 
 
@@ -140,9 +137,7 @@ def test_the_command_starts_and_hands_it_over(
     assert len(started) == 1 and started[0].taken
     # filters: the Python reader reads it, so no digest begins
     spec = tmp_path / "f.yaml"
-    spec.write_text(
-        f"version: 1\nname: t\nlayers:\n  - tar: {{path: {tar}, exclude: ['/d/f1']}}\n"
-    )
+    spec.write_text(f"version: 1\nname: t\nlayers:\n  - tar: {{path: {tar}, exclude: ['/d/f1']}}\n")
     rc, _, err = _build(spec, tmp_path / "out2", capsys)
     assert rc == 0, err
     assert len(started) == 1

@@ -43,6 +43,7 @@ from btrfs_ublk_image.tree import FileType, Tree
 
 __all__ = ["Built", "LayerContext", "SourceRecord", "build_sources", "build_tree"]
 
+
 def _apply_oci(layer: OciLayer, ctx: LayerContext) -> SourceRecord:
     # imported by specs with OCI layers only (~6 ms of every other build's start)
     from btrfs_ublk_image.sources import oci

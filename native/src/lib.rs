@@ -302,7 +302,9 @@ fn read_tar<'py>(
     prehash: Option<&Bound<'py, prehash::Prehash>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     // the file's digest begun at start-up (from offset 0: the whole file's)
-    let started = prehash.filter(|_| start == 0 && length.is_none()).and_then(|p| p.get().take(py));
+    let started = prehash
+        .filter(|_| start == 0 && length.is_none())
+        .and_then(|p| p.get().take(py));
     let layer = Layer {
         fd,
         start,

@@ -76,7 +76,6 @@ impl State {
     }
 }
 
-
 /// A file's sha256 begun on a thread (`Prehash(path, limit=None)`; `limit`: stop after
 /// that many bytes, for tests). Raises OSError when the file cannot be opened.
 #[pyclass(module = "btrfs_ublk_native", frozen)]
