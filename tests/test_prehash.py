@@ -12,6 +12,7 @@ import os
 import random
 import tarfile
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,22 @@ def test_no_prehash_without_the_native_path(
     monkeypatch.setenv(native.ENV, "0")
     native.start_prehash(tar)
     assert native._prehashes == {}
+
+
+def test_no_prehash_with_an_extension_without_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tar = tmp_path / "l.tar"
+    _tarball(tar)
+    nat = native.module()
+    older = types.ModuleType("btrfs_ublk_native")  # the extension as built before Prehash
+    older.__dict__.update({k: v for k, v in vars(nat).items() if k != "Prehash"})
+    monkeypatch.setattr(native, "module", lambda: older)
+    del native.fallbacks[:]
+    rc, out, err = _build(_spec(tmp_path, tar.name), tmp_path / "out", capsys)
+    assert rc == 0, err
+    assert native._prehashes == {} and native.fallbacks == []
+    assert out.split(": ")[1].startswith("sha256:")
 
 
 @pytest.mark.parametrize("problem", ["missing", "directory"])
