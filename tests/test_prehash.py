@@ -120,6 +120,33 @@ def test_digest_and_id_same_whatever_the_offset(
     assert results == {ref.split(": ")[1]}
 
 
+def test_the_reader_hashes_only_from_where_the_prehash_stopped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A byte changed behind the check's back (size and mtime restored) inside the part
+    the prehash hashed: the digest is of the prehash's bytes there and the reader's after,
+    so the reader took the state over and hashed none of those bytes again."""
+    tar = tmp_path / "l.tar"
+    _tarball(tar)
+    old = tar.read_bytes()
+    n = 300_001
+    native.start_prehash(tar, n)
+    assert native._prehashes[os.path.abspath(tar)].wait() == n
+    st = tar.stat()
+    at = n - 1000  # inside d/f5's 300,000 bytes of content: the archive stays valid
+    with open(tar, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([old[at] ^ 0xFF]))
+    os.utime(tar, ns=(st.st_atime_ns, st.st_mtime_ns))
+    new = tar.read_bytes()
+    rc, _, err = _build(_spec(tmp_path, tar.name), tmp_path / "out", capsys)
+    assert rc == 0, err
+    manifest = json.loads((tmp_path / "out/manifest.json").read_text())
+    got = manifest["sources"][0]["sha256"]
+    assert got == "sha256:" + hashlib.sha256(old[:n] + new[n:]).hexdigest()
+    assert got != "sha256:" + hashlib.sha256(new).hexdigest()
+
+
 def test_the_command_starts_and_hands_it_over(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -214,17 +241,27 @@ def test_a_changed_file_is_an_error_naming_it(
     assert not (tmp_path / "out").exists()
 
 
-def test_an_invalid_spec_stops_the_prehash_at_once(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("failure", ["invalid spec", "an earlier layer"])
+def test_an_early_error_stops_the_prehash_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], failure: str
 ) -> None:
     big = tmp_path / "big.tar"
     with open(big, "wb") as f:  # 2 GiB sparse: hashing it all would take ~1 s
         f.truncate(2 << 30)
-    spec = _spec(tmp_path, big.name, extra="pack_chunk_size: 7\n")
+    if failure == "invalid spec":
+        spec = _spec(tmp_path, big.name, extra="pack_chunk_size: 7\n")
+        want = [str(spec), "pack_chunk_size"]
+    else:  # the build starts and fails before the tarball's layer
+        spec = tmp_path / "spec.yaml"
+        spec.write_text(
+            "version: 1\nname: t\nlayers:\n  - dir: {path: nowhere}\n"
+            f"  - tar: {{path: {big.name}}}\n"
+        )
+        want = [str(tmp_path / "nowhere")]
     t = time.monotonic()
     rc, _, err = _build(spec, tmp_path / "out", capsys)
     took = time.monotonic() - t
-    assert rc == 1 and "pack_chunk_size" in err and str(spec) in err, err
+    assert rc == 1 and all(w in err for w in want), err
     assert took < 0.5, took
     assert native._prehashes == {}
     assert _prehash_threads() == 0
