@@ -112,7 +112,12 @@ impl Prehash {
     #[new]
     #[pyo3(signature = (path, limit=None))]
     fn new(path: PathBuf, limit: Option<u64>) -> PyResult<Prehash> {
-        // not blocking on a FIFO (whose open waits for a writer): only a regular file is read
+        // only a regular file is read: a FIFO is not even opened (a reader's open, even a
+        // non-blocking one, lets a waiting writer's open return and its writes go nowhere),
+        // and O_NONBLOCK keeps an open raced by a swap for a FIFO from waiting for a writer
+        if !std::fs::metadata(&path)?.is_file() {
+            return Err(io::Error::other("not a regular file").into());
+        }
         let file = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_NONBLOCK)
