@@ -108,6 +108,7 @@ class Job:
     ref: str
     tree: Path  # tar -x destination
     umoci: Path  # umoci unpack's bundle (config.json, rootfs/, mtree)
+    pack_bytes: int = 0  # the content a build writes to its pack (identical contents once)
 
 
 @dataclass
@@ -159,6 +160,18 @@ def _mkfs_btrfs(root: Callable[[Job], Path]) -> Callable[[Job, Path], list[str]]
     ]  # fmt: skip
 
 
+def _read_and_write_floor(job: Job, out: Path) -> list[str]:
+    """The input read and hashed (as the floor) while its content is written durably
+    beside it (O_DIRECT, fsynced): what any builder that writes a pack pays the disk."""
+    blocks = max(1, -(-job.pack_bytes // (4 << 20)))
+    script = (
+        'openssl dgst -sha256 "$1" >/dev/null & h=$!; '
+        'dd if=/dev/zero of="$2" bs=4M count="$3" oflag=direct conv=fsync status=none; w=$?; '
+        'wait "$h" || exit 1; exit "$w"'
+    )
+    return ["sh", "-c", script, "sh", str(job.tar), str(out), str(blocks)]
+
+
 def _steps() -> list[Step]:
     return [
         Step("sha256_floor", "floor: `openssl dgst -sha256` of the input", None,
@@ -166,6 +179,9 @@ def _steps() -> list[Step]:
              cold=True),
         Step("sha256_floor_warm", "floor: `openssl dgst -sha256`, warm", None,
              lambda job, out: ["openssl", "dgst", "-sha256", str(job.tar)], needs="openssl"),
+        Step("io_floor", "floor + the pack's durable write: `openssl dgst -sha256` of the"
+             " input beside `dd oflag=direct conv=fsync` of its content size", "io-floor.bin",
+             _read_and_write_floor, needs="openssl", cold=True),
         Step("ours", "**ours: btrfs-ublk-image build**", "ours.bundle", _ours(TAR_SPEC),
              cold=True),
         Step("ours_warm", "**ours, warm**", "ours.bundle", _ours(TAR_SPEC)),
@@ -379,7 +395,8 @@ def run_build(
     scratch.mkdir(parents=True)
     _write_specs(scratch, bi.tar, bi.layout, bi.ref)
     log = workdir / "bench.log"
-    job = Job(bi.tar, bi.layout, bi.ref, scratch / "tree", scratch / "umoci-bundle")
+    pack_bytes = bi.stats.unique_bytes or bi.stats.content_bytes
+    job = Job(bi.tar, bi.layout, bi.ref, scratch / "tree", scratch / "umoci-bundle", pack_bytes)
     dirs = {"tree": job.tree, "umoci": job.umoci}
     steps, skipped = _runnable(bi, peers, only)
     compile_builders()

@@ -17,7 +17,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +27,7 @@ from btrfs_ublk_image.btrfs import ondisk
 from btrfs_ublk_image.btrfs.writer import ImageLayout, WriterOptions, inline_max, write_image
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.files import Syncer, link_or_copy, sync_dir
-from btrfs_ublk_image.hashing import file_sha256
+from btrfs_ublk_image.hashing import BackgroundFileSha256, file_sha256
 from btrfs_ublk_image.manifest import (
     BLOCKMAP,
     FORMAT,
@@ -347,8 +346,7 @@ def _write_into(
         raise
     # meta.img is complete: its sha256 is taken on a second core (reads and hashlib release
     # the GIL) while the packs finish and the blockmap is made; an error waits for it
-    with ThreadPoolExecutor(1, thread_name_prefix="meta-sha256") as hashing:
-        meta_sha256 = hashing.submit(file_sha256, meta_path)
+    with BackgroundFileSha256(meta_path, "meta-sha256") as meta_sha256:
         pack_infos = packer.finish()  # each pack fsynced, renamed to its id
         ranges = layout.data_ranges.with_first(
             Range(ondisk.SUPER_INFO_OFFSET, len(layout.data_super), sb.pack, sb.offset)

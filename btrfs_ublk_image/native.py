@@ -14,8 +14,11 @@ of that waiting for the pack hasher, waiting for Python to take a segment) and P
 
 from __future__ import annotations
 
+import contextlib
 import os
+from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 ENV = "BUI_NATIVE"
 _module: ModuleType | None = None
@@ -38,3 +41,32 @@ def module() -> ModuleType | None:
         except ImportError:
             _module = None
     return _module
+
+
+# tarballs whose sha256 began while the program started (``Prehash``), by absolute path:
+# the layer's native read takes the digest over from where it got (``take_prehash``)
+_prehashes: dict[str, Any] = {}
+
+
+def start_prehash(path: Path, limit: int | None = None) -> None:
+    """Start the sha256 of the tarball at ``path`` on a thread of its own (when the
+    extension has ``Prehash``); a file that cannot be opened is left to the layer's read,
+    whose error names it. ``limit``: stop after that many bytes (tests)."""
+    nat = module()
+    key = os.path.abspath(path)
+    if nat is None or not hasattr(nat, "Prehash") or key in _prehashes:
+        return
+    with contextlib.suppress(OSError):
+        _prehashes[key] = nat.Prehash(key, limit)
+
+
+def take_prehash(path: Path | str) -> Any | None:
+    """The prehash of the tarball at ``path``, now the caller's (to hand to ``read_tar``
+    and close); None if none was started."""
+    return _prehashes.pop(os.path.abspath(path), None)
+
+
+def close_prehashes() -> None:
+    """Stop the prehashes no layer took (their threads joined, their fds closed)."""
+    while _prehashes:
+        _prehashes.popitem()[1].close()

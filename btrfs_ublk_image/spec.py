@@ -66,6 +66,7 @@ from pydantic import (
 from pydantic.json_schema import WithJsonSchema
 
 from btrfs_ublk_image.errors import ImageError, SpecError
+from btrfs_ublk_image.specyaml import SpecYaml, compose, read_spec_yaml
 
 SPEC_VERSION = 1
 DEFAULT_INLINE_LIMIT = 2048
@@ -499,18 +500,18 @@ class Spec(_Model):
 # ---- loading ----------------------------------------------------------------------------
 
 
-def load_spec(path: str | Path, environ: Mapping[str, str] | None = None) -> Spec:
+def load_spec(
+    path: str | Path, environ: Mapping[str, str] | None = None, text: SpecYaml | None = None
+) -> Spec:
     """Read and validate a spec file; any problem is a ``SpecError`` naming file, line, field.
+    ``text``: the file as ``read_spec_yaml`` read it already (the ``build`` command's).
 
     A spec without ``source_date_epoch`` takes it from ``SOURCE_DATE_EPOCH`` in ``environ``
     (default: the process environment), as reproducible-builds.org specifies.
     """
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise SpecError(f"{path}: cannot read spec: {e.strerror or e}") from None
-    spec = parse_spec(raw, str(path))
+    text = read_spec_yaml(path) if text is None else text
+    spec = _validate(text.node, text.data, str(path))
     env = (os.environ if environ is None else environ).get("SOURCE_DATE_EPOCH")
     if spec.source_date_epoch is None and env is not None and env.strip():
         if not env.strip().isdigit():
@@ -518,13 +519,16 @@ def load_spec(path: str | Path, environ: Mapping[str, str] | None = None) -> Spe
                 f"SOURCE_DATE_EPOCH={env!r}: not a non-negative integer (seconds since the epoch)"
             )
         spec = spec.model_copy(update={"source_date_epoch": int(env)})
-    spec._sha256 = "sha256:" + hashlib.sha256(raw).hexdigest()
+    spec._sha256 = "sha256:" + hashlib.sha256(text.raw).hexdigest()
     return spec
 
 
 def parse_spec(text: bytes | str, filename: str = "<spec>") -> Spec:
     """Validate spec text; errors name ``filename``."""
-    node, data = _compose(text, filename)
+    return _validate(*compose(text, filename), filename)
+
+
+def _validate(node: yaml.Node | None, data: Any, filename: str) -> Spec:
     if node is None:
         raise SpecError(f"{filename}:1: the spec is empty")
     _check_duplicate_keys(node, filename)
@@ -534,23 +538,6 @@ def parse_spec(text: bytes | str, filename: str = "<spec>") -> Spec:
         return Spec.model_validate(data)
     except ValidationError as e:
         raise SpecError(_format_errors(e, node, filename)) from None
-
-
-def _compose(text: bytes | str, filename: str) -> tuple[yaml.Node | None, Any]:
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        data = loader.construct_document(node) if node is not None else None
-        return node, data
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line = f"{mark.line + 1}" if mark is not None else "1"
-        what = " ".join(p for p in (e.context, e.problem) if p)
-        raise SpecError(f"{filename}:{line}: invalid YAML: {what}") from None
-    except yaml.YAMLError as e:
-        raise SpecError(f"{filename}: invalid YAML: {e}") from None
-    finally:
-        loader.dispose()
 
 
 def _check_duplicate_keys(node: yaml.Node, filename: str) -> None:

@@ -19,6 +19,7 @@ if str(ROOT) not in sys.path:  # bench/ is not an installed package
     sys.path.insert(0, str(ROOT))
 
 from bench import inputs  # noqa: E402
+from bench.build import Job, _read_and_write_floor  # noqa: E402
 from bench.build import main as bench_main  # noqa: E402
 from bench.measure import Result, Sample, pipeline, run_measured, tree_size  # noqa: E402
 from bench.report import (  # noqa: E402
@@ -93,6 +94,20 @@ def test_run_measured_and_tree_size(tmp_path: Path) -> None:
     (tmp_path / "d" / "f").write_bytes(b"x" * 5000)
     os.link(tmp_path / "d" / "f", tmp_path / "d" / "g")
     assert tree_size(tmp_path / "d")[0] == 5000
+
+
+def test_io_floor_reads_the_input_and_writes_its_content_durably(tmp_path: Path) -> None:
+    """The `io_floor` row: the input hashed while its content size (rounded up to 4 MiB
+    blocks) is written with O_DIRECT and fsynced beside it."""
+    tar = tmp_path / "in.tar"
+    tar.write_bytes(os.urandom(1 << 16))
+    job = Job(tar, None, "", tmp_path / "t", tmp_path / "u", pack_bytes=(5 << 20) + 1)
+    out = tmp_path / "io-floor.bin"
+    s = run_measured(_read_and_write_floor(job, out), tmp_path / "log")
+    assert s.returncode == 0, (tmp_path / "log").read_text()
+    assert out.stat().st_size == 8 << 20
+    missing = Job(tmp_path / "nope.tar", None, "", tmp_path / "t", tmp_path / "u", 1)
+    assert run_measured(_read_and_write_floor(missing, out), tmp_path / "log").returncode != 0
 
 
 def _res(name: str, walls: list[float], rss: int, out: int | None = None) -> Result:

@@ -11,6 +11,7 @@ from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.progress import Progress
 from btrfs_ublk_image.spec import Spec
+from btrfs_ublk_image.specyaml import source_path
 from btrfs_ublk_image.tree import FileType, Inode, SavedMetadata, Tree, check_name, split_path
 
 MAX_SYMLINKS = 40  # symlinks followed while resolving one path (the kernel's limit)
@@ -144,8 +145,7 @@ class LayerContext:
 
     def resolve(self, path: str) -> Path:
         """A source path from the spec, relative to the spec file's directory."""
-        p = Path(path).expanduser()
-        return p if p.is_absolute() else self.spec_dir / p
+        return source_path(self.spec_dir, path)
 
     def _resolve_dir(
         self, parts: list[bytes], where: str, create: bool, mtime_of: Inode | None

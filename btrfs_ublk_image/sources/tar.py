@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import BinaryIO, Protocol, cast
+from typing import Any, BinaryIO, Protocol, cast
 
 from btrfs_ublk_image import native
 from btrfs_ublk_image.errors import SourceError
@@ -630,6 +630,17 @@ def _read_native(
     """The layer read by the native reader (``btrfs_ublk_image.native``); None where it
     does not apply (no native pack, a tarball in place, renames or filters, not a plain
     file) or hands the archive back (the Python reader then reads it all)."""
+    prehash = native.take_prehash(tar_path)  # the tarball's digest, begun at start-up
+    try:
+        return _read_native_with(f, tar_path, ctx, opts, prehash)
+    finally:
+        if prehash is not None:
+            prehash.close()  # unused (or taken over: then a no-op)
+
+
+def _read_native_with(
+    f: _Readable, tar_path: Path | str, ctx: LayerContext, opts: TarOptions, prehash: Any
+) -> TarDigests | None:
     core = ctx.packs.core
     nat = native.module()
     if core is None or nat is None or opts.in_place is not None:
@@ -673,6 +684,8 @@ def _read_native(
 
     # members are placed while the native side still reads (its threads leave part of the
     # second core idle); should it hand the archive back, the Python reader places them again
+    if prehash is not None:
+        _check_prehashed(prehash, fd, tar_path)
     ctx.begin_undoable()
     try:
         raw, unc, kind, _, content_bytes = nat.read_tar(
@@ -685,7 +698,10 @@ def _read_native(
             opts.diff_id,
             opts.lenient_end,
             place,
+            prehash=prehash,
         )
+        if prehash is not None:
+            _check_prehashed(prehash, fd, tar_path)
     except nat.Unsupported as e:
         ctx.undo()
         native.fallbacks.append(f"{tar_path}: {e}")
@@ -697,6 +713,16 @@ def _read_native(
     if ctx.progress is not None:
         ctx.progress.add_bytes(content_bytes)
     return TarDigests("sha256:" + raw, "sha256:" + unc, kind)
+
+
+def _check_prehashed(prehash: Any, fd: int, tar_path: Path | str) -> None:
+    """The file read is the one whose digest began at start-up, unchanged since (checked
+    before and after the read: the digest is of both reads' bytes)."""
+    if not prehash.same_file(fd):
+        raise SourceError(
+            f"{tar_path}: changed while the build read it (its device, inode, size or mtime"
+            " differ from when its sha256 began)"
+        )
 
 
 def _read_members(

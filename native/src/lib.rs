@@ -12,6 +12,8 @@ mod leaves;
 mod numbering;
 mod pack;
 mod place;
+mod prehash;
+mod sha256x4;
 mod stream;
 mod tar;
 
@@ -288,7 +290,7 @@ const SEGMENTS_AHEAD: usize = 2;
 /// Python reader would, errors included: members already placed are the caller's to undo.
 /// An exception from `place` stops the read and is raised as it is.
 #[pyfunction]
-#[pyo3(signature = (pack, fd, start, length, keep_inline, whiteouts, diff_id, lenient_end, place))]
+#[pyo3(signature = (pack, fd, start, length, keep_inline, whiteouts, diff_id, lenient_end, place, prehash=None))]
 #[allow(clippy::too_many_arguments)]
 fn read_tar<'py>(
     py: Python<'py>,
@@ -301,7 +303,12 @@ fn read_tar<'py>(
     diff_id: bool,
     lenient_end: bool,
     place: &Bound<'py, PyAny>,
+    prehash: Option<&Bound<'py, prehash::Prehash>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
+    // the file's digest begun at start-up (from offset 0: the whole file's)
+    let started = prehash
+        .filter(|_| start == 0 && length.is_none())
+        .and_then(|p| p.get().take(py));
     let layer = Layer {
         fd,
         start,
@@ -317,7 +324,7 @@ fn read_tar<'py>(
     let (result, placed) = std::thread::scope(|s| {
         let reader = std::thread::Builder::new()
             .name("tar-parse".into())
-            .spawn_scoped(s, || run(core, &layer, sink))
+            .spawn_scoped(s, || run(core, &layer, started, sink))
             .expect("spawn tar-parse");
         let mut placed = Ok(());
         let mut rx = Some(segments);
@@ -376,7 +383,7 @@ fn read_tar<'py>(
 }
 
 /// The calling thread's CPU time (`BUI_NATIVE_TIMES`).
-fn thread_cpu() -> std::time::Duration {
+pub(crate) fn thread_cpu() -> std::time::Duration {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: a plain syscall filling `ts`
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
@@ -401,7 +408,12 @@ struct Layer {
     lenient_end: bool,
 }
 
-fn run(core: &mut PackCore, layer: &Layer, sink: SyncSender<Records>) -> Result<Done, Failure> {
+fn run(
+    core: &mut PackCore,
+    layer: &Layer,
+    started: Option<prehash::Started>,
+    sink: SyncSender<Records>,
+) -> Result<Done, Failure> {
     let Layer {
         fd,
         start,
@@ -422,7 +434,7 @@ fn run(core: &mut PackCore, layer: &Layer, sink: SyncSender<Records>) -> Result<
     let kind = detect(&head).map_err(Failure::Unsupported)?;
     let mark = core.mark();
     core.begin_layer();
-    let (raw_rx, reader) = stream::spawn_reader(fd, start, length);
+    let (raw_rx, reader) = stream::spawn_reader(fd, start, length, started);
     let mut hasher = None;
     let mut inflater = None;
     let blocks = if kind == "none" {
@@ -633,6 +645,7 @@ fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pack>()?;
     m.add_class::<Members>()?;
     m.add_class::<place::Placer>()?;
+    m.add_class::<prehash::Prehash>()?;
     m.add_class::<LeafPacker>()?;
     m.add_function(wrap_pyfunction!(read_tar, m)?)?;
     m.add_function(wrap_pyfunction!(fsitems::fs_tree_items, m)?)?;

@@ -1,0 +1,59 @@
+"""A spec file's YAML read and composed without its models (``spec`` validates it): the
+``build`` command reads it first, so that the tarballs' digests start (``native.Prehash``)
+before pydantic and the spec's models are imported; ``load_spec`` then validates the same
+composition instead of reading the file again. Only PyYAML is imported here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from btrfs_ublk_image.errors import SpecError
+
+
+class SpecYaml:
+    """A spec file's bytes, its YAML node tree (for the lines in errors) and its data."""
+
+    __slots__ = ("data", "node", "raw")
+
+    def __init__(self, raw: bytes, node: yaml.Node | None, data: Any) -> None:
+        self.raw = raw
+        self.node = node
+        self.data = data
+
+
+def read_spec_yaml(path: Path) -> SpecYaml:
+    """The spec file at ``path``, composed; a ``SpecError`` naming it when it cannot be read
+    or is not YAML."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read spec: {e.strerror or e}") from None
+    return SpecYaml(raw, *compose(raw, str(path)))
+
+
+def compose(text: bytes | str, filename: str) -> tuple[yaml.Node | None, Any]:
+    """The YAML node tree of ``text`` and the data constructed from it."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+        return node, data
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line = f"{mark.line + 1}" if mark is not None else "1"
+        what = " ".join(p for p in (e.context, e.problem) if p)
+        raise SpecError(f"{filename}:{line}: invalid YAML: {what}") from None
+    except yaml.YAMLError as e:
+        raise SpecError(f"{filename}: invalid YAML: {e}") from None
+    finally:
+        loader.dispose()
+
+
+def source_path(spec_dir: Path, path: str) -> Path:
+    """A source path from the spec, relative to the spec file's directory."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else spec_dir / p
