@@ -26,13 +26,14 @@ use std::thread::JoinHandle;
 /// block size a Linux filesystem uses for the page cache's own I/O)
 pub const ALIGN: u64 = 4096;
 /// one write: each waits for the disk before the writer thread issues the next, so larger
-/// writes keep it busier while the input is read from it too (the synthetic set cold:
-/// with 1 MiB slower than buffered writes in most pairs, 2 MiB even, 4 MiB faster in 15
-/// of 18; docs/benchmarks.md)
-pub const BLOCK: usize = 4 << 20;
+/// writes keep it busier while the input is read from it too (the synthetic set cold,
+/// against the buffered path: 1 MiB slower in most pairs, 2 MiB even, 4 MiB faster; but
+/// since the read's blocks are freed before the writer the staging adds to the build's
+/// peak RSS: 4 MiB x 3 took it to 1,030 B per entry, 2 MiB x 3 to 966; docs/benchmarks.md)
+pub const BLOCK: usize = 2 << 20;
 /// blocks queued for the writer thread besides the one being filled: with `BLOCK` this
-/// bounds the staging memory (12 MiB), freed when a layer's read ends (3 queued, 16 MiB,
-/// took the synthetic set's peak RSS to 1,013 B per entry). A block that finds the
+/// bounds the staging memory (6 MiB), freed when a layer's read ends (1 queued: blocks
+/// spilled to the page cache so often that cold builds lost 11-40 %). A block that finds the
 /// queue full is written through the buffered fd instead (`PackCore::stage`): the parser
 /// never waits for the disk, whose write-back of those pages comes later, as before (a cold
 /// build reads the input from the same disk: waiting there made it slower)
