@@ -149,7 +149,7 @@ def _no_cyclic_gc() -> Iterator[None]:
     full collection walks all of them again for nothing, more of them the more entries, and
     holds the GIL meanwhile (the records' placement, and the parser behind it, wait). A build
     makes no per-entry reference cycles; reference counting frees everything else as it goes.
-    Measured: docs/benchmarks.md, "1,000,000 entries"."""
+    Measured: bench/results/issue23-log.md, "1,000,000 entries"."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

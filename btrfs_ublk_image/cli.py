@@ -539,8 +539,8 @@ def _without_pydantic_plugins() -> None:
 
 def run() -> NoReturn:
     """The program (``btrfs-ublk-image``, ``python -m btrfs_ublk_image``): ``main``, with
-    what only a process that ends after one command can skip (docs/benchmarks.md, "The
-    program's start and end"): pydantic's plugin lookup; for ``build``, the cyclic garbage
+    what only a process that ends after one command can skip (bench/results/issue23-log.md,
+    "The program's start and end"): pydantic's plugin lookup; for ``build``, the cyclic garbage
     collector from the start (the build turns it off for its own part, ``bundle``; before
     that the imports, the spec's models and the sources ran ~60 collections) and, once
     the bundle is written and reported, the interpreter's teardown, which frees every

@@ -4,7 +4,7 @@
 //! on a second open of the pack. A buffered write's kernel side (page-cache folios
 //! allocated and copied into, ext4's delayed allocation, the write-back later) cost the
 //! synthetic set's build more CPU than the copy into a block that is reused while it is
-//! still in the CPU's caches (docs/benchmarks.md, "Pack writes without the page cache").
+//! still in the CPU's caches (bench/results/issue23-log.md, "Pack writes without the page cache").
 //!
 //! Only full aligned blocks go this way; the staged block's partial end is written through
 //! the buffered fd when the stream ends (`PackCore::unstage`), so small content, and with
@@ -29,7 +29,7 @@ pub const ALIGN: u64 = 4096;
 /// writes keep it busier while the input is read from it too (the synthetic set cold,
 /// against the buffered path: 1 MiB slower in most pairs, 2 MiB even, 4 MiB faster; but
 /// since the read's blocks are freed before the writer the staging adds to the build's
-/// peak RSS: 4 MiB x 3 took it to 1,030 B per entry, 2 MiB x 3 to 966; docs/benchmarks.md)
+/// peak RSS: 4 MiB x 3 took it to 1,030 B per entry, 2 MiB x 3 to 966; bench/results/issue23-log.md)
 pub const BLOCK: usize = 2 << 20;
 /// blocks queued for the writer thread besides the one being filled: with `BLOCK` this
 /// bounds the staging memory (6 MiB), freed when a layer's read ends (1 queued: blocks

@@ -1,7 +1,7 @@
 //! sha256 of up to four independent messages at once (the pack's chunk digests).
 //!
 //! SHA-NI's `sha256rnds2` is latency-bound: one stream runs at ~1.8 GB/s on the AMD EPYC
-//! of docs/benchmarks.md while the unit could take more. Interleaving the rounds of
+//! of bench/results/issue23-log.md while the unit could take more. Interleaving the rounds of
 //! independent messages in one loop fills its pipeline (a stand-alone loop over 1 MiB
 //! messages: 2 lanes 2.0-2.3 GB/s, 4 lanes 3.2-3.4 GB/s, 8 lanes ~3.0 GB/s, as 4 lanes
 //! already use every xmm register). Each lane's bytes come as a list of slices (the spans
