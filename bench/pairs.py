@@ -4,8 +4,12 @@
 
     .venv/bin/python -m bench.pairs SPEC --baseline DIR [--pairs 10] [--cold] [--json OUT.json]
 
-Each run is ``DIR/.venv/bin/btrfs-ublk-image build SPEC -o OUT`` in a child process; its
-wall time, user and sys CPU and peak RSS come from ``os.wait4``. The side that runs first
+Each run is ``DIR/.venv/bin/btrfs-ublk-image build SPEC -o OUT`` in a child process, or,
+for a DIR without a venv (``git archive COMMIT btrfs_ublk_image | tar -x -C DIR`` plus that
+commit's ``btrfs_ublk_native`` package, as ``bench/run --baseline-builder`` takes),
+``python -P -m btrfs_ublk_image build ...`` with this venv's Python and ``PYTHONPATH=DIR``;
+both sides' modules are compiled first (``PYTHONDONTWRITEBYTECODE`` would otherwise make
+every run compile them). Its wall time, user and sys CPU and peak RSS come from ``os.wait4``. The side that runs first
 alternates from pair to pair, after one untimed build (``--warmup``); the 1-minute load
 average is read after each pair. Both sides must print the same image id (same bytes out).
 """
@@ -26,15 +30,26 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def build_command(checkout: Path, spec: Path, out: Path) -> tuple[list[str], dict[str, str]]:
+    """The command that builds ``spec`` with ``checkout``'s code, and its environment."""
+    env = dict(os.environ)
+    script = checkout / ".venv/bin/btrfs-ublk-image"
+    if script.exists():
+        return [str(script), "build", str(spec), "-o", str(out)], env
+    env["PYTHONPATH"] = str(checkout)
+    # -P: the working directory first on sys.path would import this checkout's package
+    return [sys.executable, "-P", "-m", "btrfs_ublk_image", "build", str(spec), "-o", str(out)], env
+
+
 def run_build(checkout: Path, spec: Path, out: Path, cold: bool = False) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
     time.sleep(1)
     if cold:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    cmd = [str(checkout / ".venv/bin/btrfs-ublk-image"), "build", str(spec), "-o", str(out)]
+    cmd, env = build_command(checkout, spec, out)
     t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     _, status, ru = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t
     assert proc.stdout is not None and proc.stderr is not None
@@ -64,6 +79,12 @@ def main() -> int:
     ap.add_argument("--cold", action="store_true", help="drop the page cache before each run")
     args = ap.parse_args()
     sides = {"ours": ROOT, "base": args.baseline.resolve()}
+    for checkout in sides.values():
+        subprocess.run(
+            [sys.executable, "-m", "compileall", "-q", str(checkout / "btrfs_ublk_image")],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     pairs: list[dict[str, Any]] = []
     try:
         for _ in range(args.warmup):  # the first build after other work runs slow: not a pair's
@@ -84,7 +105,7 @@ def main() -> int:
             )
     finally:
         shutil.rmtree(args.out, ignore_errors=True)
-    summary = {
+    summary: dict[str, Any] = {
         side: {
             k: statistics.median(p[side][k] for p in pairs)
             for k in ("wall_s", "user_s", "sys_s", "maxrss_kib")
