@@ -1071,9 +1071,8 @@ class _Metadata:
     ) -> BlockPlan:
         """``plan_items`` of the extent tree's items (``blocks``: (bytenr, level, owner) of every
         tree block; a block group item's size does not depend on its bytes used): the data
-        extents' merged with
-        ``block_items``, without making the data extents' items (keyed data refs with a
-        stand-in offset, see ``_DataExtentItems.sizes``)."""
+        extents' merged with ``block_items``, without making the data extents' items (keyed
+        data refs with a stand-in offset, see ``_DataExtentItems.sizes``)."""
         others = self.block_item_sizes(chunks, blocks)
         leaf_breaks = NO_KEYS if breaks is None else breaks.at(0)
         return plan_blocks(self.data_extents.leaf_firsts(others, leaf_breaks), breaks)

@@ -354,7 +354,7 @@ fn read_tar<'py>(
             }
             rx = Some(r);
         }
-        if std::env::var_os("BUI_NATIVE_TIMES").is_some() {
+        if native_times() {
             eprintln!(
                 "native read_tar: placement {placing:?} ({:?} CPU), waiting for segments {waiting:?}, placement done at {:?}",
                 thread_cpu() - cpu0,
@@ -380,6 +380,11 @@ fn read_tar<'py>(
         Ok(Err(Failure::Os(e))) => Err(os_err(e)),
         Err(_) => Err(PyValueError::new_err("the tar parser thread panicked")),
     }
+}
+
+/// Print where the native read's time goes (`BUI_NATIVE_TIMES` set)?
+pub(crate) fn native_times() -> bool {
+    std::env::var_os("BUI_NATIVE_TIMES").is_some()
 }
 
 /// The calling thread's CPU time (`BUI_NATIVE_TIMES`).
@@ -454,7 +459,7 @@ fn run(
     let mut parser = Parser::new(stream::Blocks::new(blocks), core, keep_inline, whiteouts, sink);
     let t0 = std::time::Instant::now();
     let parsed = parser.run(lenient_end);
-    if std::env::var_os("BUI_NATIVE_TIMES").is_some() {
+    if native_times() {
         eprintln!(
             "native read_tar: {:?} total, {:?} waiting for input, {:?} writing the pack (of which {:?} waiting for the pack hasher), {:?} waiting for placement",
             t0.elapsed(),

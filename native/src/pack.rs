@@ -198,7 +198,7 @@ impl Hasher {
                         Job::Settle => sums.hash(true),
                     }
                 }
-                if std::env::var_os("BUI_NATIVE_TIMES").is_some() {
+                if crate::native_times() {
                     eprintln!("native pack-sha256: {:?} CPU", crate::thread_cpu());
                 }
                 sums
@@ -495,7 +495,7 @@ impl PackCore {
         self.hasher.send(Job::Settle);
         if let Some(d) = &mut self.direct {
             d.release_memory();
-            if std::env::var_os("BUI_NATIVE_TIMES").is_some() {
+            if crate::native_times() {
                 eprintln!(
                     "native pack: {} MiB written with O_DIRECT, {} MiB of full blocks through the page cache{}",
                     d.queued >> 20,

@@ -10,6 +10,7 @@
 
 use std::fs::File;
 use std::io;
+use std::os::fd::FromRawFd;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -19,8 +20,8 @@ use std::thread::JoinHandle;
 use pyo3::prelude::*;
 use sha2::{Digest, Sha256};
 
-/// the read size (as the reader's, `stream::IN_SIZE`): a stop waits for at most one
-const STEP: usize = 256 << 10;
+/// the read size, the reader's: a stop waits for at most one
+const STEP: usize = crate::stream::IN_SIZE;
 
 /// The sha256 state of a file's first `at` bytes.
 pub struct Started {
@@ -140,21 +141,9 @@ impl Prehash {
 
     /// Is `fd` the file this prehash read, unchanged (device, inode, size, mtime)?
     fn same_file(&self, fd: i32) -> PyResult<bool> {
-        let mut st = std::mem::MaybeUninit::<libc::stat>::uninit();
-        // SAFETY: fstat fills `st` when it returns 0
-        if unsafe { libc::fstat(fd, st.as_mut_ptr()) } != 0 {
-            return Err(io::Error::last_os_error().into());
-        }
-        // SAFETY: filled above
-        let st = unsafe { st.assume_init() };
-        Ok(self.id
-            == FileId {
-                dev: st.st_dev,
-                ino: st.st_ino,
-                size: st.st_size as u64,
-                mtime: st.st_mtime,
-                mtime_nsec: st.st_mtime_nsec,
-            })
+        // SAFETY: the caller's open fd, borrowed: ManuallyDrop keeps it open
+        let file = std::mem::ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
+        Ok(self.id == FileId::of(&file.metadata()?))
     }
 
     /// A reader took the digest over (tests).
