@@ -22,6 +22,7 @@ from bench import inputs  # noqa: E402
 from bench.build import Job, _read_and_write_floor  # noqa: E402
 from bench.build import main as bench_main  # noqa: E402
 from bench.measure import Result, Sample, pipeline, run_measured, tree_size  # noqa: E402
+from bench.pairs import build_command  # noqa: E402
 from bench.report import (  # noqa: E402
     TAR_BASELINE,
     UMOCI_BASELINE,
@@ -108,6 +109,29 @@ def test_io_floor_reads_the_input_and_writes_its_content_durably(tmp_path: Path)
     assert out.stat().st_size == 8 << 20
     missing = Job(tmp_path / "nope.tar", None, "", tmp_path / "t", tmp_path / "u", 1)
     assert run_measured(_read_and_write_floor(missing, out), tmp_path / "log").returncode != 0
+
+
+def test_pairs_runs_a_checkout_with_its_venv_or_a_bare_one_on_pythonpath(tmp_path: Path) -> None:
+    spec, out = tmp_path / "spec.yaml", tmp_path / "out"
+    bare = tmp_path / "bare"
+    cmd, env = build_command(bare, spec, out)
+    assert cmd == [
+        sys.executable,
+        "-P",
+        "-m",
+        "btrfs_ublk_image",
+        "build",
+        str(spec),
+        "-o",
+        str(out),
+    ]
+    assert env["PYTHONPATH"] == str(bare)
+    script = tmp_path / "co" / ".venv/bin/btrfs-ublk-image"
+    script.parent.mkdir(parents=True)
+    script.write_text("")
+    cmd, env = build_command(tmp_path / "co", spec, out)
+    assert cmd == [str(script), "build", str(spec), "-o", str(out)]
+    assert env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
 
 
 def _res(name: str, walls: list[float], rss: int, out: int | None = None) -> Result:
