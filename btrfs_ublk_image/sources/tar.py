@@ -704,6 +704,8 @@ def _read_native_with(
             _check_prehashed(prehash, fd, tar_path)
     except nat.Unsupported as e:
         ctx.undo()
+        if prehash is not None:  # a file changed under the read is no archive to reread
+            _check_prehashed(prehash, fd, tar_path)
         native.fallbacks.append(f"{tar_path}: {e}")
         return None
     except BaseException:

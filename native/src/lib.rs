@@ -9,6 +9,7 @@ mod direct;
 mod extents;
 mod fsitems;
 mod leaves;
+mod mapped;
 mod numbering;
 mod pack;
 mod place;
@@ -439,7 +440,7 @@ fn run(
     let kind = detect(&head).map_err(Failure::Unsupported)?;
     let mark = core.mark();
     core.begin_layer();
-    let (raw_rx, reader) = stream::spawn_reader(fd, start, length, started);
+    let (raw_rx, reader, mapping) = stream::spawn_reader(fd, start, length, started);
     let mut hasher = None;
     let mut inflater = None;
     let blocks = if kind == "none" {
@@ -492,6 +493,18 @@ fn run(
         };
         Ok((raw_hex, unc_hex, nbytes))
     });
+    // every byte read from the mapping was the file's (the pack's chunk hasher, which
+    // `end_layer` told to hash what it holds, drops the last blocks)
+    let outcome = outcome.and_then(|done| match &mapping {
+        Some(m) => {
+            m.wait_unmapped();
+            if m.failed() {
+                return Err(stream::SHRANK.to_string());
+            }
+            Ok(done)
+        }
+        None => Ok(done),
+    });
     match outcome {
         Ok((raw_hex, unc_hex, nbytes)) => {
             core.release(mark);
@@ -502,6 +515,12 @@ fn run(
             Ok((raw_hex, unc_hex, kind, nbytes, content_bytes))
         }
         Err(msg) => {
+            // zeros read in place of a page truncated away may have ended the parse early
+            // (as an end-of-archive marker) or broken it: the cause is the file's change
+            let msg = match &mapping {
+                Some(m) if m.failed() => stream::SHRANK.to_string(),
+                _ => msg,
+            };
             core.rollback(mark).map_err(Failure::Os)?;
             core.end_layer().map_err(Failure::Os)?;
             Err(Failure::Unsupported(msg))

@@ -10,7 +10,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::FromRawFd;
+use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,8 +20,12 @@ use std::thread::JoinHandle;
 use pyo3::prelude::*;
 use sha2::{Digest, Sha256};
 
+use crate::mapped::Source;
+
 /// the read size, the reader's: a stop waits for at most one
 const STEP: usize = crate::stream::IN_SIZE;
+/// the mapped windows' size
+const WINDOW: u64 = 4 << 20;
 
 /// The sha256 state of a file's first `at` bytes.
 pub struct Started {
@@ -88,8 +92,32 @@ pub struct Prehash {
 
 fn hash_file(file: &File, stop: &AtomicBool, limit: Option<u64>) -> Started {
     let mut hash = Sha256::new();
-    let mut buf = vec![0u8; STEP];
     let mut at = 0u64;
+    // in place through a mapping, as the reader reads (no copy out of the page cache)
+    if let Some(source) = Source::new(file.as_raw_fd()) {
+        let end = limit.map_or(source.size, |l| l.min(source.size));
+        while at < end && !stop.load(Ordering::Relaxed) {
+            let len = (end - at).min(WINDOW) as usize;
+            let Some(window) = source.map(at, len) else {
+                break; // the reader reads the rest (mapped or not)
+            };
+            let mut done = 0;
+            while done < len && !stop.load(Ordering::Relaxed) {
+                let n = (len - done).min(STEP);
+                let before = hash.clone();
+                hash.update(window.bytes(done, n));
+                if source.failed() {
+                    // a page was gone (the file truncated): the state before this step,
+                    // whose bytes were the file's; the reader reads on from there
+                    return Started { hash: before, at };
+                }
+                done += n;
+                at += n as u64;
+            }
+        }
+        return Started { hash, at };
+    }
+    let mut buf = vec![0u8; STEP];
     while !stop.load(Ordering::Relaxed) {
         let want = limit.map_or(STEP as u64, |l| (l - at).min(STEP as u64)) as usize;
         if want == 0 {

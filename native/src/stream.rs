@@ -15,6 +15,7 @@ use std::thread::JoinHandle;
 
 use sha2::{Digest, Sha256};
 
+use crate::mapped::{Source, Window};
 use crate::prehash::Started;
 
 /// the raw file's read size: blocks small enough that the few in flight stay in the CPU's
@@ -48,15 +49,18 @@ impl Pool {
             data: data.unwrap_or_else(|| vec![0u8; self.size]),
             len: 0,
             pool: Some(Arc::clone(self)),
+            mapped: None,
         }
     }
 }
 
-/// Bytes `data[..len]`; the buffer returns to its pool when dropped.
+/// Bytes `data[..len]`, or `len` bytes of a mapped window from `at`; the buffer returns
+/// to its pool when dropped (a window is unmapped with its last block).
 pub struct Buf {
     data: Vec<u8>,
     len: usize,
     pool: Option<Arc<Pool>>,
+    mapped: Option<(Arc<Window>, usize)>,
 }
 
 impl Buf {
@@ -65,6 +69,18 @@ impl Buf {
             len: data.len(),
             data,
             pool: None,
+            mapped: None,
+        }
+    }
+
+    /// `len` bytes of `window` from `at`, read in place.
+    pub fn mapped(window: Arc<Window>, at: usize, len: usize) -> Buf {
+        window.bytes(at, len); // in range
+        Buf {
+            data: Vec::new(),
+            len,
+            pool: None,
+            mapped: Some((window, at)),
         }
     }
 
@@ -74,7 +90,7 @@ impl Buf {
     }
 
     pub fn set_len(&mut self, len: usize) {
-        assert!(len <= self.data.len());
+        assert!(self.mapped.is_none() && len <= self.data.len());
         self.len = len;
     }
 }
@@ -82,7 +98,10 @@ impl Buf {
 impl Deref for Buf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.data[..self.len]
+        match &self.mapped {
+            Some((window, at)) => window.bytes(*at, self.len),
+            None => &self.data[..self.len],
+        }
     }
 }
 
@@ -210,16 +229,28 @@ impl Drop for Readahead {
     }
 }
 
+/// The mapped windows' size and alignment in the file: a window's pages count in the RSS
+/// while a block of it is held (by the reader's queue, the parser, the chunk hasher).
+const WINDOW: u64 = 4 << 20;
+
+/// What a read reports when a page of its mapping was gone (`Source::failed`).
+pub const SHRANK: &str = "the file changed under the read: part of it was gone when read (truncated)";
+
 /// Reads `fd` from `start` (to its end, or `length` bytes) on a thread, hashing every byte
 /// (those `started` hashed already, from offset 0: from where it stopped); the blocks go to
-/// the returned receiver. The fd stays the caller's (read with pread).
+/// the returned receiver. The fd stays the caller's. The file's bytes up to its size when
+/// the read begins are read in place through windows of a mapping (`mapped::Source`,
+/// returned: once its blocks are all dropped, `failed` says whether any read zeros in place
+/// of a page truncated away), the rest (or all, where it cannot be mapped) with pread.
 pub fn spawn_reader(
     fd: i32,
     start: u64,
     length: Option<u64>,
     started: Option<Started>,
-) -> (Receiver<Block>, JoinHandle<Digested>) {
+) -> (Receiver<Block>, JoinHandle<Digested>, Option<Arc<Source>>) {
     let (tx, rx) = sync_channel::<Block>(DEPTH);
+    let source = Source::new(fd);
+    let mapping = source.clone();
     let handle = std::thread::Builder::new()
         .name("tar-read".into())
         .spawn(move || {
@@ -231,6 +262,14 @@ pub fn spawn_reader(
             let mut total = 0u64;
             let pool = Pool::new(IN_SIZE);
             let mut ahead = Readahead::new(fd, length.map(|l| start + l));
+            let mut map_end = mapping
+                .as_ref()
+                .map_or(0, |m| length.map_or(m.size, |l| (start + l).min(m.size)));
+            let mut window: Option<(Arc<Window>, u64, u64)> = None; // and its file range
+            let fail = |msg: String| {
+                let _ = tx.send(Err(msg.clone()));
+                Err(msg)
+            };
             loop {
                 let want = match length {
                     Some(l) => (l - total).min(IN_SIZE as u64) as usize,
@@ -240,45 +279,64 @@ pub fn spawn_reader(
                     break;
                 }
                 ahead.at(at);
-                let mut buf = pool.get();
-                let n = match pread(fd, &mut buf.space()[..want], at) {
-                    Ok(n) => n,
-                    Err(e) => {
-                        let msg = format!("read error: {e}");
-                        let _ = tx.send(Err(msg.clone()));
-                        return Err(msg);
+                let mut block = None;
+                if let Some(m) = mapping.as_ref().filter(|_| at < map_end) {
+                    if window.as_ref().is_none_or(|w| at >= w.2) {
+                        let from = at & !(WINDOW - 1);
+                        let to = (from + WINDOW).min(map_end);
+                        window = m.map(from, (to - from) as usize).map(|w| (w, from, to));
+                    }
+                    match &window {
+                        Some((w, from, to)) => {
+                            let n = (want as u64).min(to - at) as usize;
+                            block = Some(Buf::mapped(Arc::clone(w), (at - from) as usize, n));
+                        }
+                        None => map_end = 0, // no window: pread from here on
+                    }
+                }
+                let buf = match block {
+                    Some(b) => b,
+                    None => {
+                        let mut buf = pool.get();
+                        match pread(fd, &mut buf.space()[..want], at) {
+                            Ok(n) => buf.set_len(n),
+                            Err(e) => return fail(format!("read error: {e}")),
+                        }
+                        buf
                     }
                 };
+                let n = buf.len();
                 if n == 0 {
                     break;
                 }
-                buf.set_len(n);
                 if at + n as u64 > hashed {
                     hash.update(&buf[(hashed.max(at) - at) as usize..]);
                     hashed = at + n as u64;
                 }
+                if mapping.as_ref().is_some_and(|m| m.failed()) {
+                    return fail(SHRANK.into());
+                }
                 at += n as u64;
                 total += n as u64;
+                if at >= window.as_ref().map_or(0, |w| w.2) {
+                    window = None; // unmapped with its last block
+                }
                 if tx.send(Ok(Arc::new(buf))).is_err() {
                     return Err("stopped".into());
                 }
             }
             if hashed > at {
-                let msg = format!("read {at} bytes, {hashed} hashed before: the file is shorter");
-                let _ = tx.send(Err(msg.clone()));
-                return Err(msg);
+                return fail(format!("read {at} bytes, {hashed} hashed before: the file is shorter"));
             }
             if let Some(l) = length {
                 if total != l {
-                    let msg = format!("read {total} of {l} bytes");
-                    let _ = tx.send(Err(msg.clone()));
-                    return Err(msg);
+                    return fail(format!("read {total} of {l} bytes"));
                 }
             }
             Ok((hex(&hash.finalize()), total))
         })
         .expect("spawn tar-read");
-    (rx, handle)
+    (rx, handle, source)
 }
 
 /// sha256 of the blocks sent to the returned sender, on a thread.
