@@ -38,7 +38,7 @@ const FREE: Slot = Slot {
 };
 
 static TABLE: [Slot; SLOTS] = [FREE; SLOTS];
-/// slots taken (a slot is claimed by setting its `seq` odd)
+/// held while a slot is taken or freed
 static CLAIM: Mutex<()> = Mutex::new(());
 
 /// The handler found in place when ours was installed: two copies, the live one's index in
@@ -254,23 +254,21 @@ impl Source {
 fn claim(start: usize, len: usize, failed: &AtomicBool) -> Option<usize> {
     let _held = CLAIM.lock().unwrap_or_else(|e| e.into_inner());
     let i = TABLE.iter().position(|s| s.len.load(SeqCst) == 0)?;
-    let slot = &TABLE[i];
-    slot.seq.fetch_add(1, SeqCst); // odd: changing
-    slot.start.store(start, SeqCst);
-    slot.failed
-        .store(failed as *const AtomicBool as *mut AtomicBool, SeqCst);
-    slot.len.store(len, SeqCst);
-    slot.seq.fetch_add(1, SeqCst);
+    set(&TABLE[i], start, len, failed as *const AtomicBool as *mut AtomicBool);
     Some(i)
 }
 
 fn unclaim(i: usize) {
     let _held = CLAIM.lock().unwrap_or_else(|e| e.into_inner());
-    let slot = &TABLE[i];
+    set(&TABLE[i], 0, 0, std::ptr::null_mut());
+}
+
+/// A slot's fields changed while its `seq` is odd (CLAIM held).
+fn set(slot: &Slot, start: usize, len: usize, failed: *mut AtomicBool) {
     slot.seq.fetch_add(1, SeqCst);
-    slot.len.store(0, SeqCst);
-    slot.start.store(0, SeqCst);
-    slot.failed.store(std::ptr::null_mut(), SeqCst);
+    slot.start.store(start, SeqCst);
+    slot.len.store(len, SeqCst);
+    slot.failed.store(failed, SeqCst);
     slot.seq.fetch_add(1, SeqCst);
 }
 
@@ -310,12 +308,13 @@ impl Drop for Window {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::io::Write;
     use std::os::fd::AsRawFd;
 
-    fn temp(name: &str, len: usize) -> (std::path::PathBuf, std::fs::File) {
+    /// A file of `len` bytes (`i % 251 + 1`) in the temporary directory (the test removes it).
+    pub(crate) fn temp(name: &str, len: usize) -> (std::path::PathBuf, std::fs::File) {
         let path = std::env::temp_dir().join(format!("bui-mapped-{}-{name}", std::process::id()));
         let mut f = std::fs::OpenOptions::new()
             .read(true)
@@ -329,8 +328,8 @@ mod tests {
         (path, f)
     }
 
-    /// the tests that fill the table run one at a time
-    static SERIAL: Mutex<()> = Mutex::new(());
+    /// the tests that fill the table (or count on a free slot) run one at a time
+    pub(crate) static SERIAL: Mutex<()> = Mutex::new(());
 
     #[test]
     fn reads_the_file_in_place() {

@@ -621,3 +621,50 @@ impl Blocks {
         while !self.slice(usize::MAX).is_empty() {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mapped::tests::{temp, SERIAL};
+    use std::os::fd::AsRawFd;
+
+    /// The blocks and the digest of `fd` read from `start` (`length` bytes or to the end).
+    fn read_all(fd: i32, start: u64, length: Option<u64>) -> (Vec<u8>, Digested) {
+        let (rx, reader, _) = spawn_reader(fd, start, length, None);
+        let mut got = Vec::new();
+        for block in rx {
+            got.extend_from_slice(&block.unwrap());
+        }
+        (got, reader.join().unwrap())
+    }
+
+    #[test]
+    fn mapped_or_not_the_same_bytes_and_digest() {
+        let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        // past a window (4 MiB) and not a multiple of a block or a page
+        let len = (9 << 20) + 12_345;
+        let (path, f) = temp("stream", len);
+        let data = std::fs::read(&path).unwrap();
+        for (start, length) in [
+            (0, None),
+            (7_777, None),
+            (4_096, Some((5 << 20) + 3)),
+            (len as u64, None),
+        ] {
+            let want = &data[start as usize..length.map_or(len, |l| start as usize + l as usize)];
+            let (got, digest) = read_all(f.as_raw_fd(), start, length);
+            assert!(got == want, "bytes from {start}");
+            assert_eq!(digest.unwrap(), (hex(&Sha256::digest(want)), want.len() as u64));
+        }
+        // the table's slots all taken: the reader reads with pread, the same bytes
+        let (other, g) = temp("stream-slots", 1 << 16);
+        let src = Source::new(g.as_raw_fd()).unwrap();
+        let held: Vec<_> = std::iter::from_fn(|| src.map(0, 1 << 16)).collect();
+        let (got, digest) = read_all(f.as_raw_fd(), 0, None);
+        assert!(got == data);
+        assert_eq!(digest.unwrap().0, hex(&Sha256::digest(&data)));
+        drop(held);
+        std::fs::remove_file(path).unwrap();
+        std::fs::remove_file(other).unwrap();
+    }
+}
