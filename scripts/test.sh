@@ -13,8 +13,8 @@ PY=.venv/bin/python
 # ublkd: rustfmt and clippy where the toolchain has them (rustup's does; Debian's cargo
 # package has neither, and setup falls back to it only without rustup)
 if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1; then
-  (cd ublkd && cargo fmt --check && cargo clippy --release --locked -q -- -D warnings)
-  (cd native && cargo fmt --check && cargo clippy --release --locked -q -- -D warnings)
+  (cd ublkd && cargo fmt --check && cargo clippy --release --locked -q --all-targets -- -D warnings)
+  (cd native && cargo fmt --check && cargo clippy --release --locked -q --all-targets -- -D warnings)
 else
   echo "test.sh: cargo fmt/clippy not installed: ublkd's format and lints NOT checked" >&2
 fi

@@ -593,7 +593,7 @@ mod tests {
         let (a, b) = (spilled.finish().unwrap(), kept.finish().unwrap());
         assert!(a.is_some() && a == b);
         assert!(kept.leaves.len() > SPILL_BUFFER / LEAF_DATA_SIZE * 3);
-        assert!(SPILL_BATCH < SPILL_BUFFER);
+        const { assert!(SPILL_BATCH < SPILL_BUFFER) };
         let mut all = Vec::new();
         (&file).read_to_end(&mut all).unwrap();
         assert_eq!(all.len(), kept.leaves.len() * LEAF_DATA_SIZE);

@@ -475,6 +475,7 @@ fn run(
         out,
         sink,
         content_bytes,
+        mut pack_error,
         ..
     } = parser;
     drop(src); // stops the threads upstream on an early end
@@ -484,7 +485,13 @@ fn run(
     let raw = reader.join().unwrap_or_else(|_| Err("reader thread panicked".into()));
     let unc = hasher.map(|h| h.join().unwrap_or_else(|_| Err("hasher thread panicked".into())));
     // the gathered small members written before the layer's end is reported
-    let parsed = parsed.and_then(|()| core.end_layer().map_err(|e| format!("pack: {e}")));
+    let parsed = parsed.and_then(|()| {
+        core.end_layer().map_err(|e| {
+            let msg = format!("pack: {e}");
+            pack_error = Some(e);
+            msg
+        })
+    });
     let outcome = parsed.and_then(|()| {
         let (raw_hex, nbytes) = raw?;
         let unc_hex = match unc {
@@ -523,7 +530,12 @@ fn run(
             };
             core.rollback(mark).map_err(Failure::Os)?;
             core.end_layer().map_err(Failure::Os)?;
-            Err(Failure::Unsupported(msg))
+            // a pack write that failed (a full disk) fails the same way in the Python
+            // reader: raised here, not handed back to be read again
+            Err(match pack_error {
+                Some(e) => Failure::Os(e),
+                None => Failure::Unsupported(msg),
+            })
         }
     }
 }

@@ -299,6 +299,9 @@ pub struct Parser<'a> {
     /// a closed receiver (Python stopped on an error) stops the parser
     pub sink: SyncSender<Records>,
     pub content_bytes: u64,
+    /// the pack write that stopped the parser: the caller raises it (an OSError such as a
+    /// full disk) instead of handing the archive back to the Python reader
+    pub pack_error: Option<std::io::Error>,
     next_header: u64,
     spans: Vec<Span>,
     pub packing: std::time::Duration, // in pack writes and dedup compares (BUI_NATIVE_TIMES)
@@ -321,11 +324,19 @@ impl<'a> Parser<'a> {
             out: Records::default(),
             sink,
             content_bytes: 0,
+            pack_error: None,
             next_header: 0,
             spans: Vec::new(),
             packing: Default::default(),
             handing: Default::default(),
         }
+    }
+
+    /// A pack write's error, kept for the caller (`pack_error`), as the parser's stop message.
+    fn pack_failed(&mut self, e: std::io::Error) -> String {
+        let msg = format!("pack: {e}");
+        self.pack_error = Some(e);
+        msg
     }
 
     fn upstream(&mut self, what: &str) -> String {
@@ -613,7 +624,6 @@ impl<'a> Parser<'a> {
     }
 
     fn content(&mut self, size: u64) -> R<Content> {
-        let io = |e: std::io::Error| format!("pack: {e}");
         if size <= self.keep_inline {
             let at = self.out.data.len();
             if self.src.read_append(size as usize, &mut self.out.data) as u64 != size {
@@ -630,7 +640,10 @@ impl<'a> Parser<'a> {
             }
             let crc = spans.iter().fold(0, |c, s| crc32c::crc32c_append(c, s.bytes()));
             let t = std::time::Instant::now();
-            let put = self.pack.put(&spans, crc, true).map_err(io)?;
+            let put = match self.pack.put(&spans, crc, true) {
+                Ok(put) => put,
+                Err(e) => return Err(self.pack_failed(e)),
+            };
             self.packing += t.elapsed();
             spans.clear(); // the blocks' references
             self.spans = spans;
@@ -647,10 +660,15 @@ impl<'a> Parser<'a> {
             crc = crc32c::crc32c_append(crc, s.bytes());
             left -= (s.end - s.start) as u64;
             let t = std::time::Instant::now();
-            self.pack.write_span(s).map_err(io)?;
+            if let Err(e) = self.pack.write_span(s) {
+                return Err(self.pack_failed(e));
+            }
             self.packing += t.elapsed();
         }
-        let (Put::New(loc) | Put::Dup(loc)) = self.pack.end_stream(mark, size, crc, true).map_err(io)?;
+        let (Put::New(loc) | Put::Dup(loc)) = match self.pack.end_stream(mark, size, crc, true) {
+            Ok(put) => put,
+            Err(e) => return Err(self.pack_failed(e)),
+        };
         Ok(Content::Blob(crc, size, loc.0, loc.1))
     }
 }
