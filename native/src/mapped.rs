@@ -48,15 +48,26 @@ static mut PREV: [std::mem::MaybeUninit<libc::sigaction>; 2] =
 static PREV_AT: AtomicUsize = AtomicUsize::new(usize::MAX); // MAX: none yet
 static INSTALL: Mutex<()> = Mutex::new(());
 
+/// the page size, read before the handler is installed (sysconf is not async-signal safe)
+static PAGE: AtomicUsize = AtomicUsize::new(0);
+
 fn page_size() -> usize {
-    // SAFETY: a plain libc call
-    (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }) as usize
+    match PAGE.load(SeqCst) {
+        0 => {
+            // SAFETY: a plain libc call
+            let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }) as usize;
+            PAGE.store(page, SeqCst);
+            page
+        }
+        page => page,
+    }
 }
 
 /// Our handler is the one installed for SIGBUS (installing it, the current one chained).
 fn ensure_handler() -> io::Result<()> {
     let _held = INSTALL.lock().unwrap_or_else(|e| e.into_inner());
-    // SAFETY: sigaction with a null new action only reads the current one into `cur`
+    page_size(); // known before the handler may need it
+                 // SAFETY: sigaction with a null new action only reads the current one into `cur`
     let mut cur: libc::sigaction = unsafe { std::mem::zeroed() };
     if unsafe { libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut cur) } != 0 {
         return Err(io::Error::last_os_error());
