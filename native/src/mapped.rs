@@ -66,8 +66,9 @@ fn page_size() -> usize {
 /// Our handler is the one installed for SIGBUS (installing it, the current one chained).
 fn ensure_handler() -> io::Result<()> {
     let _held = INSTALL.lock().unwrap_or_else(|e| e.into_inner());
-    page_size(); // known before the handler may need it
-                 // SAFETY: sigaction with a null new action only reads the current one into `cur`
+    // the page size known before the handler may need it
+    page_size();
+    // SAFETY: sigaction with a null new action only reads the current one into `cur`
     let mut cur: libc::sigaction = unsafe { std::mem::zeroed() };
     if unsafe { libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut cur) } != 0 {
         return Err(io::Error::last_os_error());
