@@ -13,6 +13,11 @@ import yaml
 
 from btrfs_ublk_image.errors import SpecError
 
+# a tar layer's keys when the native reader reads it as it is (no dest, renames, filters or
+# in_place: sources/tar.py's ``_read_native``) and from start-up on: the digest begun
+# (``cli._start_prehashes``), the whole first layer read (``early.EarlyRead``)
+PLAIN_TAR_KEYS = frozenset({"path", "uid", "gid", "sha256"})
+
 
 class SpecYaml:
     """A spec file's bytes, its YAML node tree (for the lines in errors) and its data."""
