@@ -35,14 +35,20 @@ from btrfs_ublk_image.progress import Progress
 from btrfs_ublk_image.sources import Started
 from btrfs_ublk_image.sources.base import LayerContext
 from btrfs_ublk_image.sources.tar import apply_source
-from btrfs_ublk_image.specyaml import PLAIN_TAR_KEYS, SpecYaml
+from btrfs_ublk_image.specyaml import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_INLINE_LIMIT,
+    MAX_INLINE_LIMIT,
+    PLAIN_TAR_KEYS,
+    SpecYaml,
+    check_chunk_size,
+)
 from btrfs_ublk_image.tree import Tree
 
 if TYPE_CHECKING:
     from btrfs_ublk_image.spec import Spec
 
 _MAX_OWNER = 0xFFFFFFFF
-_MAX_INLINE_LIMIT = 4095  # spec.MAX_INLINE_LIMIT; matches() checks what the writer takes
 
 
 class _TarFields:
@@ -148,10 +154,15 @@ class EarlyRead:
         if any(v is not None and _int(v, 0, _MAX_OWNER) is None for v in (uid, gid)):
             return None
         btrfs = data.get("btrfs", {})
-        limit = btrfs.get("inline_limit", 2048) if isinstance(btrfs, dict) else None
-        keep_inline = _int(limit, 0, _MAX_INLINE_LIMIT)
-        chunk_size = _int(data.get("pack_chunk_size", 1 << 20), 1, 1 << 62)
-        if keep_inline is None or chunk_size is None or chunk_size & (chunk_size - 1):
+        limit = btrfs.get("inline_limit", DEFAULT_INLINE_LIMIT) if isinstance(btrfs, dict) else None
+        # the writer's inline_max of a valid limit is the limit: matches() checks it
+        keep_inline = _int(limit, 0, MAX_INLINE_LIMIT)
+        chunk_size = _int(data.get("pack_chunk_size", DEFAULT_CHUNK_SIZE), 0, 1 << 62)
+        try:
+            chunk_size = None if chunk_size is None else check_chunk_size(chunk_size)
+        except ValueError:
+            chunk_size = None
+        if keep_inline is None or chunk_size is None:
             return None
         epoch = data.get("source_date_epoch")
         if epoch is None:  # load_spec's SOURCE_DATE_EPOCH
