@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,6 +43,7 @@ from btrfs_ublk_image.specyaml import (
     PLAIN_TAR_KEYS,
     SpecYaml,
     check_chunk_size,
+    source_path,
 )
 from btrfs_ublk_image.tree import Tree
 
@@ -172,6 +174,11 @@ class EarlyRead:
             epoch = int(env) if env.strip() else None
         elif _int(epoch, 0, 1 << 62) is None:
             return None
+        try:  # a FIFO or device could block the thread's read where no signal stops it
+            if not stat.S_ISREG(os.stat(source_path(spec_path.parent, path)).st_mode):
+                return None
+        except (OSError, ValueError):
+            return None  # the layer's read reports it, after the validation
         name = data.get("name")
         if output is None and not isinstance(name, str):
             return None

@@ -9,6 +9,7 @@ import os
 import random
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from btrfs_ublk_image import early, native
 from btrfs_ublk_image.bundle import build_spec
 from btrfs_ublk_image.cli import EARLY_READ_ENV, main
+from btrfs_ublk_image.sources.base import Cancelled
 from btrfs_ublk_image.spec import TarSource, load_spec
 from btrfs_ublk_image.specyaml import PLAIN_TAR_KEYS, read_spec_yaml
 
@@ -28,7 +30,12 @@ pytestmark = [
 ]
 
 
-def _tarball(path: Path, members: int = 40, end_marker: bool = True) -> None:
+def _tarball(
+    path: Path,
+    members: int = 40,
+    end_marker: bool = True,
+    sizes: tuple[int, ...] = (0, 10, 3000, 70_000),
+) -> None:
     rng = random.Random(3)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
@@ -36,7 +43,7 @@ def _tarball(path: Path, members: int = 40, end_marker: bool = True) -> None:
         d.type, d.mode, d.mtime = tarfile.DIRTYPE, 0o755, 1_800_000_000
         t.addfile(d)
         for i in range(members):
-            n = rng.choice([0, 10, 3000, 70_000])
+            n = rng.choice(sizes)
             info = tarfile.TarInfo(f"d/f{i}")
             info.size, info.mode, info.mtime = n, 0o644, 1_600_000_000 + i * 10**7
             t.addfile(info, io.BytesIO(rng.randbytes(n)))
@@ -217,6 +224,34 @@ def test_discard_stops_the_read_and_removes_the_bundle(tmp_path: Path) -> None:
     assert not read._thread.is_alive()
     assert _leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
     assert not any(t.name == "early-read" for t in threading.enumerate())
+
+
+def test_discard_stops_the_python_reader_too(tmp_path: Path) -> None:
+    """An archive the native reader hands back (no end-of-archive marker): the Python
+    reader, on the read's thread, stops at its next member too."""
+    _tarball(tmp_path / "l.tar", members=20_000, end_marker=False, sizes=(0, 10))
+    spec = _spec(tmp_path, SPEC)
+    del native.fallbacks[:]
+    read = early.EarlyRead.start(read_spec_yaml(spec), spec, str(tmp_path / "out"), None, None)
+    assert read is not None
+    deadline = time.monotonic() + 60
+    while not native.fallbacks:
+        assert time.monotonic() < deadline and read._thread.is_alive()
+        time.sleep(0.001)
+    read.discard()
+    assert not read._thread.is_alive()
+    assert isinstance(read._error, Cancelled)
+    assert len(read._ctx.tree.root.entries[b"d"].entries) < 20_000
+    assert _leftovers(tmp_path) == []
+
+
+def test_not_started_for_a_fifo(tmp_path: Path) -> None:
+    """A FIFO's read may block where no signal reaches it (a thread): read after the
+    validation, on the main thread, as before."""
+    os.mkfifo(tmp_path / "l.tar")
+    spec = _spec(tmp_path, SPEC)
+    got = early.EarlyRead.start(read_spec_yaml(spec), spec, str(tmp_path / "out"), None, None)
+    assert got is None and _leftovers(tmp_path) == []
 
 
 def test_a_spec_read_otherwise_discards_it(tmp_path: Path) -> None:

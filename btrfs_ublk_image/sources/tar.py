@@ -766,6 +766,8 @@ def _read_members(
     in_place = opts.in_place
     last: str | None = None
     while True:
+        if ctx.cancelled:
+            raise Cancelled(f"{tar_path}: read cancelled")
         try:
             m = reader.next()
         except HeaderProblem as e:  # where a member's first header should be
