@@ -53,6 +53,13 @@ if TYPE_CHECKING:
 _MAX_OWNER = 0xFFFFFFFF
 
 
+# larger tarballs are read after the validation: the ~0.1-0.15 s of imports the early
+# read hides are a few percent of their read, and with it the synthetic set's peak RSS
+# (2.79 GB, 101,116 entries) exceeded 1 KiB per entry in 2 of 10 builds (100,576 and
+# 102,892 KiB; main at most 95,808 in the same pairs; bench/results/issue23-log.md)
+MAX_BYTES = 1 << 30
+
+
 class _TarFields:
     """A first layer's ``tar:`` options as ``sources.tar.apply_source`` reads them."""
 
@@ -175,10 +182,11 @@ class EarlyRead:
         elif _int(epoch, 0, 1 << 62) is None:
             return None
         try:  # a FIFO or device could block the thread's read where no signal stops it
-            if not stat.S_ISREG(os.stat(source_path(spec_path.parent, path)).st_mode):
-                return None
+            st = os.stat(source_path(spec_path.parent, path))
         except (OSError, ValueError):
             return None  # the layer's read reports it, after the validation
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
+            return None
         name = data.get("name")
         if output is None and not isinstance(name, str):
             return None

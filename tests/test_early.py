@@ -254,6 +254,14 @@ def test_not_started_for_a_fifo(tmp_path: Path) -> None:
     assert got is None and _leftovers(tmp_path) == []
 
 
+def test_not_started_for_a_large_tarball(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _tarball(tmp_path / "l.tar")
+    spec = _spec(tmp_path, SPEC)
+    monkeypatch.setattr(early, "MAX_BYTES", (tmp_path / "l.tar").stat().st_size - 1)
+    got = early.EarlyRead.start(read_spec_yaml(spec), spec, str(tmp_path / "out"), None, None)
+    assert got is None and _leftovers(tmp_path) == []
+
+
 def test_a_spec_read_otherwise_discards_it(tmp_path: Path) -> None:
     """The validated spec differs from what the read assumed (here SOURCE_DATE_EPOCH that
     the read saw and load_spec did not): the build reads the layer again, same image."""
