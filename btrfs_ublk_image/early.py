@@ -194,14 +194,19 @@ class EarlyRead:
             out_dir, tmp = start_bundle(output if output is not None else f"{name}.bundle")
         except (ImageError, OSError, ValueError):
             return None  # the build reports it after the validation, as always
+        packs = None
         try:
             packs = new_pack_writer(tmp, keep_inline, chunk_size, progress)
             tree = Tree()
             if epoch is not None:
                 tree.root.mtime_ns = epoch * 1_000_000_000
             ctx = _HeldContext(tree, _Epoch(epoch), spec_path.parent, packs, progress, 0)
-        except BaseException:
+        except BaseException as e:
+            if packs is not None:
+                packs.abort()
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, Exception):  # a full disk...: the build meets it again after
+                return None  # the validation, and reports it then, as always
             raise
         read = cls(out_dir, tmp, packs, _TarFields(path, uid, gid, sha256), epoch, keep_inline, ctx)
         read._thread.start()
