@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 from btrfs_ublk_image import __version__, patch
 from btrfs_ublk_image.blockmap import VERSION, VERSION_COMPRESSED, BlockMap, PackEntry, Range
 from btrfs_ublk_image.btrfs import ondisk
-from btrfs_ublk_image.btrfs.writer import ImageLayout, WriterOptions, inline_max, write_image
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.files import Syncer, link_or_copy, sync_dir
 from btrfs_ublk_image.hashing import BackgroundFileSha256, file_sha256
@@ -47,6 +46,8 @@ from btrfs_ublk_image.tree import Tree
 
 if TYPE_CHECKING:
     from btrfs_ublk_image.base import BaseImage
+    from btrfs_ublk_image.btrfs.writer import ImageLayout, WriterOptions
+    from btrfs_ublk_image.early import EarlyRead
     from btrfs_ublk_image.spec import Spec
 
 # bases that build pulls into a temporary directory first (the rest are bundle directories)
@@ -159,6 +160,34 @@ def _no_cyclic_gc() -> Iterator[None]:
             gc.enable()
 
 
+def start_bundle(out_dir: str) -> tuple[str, str]:
+    """(``out_dir`` made absolute, the temporary directory beside it the bundle is written
+    into); an error if something is at ``out_dir``."""
+    out_dir = _unused_output(out_dir)
+    return out_dir, _new_temporary_dir(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.")
+
+
+def new_pack_writer(
+    tmp: str,
+    keep_inline: int,
+    chunk_size: int,
+    progress: Progress | None,
+    pack_compression: str = "none",
+    base: BaseImage | None = None,
+) -> PackWriter:
+    """The pack writer of the bundle being written in ``tmp`` (its ``packs/`` made)."""
+    packs_dir = os.path.join(tmp, PACKS)
+    os.mkdir(packs_dir)
+    return PackWriter(
+        packs_dir,
+        keep_inline=keep_inline,
+        chunk_size=chunk_size,
+        progress=progress,
+        compression=pack_compression,
+        base=base,
+    )
+
+
 def write_bundle(
     out_dir: str,
     *,
@@ -171,10 +200,15 @@ def write_bundle(
     prefetch: Sequence[str] = (),
     pack_compression: str = "none",
     base: str | None = None,
+    early: EarlyRead | None = None,
 ) -> BuildResult:
-    out_dir = _unused_output(out_dir)
+    """``early``: the bundle begun by ``early.EarlyRead`` (its temporary directory and
+    pack, the first layer being read into them), which this build takes over."""
+    if early is None:
+        out_dir, tmp = start_bundle(out_dir)
+    else:
+        out_dir, tmp = early.claim()
     parent = os.path.dirname(out_dir)
-    tmp = _new_temporary_dir(parent, f".{os.path.basename(out_dir)}.")
     base_image = None
     syncer = Syncer()
     try:
@@ -192,6 +226,7 @@ def write_bundle(
                 pack_compression,
                 base_image,
                 syncer,
+                early,
             )
         os.unlink(os.path.join(tmp, BUILDING))
         os.chmod(tmp, 0o755)
@@ -199,6 +234,8 @@ def write_bundle(
         syncer.wait()  # every file and directory on disk: only then the rename
         os.rename(tmp, out_dir)
     except BaseException as e:
+        if early is not None:
+            early.stop()  # its thread writes into tmp
         syncer.close()
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -225,13 +262,17 @@ def build_spec(
     base: str | None = None,
     plain_http: bool = False,
     auth: str | None = None,
+    early: EarlyRead | None = None,
 ) -> BuildResult:
     """Build ``spec`` (its paths relative to ``spec_path``'s directory) into the bundle
     directory ``out``: every layer's sources, then the writer (``write_bundle``). ``base``
     (else the spec's ``base``, relative to its directory): a bundle whose packs to reuse,
     an ``oci://`` reference to one or the http(s) URL of its manifest.json (pulled into a
     temporary directory beside ``out``,
-    removed after the build: the new bundle holds the base packs it uses)."""
+    removed after the build: the new bundle holds the base packs it uses). ``early``: the
+    first layer's read begun before ``spec`` was validated (``early.EarlyRead``), taken
+    over when it read it as ``spec`` says, else discarded."""
+    from btrfs_ublk_image.btrfs.writer import WriterOptions, inline_max
     from btrfs_ublk_image.sources import build_sources
 
     opts = WriterOptions(
@@ -240,12 +281,16 @@ def build_spec(
         fsid=spec.btrfs.fsid,
         time_ns=(spec.source_date_epoch or 0) * 1_000_000_000,
     )
+    base = base if base is not None else spec_base(spec, spec_path)
+    if early is not None and not early.matches(spec, out, inline_max(opts), base):
+        early.discard()
+        early = None
 
     def fill(packs: PackWriter) -> tuple[Tree, list[dict[str, Any]], dict[str, Any] | None]:
-        built = build_sources(spec, spec_path, packs, progress)
+        started = None if early is None else early.result()
+        built = build_sources(spec, spec_path, packs, progress, started=started)
         return built.tree, [r.to_json() for r in built.records], built.image_config
 
-    base = base if base is not None else spec_base(spec, spec_path)
     pulled = None
     if base is not None and base.startswith(REMOTE_BASES):
         base_ref = base
@@ -278,6 +323,7 @@ def build_spec(
             prefetch=spec.prefetch,
             pack_compression=spec.pack_compression,
             base=base,
+            early=early,
         )
     finally:
         if pulled is not None:
@@ -313,18 +359,18 @@ def _write_into(
     pack_compression: str,
     base: BaseImage | None,
     syncer: Syncer,
+    early: EarlyRead | None,
 ) -> tuple[str, dict[str, Any], ImageLayout]:
+    from btrfs_ublk_image.btrfs.writer import inline_max, write_image
+
     packs_dir = os.path.join(tmp, PACKS)
     meta_path = os.path.join(tmp, META_IMG)
-    os.mkdir(packs_dir)
-    packer = PackWriter(
-        packs_dir,
-        keep_inline=inline_max(opts),
-        chunk_size=chunk_size,
-        progress=progress,
-        compression=pack_compression,
-        base=base,
-    )
+    if early is None:
+        packer = new_pack_writer(
+            tmp, inline_max(opts), chunk_size, progress, pack_compression, base
+        )
+    else:
+        packer = early.packs
     try:
         if progress is not None and base is not None:
             progress.phase("reading sources")
@@ -342,6 +388,8 @@ def _write_into(
         # device 2's own superblock is pack content like any other, mapped at 64 KiB
         sb = packer.put_pack_tail(layout.data_super)
     except BaseException:
+        if early is not None:
+            early.stop()  # its thread writes into the pack
         packer.abort()
         raise
     # meta.img is complete: its sha256 is taken on a second core (reads and hashlib release

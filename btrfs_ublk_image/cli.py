@@ -22,6 +22,7 @@ from btrfs_ublk_image.manifest import read_manifest
 from btrfs_ublk_image.progress import Progress, human_bytes
 
 if TYPE_CHECKING:
+    from btrfs_ublk_image.early import EarlyRead
     from btrfs_ublk_image.push import Pushed, PushedImage
     from btrfs_ublk_image.specyaml import SpecYaml
 
@@ -33,9 +34,8 @@ PROG = "btrfs-ublk-image"
 SWITCH_INTERVAL = 250e-6
 
 
-# a tar layer's keys when the native reader reads it (no renames, filters or in_place:
-# sources/tar.py's ``_read_native``), and so takes over a digest begun at start-up
-_PREHASHED_TAR_KEYS = frozenset({"path", "uid", "gid", "sha256"})
+# "0": every layer read after the spec's validation (no ``early.EarlyRead``; measurements)
+EARLY_READ_ENV = "BUI_EARLY_READ"
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -45,10 +45,15 @@ def cmd_build(args: argparse.Namespace) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL)
     spec_path = Path(args.spec)
     text = read_spec_yaml(spec_path)
+    progress = Progress("reading sources", force=args.progress)
+    early: EarlyRead | None = None
     try:
         _start_prehashes(text, spec_path)
-        return _build(args, spec_path, text)
+        early = _start_early_read(args, spec_path, text, progress)
+        return _build(args, spec_path, text, progress, early)
     finally:
+        if early is not None:
+            early.discard()  # unless the build took it over: an invalid spec, an early error
         native.close_prehashes()  # those no layer took: an invalid spec, an early error
 
 
@@ -58,25 +63,42 @@ def _start_prehashes(text: SpecYaml, spec_path: Path) -> None:
     with the other). The data is not validated yet: what does not fit is skipped (the
     validation reports it)."""
     from btrfs_ublk_image import native
-    from btrfs_ublk_image.specyaml import source_path
+    from btrfs_ublk_image.specyaml import PLAIN_TAR_KEYS, source_path
 
     layers = text.data.get("layers") if isinstance(text.data, dict) else None
     for layer in layers if isinstance(layers, list) else ():
         src = layer.get("tar") if isinstance(layer, dict) and len(layer) == 1 else None
         path = src.get("path") if isinstance(src, dict) else None
-        if isinstance(src, dict) and isinstance(path, str) and src.keys() <= _PREHASHED_TAR_KEYS:
+        if isinstance(src, dict) and isinstance(path, str) and src.keys() <= PLAIN_TAR_KEYS:
             native.start_prehash(source_path(spec_path.parent, path))
 
 
-def _build(args: argparse.Namespace, spec_path: Path, text: SpecYaml) -> int:
+def _start_early_read(
+    args: argparse.Namespace, spec_path: Path, text: SpecYaml, progress: Progress
+) -> EarlyRead | None:
+    """The first tar layer's read begun while pydantic and the spec's models import
+    (``early.EarlyRead``), unless ``BUI_EARLY_READ=0``."""
+    if os.environ.get(EARLY_READ_ENV, "1") == "0":
+        return None
+    from btrfs_ublk_image.early import EarlyRead
+
+    return EarlyRead.start(text, spec_path, args.output, args.base, progress)
+
+
+def _build(
+    args: argparse.Namespace,
+    spec_path: Path,
+    text: SpecYaml,
+    progress: Progress,
+    early: EarlyRead | None,
+) -> int:
     from btrfs_ublk_image.bundle import build_spec
     from btrfs_ublk_image.spec import OciLayer, load_spec
 
-    spec = load_spec(spec_path, text=text)
-    out = args.output or f"{spec.name}.bundle"
-    progress = Progress("reading sources", force=args.progress)
     pins: dict[str, str] = {}
     try:
+        spec = load_spec(spec_path, text=text)
+        out = args.output or f"{spec.name}.bundle"
         if any(isinstance(x, OciLayer) and x.oci.path is None for x in spec.layers):
             from btrfs_ublk_image import pull
 
@@ -97,6 +119,7 @@ def _build(args: argparse.Namespace, spec_path: Path, text: SpecYaml) -> int:
             base=args.base,
             plain_http=args.plain_http,
             auth=args.auth,
+            early=early,
         )
     finally:
         progress.done()

@@ -66,14 +66,15 @@ from pydantic import (
 from pydantic.json_schema import WithJsonSchema
 
 from btrfs_ublk_image.errors import ImageError, SpecError
+from btrfs_ublk_image.specyaml import DEFAULT_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
+from btrfs_ublk_image.specyaml import DEFAULT_INLINE_LIMIT as DEFAULT_INLINE_LIMIT
+from btrfs_ublk_image.specyaml import MAX_CHUNK_SIZE as MAX_CHUNK_SIZE
+from btrfs_ublk_image.specyaml import MAX_INLINE_LIMIT as MAX_INLINE_LIMIT
+from btrfs_ublk_image.specyaml import MIN_CHUNK_SIZE as MIN_CHUNK_SIZE
 from btrfs_ublk_image.specyaml import SpecYaml, compose, read_spec_yaml
+from btrfs_ublk_image.specyaml import check_chunk_size as check_chunk_size
 
 SPEC_VERSION = 1
-DEFAULT_INLINE_LIMIT = 2048
-MAX_INLINE_LIMIT = 4095
-DEFAULT_CHUNK_SIZE = 1 << 20  # packs.DEFAULT_CHUNK_SIZE (not imported: the CLI's start)
-MIN_CHUNK_SIZE = 64 << 10  # pack chunks: ublkd's fetch, verify and cache unit
-MAX_CHUNK_SIZE = 16 << 20
 
 _MODE_RE = re.compile(r"(?:0o|0)?([0-7]{1,4})")
 
@@ -92,12 +93,6 @@ def parse_mode(value: object) -> int:
             raise ValueError(f"invalid octal mode {value!r}")
         return int(m.group(1), 8)
     raise ValueError(f"invalid octal mode {value!r}")
-
-
-def check_chunk_size(value: int) -> int:
-    if value < MIN_CHUNK_SIZE or value > MAX_CHUNK_SIZE or value & (value - 1):
-        raise ValueError(f"{value} is not a power of two from {MIN_CHUNK_SIZE} to {MAX_CHUNK_SIZE}")
-    return value
 
 
 class _Model(BaseModel):

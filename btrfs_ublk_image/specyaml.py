@@ -13,6 +13,24 @@ import yaml
 
 from btrfs_ublk_image.errors import SpecError
 
+# a tar layer's keys when the native reader reads it as it is (no dest, renames, filters or
+# in_place: sources/tar.py's ``_read_native``) and from start-up on: the digest begun
+# (``cli._start_prehashes``), the whole first layer read (``early.EarlyRead``)
+PLAIN_TAR_KEYS = frozenset({"path", "uid", "gid", "sha256"})
+
+# the spec's limits (``spec`` imports them; here for what reads the YAML before the models)
+DEFAULT_INLINE_LIMIT = 2048
+MAX_INLINE_LIMIT = 4095
+DEFAULT_CHUNK_SIZE = 1 << 20  # packs.DEFAULT_CHUNK_SIZE (not imported: the CLI's start)
+MIN_CHUNK_SIZE = 64 << 10  # pack chunks: ublkd's fetch, verify and cache unit
+MAX_CHUNK_SIZE = 16 << 20
+
+
+def check_chunk_size(value: int) -> int:
+    if value < MIN_CHUNK_SIZE or value > MAX_CHUNK_SIZE or value & (value - 1):
+        raise ValueError(f"{value} is not a power of two from {MIN_CHUNK_SIZE} to {MAX_CHUNK_SIZE}")
+    return value
+
 
 class SpecYaml:
     """A spec file's bytes, its YAML node tree (for the lines in errors) and its data."""

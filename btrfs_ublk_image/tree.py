@@ -449,6 +449,53 @@ class Inode:
         self._times = other._times
 
 
+def _clamped(times: _Times, limit_ns: int) -> _Times | None:
+    """``times`` with none later than ``limit_ns``; None when none is."""
+    if type(times) is bytes:
+        m, a, c = _TIMES.unpack(times)  # the sentinel (None) is below any limit
+        if m > limit_ns or a > limit_ns or c > limit_ns:
+            return _TIMES.pack(min(m, limit_ns), min(a, limit_ns), min(c, limit_ns))
+        return None
+    m, a, c = times
+    if not any(t is not None and t > limit_ns for t in (m, a, c)):
+        return None
+    return _pack_times(
+        min(m, limit_ns),
+        None if a is None else min(a, limit_ns),
+        None if c is None else min(c, limit_ns),
+    )
+
+
+def clamp_tree_times(tree: Tree, limit_ns: int) -> None:
+    """No timestamp in ``tree`` later than ``limit_ns`` (SOURCE_DATE_EPOCH clamping): the
+    packed times read and rewritten in place, not through each inode's properties (a
+    hard link's inode is seen once per name: clamping twice changes nothing)."""
+    root = tree.root
+    got = _clamped(root._times, limit_ns)
+    if got is not None:
+        root._times = got
+    todo = [root] if root._meta[0] is FileType.DIR else []
+    seen: set[int] = set()
+    unpack, pack, directory = _TIMES.unpack, _TIMES.pack, FileType.DIR
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for child in node._payload.values():  # type: ignore[attr-defined]
+            times = child._times
+            if type(times) is bytes:  # nearly always: _clamped's first case, inline
+                m, a, c = unpack(times)
+                if m > limit_ns or a > limit_ns or c > limit_ns:
+                    child._times = pack(min(m, limit_ns), min(a, limit_ns), min(c, limit_ns))
+            else:
+                got = _clamped(times, limit_ns)
+                if got is not None:
+                    child._times = got
+            if child._meta[0] is directory:
+                todo.append(child)
+
+
 def new_dir(mode: int = 0o755, mtime_ns: int = 0) -> Inode:
     return Inode(FileType.DIR, mode=mode, mtime_ns=mtime_ns)
 

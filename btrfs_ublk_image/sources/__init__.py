@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
@@ -38,26 +38,31 @@ from btrfs_ublk_image.sources import dir as dir_source
 from btrfs_ublk_image.sources import files, tar
 from btrfs_ublk_image.sources.base import LayerContext, SourceRecord
 from btrfs_ublk_image.sources.globs import PathSet
-from btrfs_ublk_image.spec import DirLayer, FilesLayer, OciLayer, Spec, TarLayer
-from btrfs_ublk_image.tree import FileType, Tree
+from btrfs_ublk_image.tree import FileType, Tree, clamp_tree_times
+
+if TYPE_CHECKING:  # a build's first tar layer is read while the spec's models import
+    from btrfs_ublk_image.spec import Spec
 
 __all__ = ["Built", "LayerContext", "SourceRecord", "build_sources", "build_tree"]
 
 
-def _apply_oci(layer: OciLayer, ctx: LayerContext) -> SourceRecord:
+def _apply_oci(layer: Any, ctx: LayerContext) -> SourceRecord:
     # imported by specs with OCI layers only (~6 ms of every other build's start)
     from btrfs_ublk_image.sources import oci
 
     return oci.apply(layer, ctx)
 
 
-# layer model -> the function that applies it
-_APPLY: dict[type, Callable[[Any, LayerContext], SourceRecord]] = {
-    TarLayer: tar.apply,
-    OciLayer: _apply_oci,
-    DirLayer: dir_source.apply,
-    FilesLayer: files.apply,
-}
+def _appliers() -> dict[type, Callable[[Any, LayerContext], SourceRecord]]:
+    """Layer model -> the function that applies it."""
+    from btrfs_ublk_image.spec import DirLayer, FilesLayer, OciLayer, TarLayer
+
+    return {
+        TarLayer: tar.apply,
+        OciLayer: _apply_oci,
+        DirLayer: dir_source.apply,
+        FilesLayer: files.apply,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,16 @@ class Built:
     records: list[SourceRecord]
     # the image config for the manifest: the last layer that has one (OCI) wins
     image_config: dict[str, Any] | None
+
+
+class Started:
+    """The first layers of a spec already applied (``early.EarlyRead``): the tree they
+    made and their records; ``build_sources`` applies the rest."""
+
+    __slots__ = ("records", "tree")
+
+    def __init__(self, tree: Tree, records: list[SourceRecord]) -> None:
+        self.tree, self.records = tree, records
 
 
 def build_tree(
@@ -77,20 +92,31 @@ def build_tree(
 
 
 def build_sources(
-    spec: Spec, spec_path: Path, packs: PackWriter, progress: Progress | None = None
+    spec: Spec,
+    spec_path: Path,
+    packs: PackWriter,
+    progress: Progress | None = None,
+    started: Started | None = None,
 ) -> Built:
     """Apply every layer of ``spec`` in order; paths in the spec are relative to ``spec_path``.
+    ``started``: the first layers, applied already (into ``packs``).
 
     Regular file content goes to ``packs`` (deduplicated there). Raises ``SourceError``
     (unreadable, corrupt or hostile input), naming the source file and entry.
     """
-    tree = Tree()
-    if spec.source_date_epoch is not None:
-        tree.root.mtime_ns = spec.source_date_epoch * 1_000_000_000
+    if started is None:
+        tree = Tree()
+        if spec.source_date_epoch is not None:
+            tree.root.mtime_ns = spec.source_date_epoch * 1_000_000_000
+        records: list[SourceRecord] = []
+    else:
+        tree, records = started.tree, list(started.records)
     spec_dir = Path(spec_path).parent
-    records: list[SourceRecord] = []
+    appliers = _appliers()
     for index, layer in enumerate(spec.layers):
-        apply = _APPLY.get(type(layer))
+        if index < len(records):
+            continue
+        apply = appliers.get(type(layer))
         if apply is None:
             raise SourceError(f"layers[{index}]: no source for {type(layer).__name__}")
         ctx = LayerContext(tree, spec, spec_dir, packs, progress, index)
@@ -125,18 +151,4 @@ def remove_globs(tree: Tree, globs: PathSet) -> int:
 
 def clamp_times(tree: Tree, limit_ns: int) -> None:
     """No timestamp later than ``limit_ns`` (reproducible-builds' SOURCE_DATE_EPOCH clamping)."""
-    seen: set[int] = set()
-    todo = [tree.root]
-    while todo:
-        node = todo.pop()
-        if id(node) in seen:
-            continue  # a hard link: already clamped
-        seen.add(id(node))
-        if node.mtime_ns > limit_ns:
-            node.mtime_ns = limit_ns
-        if node.atime_ns is not None and node.atime_ns > limit_ns:
-            node.atime_ns = limit_ns
-        if node.ctime_ns is not None and node.ctime_ns > limit_ns:
-            node.ctime_ns = limit_ns
-        if node.type == FileType.DIR:
-            todo.extend(node.entries.values())
+    clamp_tree_times(tree, limit_ns)

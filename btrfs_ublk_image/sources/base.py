@@ -5,14 +5,22 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.progress import Progress
-from btrfs_ublk_image.spec import Spec
 from btrfs_ublk_image.specyaml import source_path
 from btrfs_ublk_image.tree import FileType, Inode, SavedMetadata, Tree, check_name, split_path
+
+
+class SpecDates(Protocol):
+    """What a layer reads of the spec (``spec.Spec``; ``early`` gives it before the models
+    are imported): its ``source_date_epoch``."""
+
+    @property
+    def source_date_epoch(self) -> int | None: ...
+
 
 MAX_SYMLINKS = 40  # symlinks followed while resolving one path (the kernel's limit)
 PATH_MAX = 4096  # a symlink target must be shorter (the kernel refuses longer ones)
@@ -51,6 +59,10 @@ class SourceRecord:
         return out
 
 
+class Cancelled(Exception):
+    """A layer's read stopped because its result is no longer wanted (``LayerContext.cancelled``)."""
+
+
 class LayerContext:
     """Everything a source needs to apply one layer to the tree."""
 
@@ -58,6 +70,7 @@ class LayerContext:
         "_changes",
         "_held_warnings",
         "_last_dir",
+        "cancelled",
         "dir_mtime_ns",
         "index",
         "packs",
@@ -71,7 +84,7 @@ class LayerContext:
     def __init__(
         self,
         tree: Tree,
-        spec: Spec,
+        spec: SpecDates,
         spec_dir: Path,
         packs: PackWriter,
         progress: Progress | None,
@@ -97,6 +110,8 @@ class LayerContext:
         # and the warnings held back until it is kept
         self._changes: list[_Change] | None = None
         self._held_warnings: list[str] | None = None
+        # set by another thread: the native read stops at its next segment (``Cancelled``)
+        self.cancelled = False
 
     def begin_undoable(self) -> None:
         """Record every change to the tree, and hold warnings back, until ``commit`` or

@@ -20,13 +20,16 @@ import errno
 import hashlib
 import os
 import stat
+from typing import TYPE_CHECKING
 
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.sources.base import LayerContext, SourceRecord
 from btrfs_ublk_image.sources.globs import selector
-from btrfs_ublk_image.spec import DirLayer
 from btrfs_ublk_image.tree import Blob, FileType, Inode, split_path
+
+if TYPE_CHECKING:
+    from btrfs_ublk_image.spec import DirLayer
 
 _TYPES = {
     stat.S_IFREG: FileType.REG,

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import TYPE_CHECKING
 
 from btrfs_ublk_image.sources.base import LayerContext, SourceRecord
-from btrfs_ublk_image.spec import FilesLayer
 from btrfs_ublk_image.tree import FileType, Inode
+
+if TYPE_CHECKING:
+    from btrfs_ublk_image.spec import FilesLayer
 
 _DEFAULT_MODES = {"file": 0o644, "directory": 0o755, "symlink": 0o777}
 

@@ -33,13 +33,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
 
 from btrfs_ublk_image import native
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.hashing import BackgroundSha256
 from btrfs_ublk_image.packs import InPlacePack, PackWriter
-from btrfs_ublk_image.sources.base import WHITEOUT, LayerContext, SourceRecord
+from btrfs_ublk_image.sources.base import WHITEOUT, Cancelled, LayerContext, SourceRecord
 from btrfs_ublk_image.sources.globs import normalize, selector
 from btrfs_ublk_image.sources.gunzip import InflateError, ThreadedGunzip
 from btrfs_ublk_image.sources.tarheader import (
@@ -60,8 +60,10 @@ from btrfs_ublk_image.sources.tarheader import (
     checksum_ok,
     is_regular_type,
 )
-from btrfs_ublk_image.spec import TarLayer
 from btrfs_ublk_image.tree import Blob, Content, FileType, Inode, split_path
+
+if TYPE_CHECKING:  # a build's first tar layer is read while the spec's models import
+    from btrfs_ublk_image.spec import TarLayer
 
 ZSTD_READ_SIZE = 1 << 14  # compressed bytes per decompress call: bounds a call's output
 NO_OWNER = 0xFFFFFFFF  # (uid_t)-1 / (gid_t)-1
@@ -430,13 +432,41 @@ def _fail(tar_path: Path | str, member: str | None, msg: str) -> SourceError:
     return SourceError(f"{tar_path}{at}: {msg}")
 
 
+class TarFields(Protocol):
+    """A tar layer's options as ``apply_source`` reads them: ``spec.TarSource``'s fields
+    (``early.EarlyRead`` gives them from the spec's YAML before the models are imported)."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def dest(self) -> str: ...
+    @property
+    def include(self) -> list[str] | None: ...
+    @property
+    def exclude(self) -> list[str]: ...
+    @property
+    def uid(self) -> int | None: ...
+    @property
+    def gid(self) -> int | None: ...
+    @property
+    def sha256(self) -> str | None: ...
+    @property
+    def strip_components(self) -> int: ...
+    @property
+    def in_place(self) -> bool: ...
+
+
 def apply(layer: TarLayer, ctx: LayerContext) -> SourceRecord:
-    tar_path = ctx.resolve(layer.tar.path)
+    return apply_source(layer.tar, ctx)
+
+
+def apply_source(src: TarFields, ctx: LayerContext) -> SourceRecord:
+    """A tar layer with the options ``src`` applied to ``ctx``'s tree."""
+    tar_path = ctx.resolve(src.path)
     try:
         f = open(tar_path, "rb")  # noqa: SIM115 - closed below; open errors get their own message
     except OSError as e:
         raise SourceError(f"{tar_path}: cannot open tarball: {e.strerror or e}") from None
-    src = layer.tar
     opts = TarOptions(
         rename=_renamer(src.dest, src.strip_components),
         keep=selector(src.include, src.exclude),
@@ -678,9 +708,14 @@ def _read_native_with(
 
     # the common member (a plain file, directory or symlink new in the directory placed
     # last) placed by the extension itself; every other one by ``place_one``, in order
-    place: Callable[[Iterable[NativeMember]], None] = place_all
+    placer: Callable[[Iterable[NativeMember]], None] = place_all
     if NATIVE_PLACE and hasattr(nat, "Placer"):
-        place = nat.Placer(ctx, opts.uid, opts.gid, opts.whiteouts, place_one).place
+        placer = nat.Placer(ctx, opts.uid, opts.gid, opts.whiteouts, place_one).place
+
+    def place(members: Iterable[NativeMember]) -> None:
+        if ctx.cancelled:  # the read stops here (its pack writes are the caller's to drop)
+            raise Cancelled(f"{tar_path}: read cancelled")
+        placer(members)
 
     # members are placed while the native side still reads (its threads leave part of the
     # second core idle); should it hand the archive back, the Python reader places them again
@@ -733,6 +768,8 @@ def _read_members(
     in_place = opts.in_place
     last: str | None = None
     while True:
+        if ctx.cancelled:
+            raise Cancelled(f"{tar_path}: read cancelled")
         try:
             m = reader.next()
         except HeaderProblem as e:  # where a member's first header should be

@@ -39,15 +39,19 @@ pub(crate) fn os_err(e: std::io::Error) -> PyErr {
     PyOSError::new_err((e.raw_os_error().unwrap_or(0), e.to_string()))
 }
 
-/// Pack 0 of a build (see pack.rs).
-#[pyclass(unsendable)]
+/// Pack 0 of a build (see pack.rs). Any one thread may use it at a time (a build reads its
+/// first layer on a thread of its own while the program starts: `early.py`); every use
+/// takes `&mut self` (pyo3's borrow flag), so the mutex is never locked, only `get_mut`.
+#[pyclass]
 struct Pack {
-    core: Option<PackCore>,
+    core: std::sync::Mutex<Option<PackCore>>,
 }
 
 impl Pack {
     fn core(&mut self) -> PyResult<&mut PackCore> {
         self.core
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) // never locked: never poisoned
             .as_mut()
             .ok_or_else(|| PyValueError::new_err("pack is closed"))
     }
@@ -63,7 +67,7 @@ impl Pack {
         // SAFETY: the caller hands the fd over (os.dup of its own)
         let file = unsafe { File::from_raw_fd(fd) };
         Pack {
-            core: Some(PackCore::new(file, chunk_size, direct)),
+            core: std::sync::Mutex::new(Some(PackCore::new(file, chunk_size, direct))),
         }
     }
 
@@ -171,13 +175,18 @@ impl Pack {
         let core = self.core()?;
         let digests = py.detach(|| core.finish()).map_err(os_err)?;
         let out = digests.iter().map(|d| PyBytes::new(py, d).unbind()).collect();
-        self.core = None;
+        self.core = std::sync::Mutex::new(None);
         Ok(out)
     }
 
     /// Stop the threads and close the file (error paths).
     fn abort(&mut self) {
-        if let Some(mut core) = self.core.take() {
+        if let Some(mut core) = self
+            .core
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
             core.abort();
         }
     }
@@ -186,8 +195,9 @@ impl Pack {
 /// The members of a layer read by `read_tar`, one tuple each, in archive order:
 /// (name, type, mode, uid, gid, mtime_ns, atime_ns, ctime_ns, xattrs or None, linkname,
 /// devmajor, devminor, content) with content None, bytes (inline) or (crc32c, size, pack,
-/// offset). Records are freed as they are taken.
-#[pyclass(unsendable)]
+/// offset). Records are freed as they are taken. Sendable: an exception raised while
+/// placing them may end its life on another thread (``early.py``'s read).
+#[pyclass]
 pub(crate) struct Members {
     pub(crate) segments: VecDeque<Records>,
     pub(crate) next: usize, // in the first segment

@@ -41,7 +41,7 @@ struct LastDir {
 }
 
 /// Places one layer's members (`read_tar`'s `place` callback, one call per segment).
-#[pyclass(unsendable)]
+#[pyclass]
 pub(crate) struct Placer {
     ctx: Py<PyAny>,
     slow: Py<PyAny>, // one member tuple (as `Members` gives it) -> placed by the Python path
