@@ -9,7 +9,10 @@ for a DIR without a venv (``git archive COMMIT btrfs_ublk_image | tar -x -C DIR`
 commit's ``btrfs_ublk_native`` package, as ``bench/run --baseline-builder`` takes),
 ``python -P -m btrfs_ublk_image build ...`` with this venv's Python and ``PYTHONPATH=DIR``;
 both sides' modules are compiled first (``PYTHONDONTWRITEBYTECODE`` would otherwise make
-every run compile them). Its wall time, user and sys CPU and peak RSS come from ``os.wait4``. The side that runs first
+every run compile them). Its wall time, user and sys CPU and peak RSS come from ``os.wait4``;
+the bytes the output's disk read and wrote meanwhile from ``/proc/diskstats`` (a cold
+synthetic build reads its ~2.8 GB input and writes its ~2.6 GB bundle: more is another
+process's I/O on the same disk, which makes that sample slower). The side that runs first
 alternates from pair to pair, after one untimed build (``--warmup``); the 1-minute load
 average is read after each pair. Both sides must print the same image id (same bytes out).
 """
@@ -41,6 +44,23 @@ def build_command(checkout: Path, spec: Path, out: Path) -> tuple[list[str], dic
     return [sys.executable, "-P", "-m", "btrfs_ublk_image", "build", str(spec), "-o", str(out)], env
 
 
+def disk_bytes(diskstats: str, dev: int) -> tuple[int, int] | None:
+    """Bytes read and written so far by the block device ``dev`` (``st_dev``), from the text
+    of ``/proc/diskstats`` (sectors of 512 bytes); None when it is not listed (tmpfs, ...)."""
+    for line in diskstats.splitlines():
+        f = line.split()
+        if len(f) >= 10 and (int(f[0]), int(f[1])) == (os.major(dev), os.minor(dev)):
+            return int(f[5]) * 512, int(f[9]) * 512
+    return None
+
+
+def _disk_now(dev: int) -> tuple[int, int] | None:
+    try:
+        return disk_bytes(Path("/proc/diskstats").read_text(), dev)
+    except OSError:
+        return None
+
+
 def run_build(checkout: Path, spec: Path, out: Path, cold: bool = False) -> dict[str, Any]:
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
@@ -48,10 +68,13 @@ def run_build(checkout: Path, spec: Path, out: Path, cold: bool = False) -> dict
     if cold:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     cmd, env = build_command(checkout, spec, out)
+    dev = os.stat(out.parent).st_dev
+    disk0 = _disk_now(dev)
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     _, status, ru = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t
+    disk1 = _disk_now(dev)
     assert proc.stdout is not None and proc.stderr is not None
     stdout, stderr = proc.stdout.read().decode(), proc.stderr.read().decode()
     proc.stdout.close()
@@ -59,13 +82,24 @@ def run_build(checkout: Path, spec: Path, out: Path, cold: bool = False) -> dict
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)}: exit {proc.returncode}\n{stderr}")
-    return {
+    sample: dict[str, Any] = {
         "wall_s": round(wall, 4),
         "user_s": round(ru.ru_utime, 3),
         "sys_s": round(ru.ru_stime, 3),
         "maxrss_kib": ru.ru_maxrss,
         "image_id": stdout.split(": ")[1],
     }
+    if disk0 is not None and disk1 is not None:
+        sample["disk_read_mb"] = round((disk1[0] - disk0[0]) / 1e6)
+        sample["disk_write_mb"] = round((disk1[1] - disk0[1]) / 1e6)
+    return sample
+
+
+def _brief(sample: dict[str, Any]) -> str:
+    disk = ""
+    if "disk_read_mb" in sample:
+        disk = f" (disk: {sample['disk_read_mb']} MB read, {sample['disk_write_mb']} MB written)"
+    return f"{sample['wall_s']:.3f} s{disk}"
 
 
 def main() -> int:
@@ -99,8 +133,8 @@ def main() -> int:
                 raise SystemExit(f"image ids differ: {pair}")
             pairs.append(pair)
             print(
-                f"pair {i + 1}: ours {pair['ours']['wall_s']:.3f} s,"
-                f" base {pair['base']['wall_s']:.3f} s, load {pair['load_1min_after']:.2f}",
+                f"pair {i + 1}: ours {_brief(pair['ours'])}, base {_brief(pair['base'])},"
+                f" load {pair['load_1min_after']:.2f}",
                 file=sys.stderr,
             )
     finally:

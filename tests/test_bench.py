@@ -22,7 +22,7 @@ from bench import inputs  # noqa: E402
 from bench.build import Job, _read_and_write_floor  # noqa: E402
 from bench.build import main as bench_main  # noqa: E402
 from bench.measure import Result, Sample, pipeline, run_measured, tree_size  # noqa: E402
-from bench.pairs import build_command  # noqa: E402
+from bench.pairs import build_command, disk_bytes  # noqa: E402
 from bench.report import (  # noqa: E402
     TAR_BASELINE,
     UMOCI_BASELINE,
@@ -132,6 +132,17 @@ def test_pairs_runs_a_checkout_with_its_venv_or_a_bare_one_on_pythonpath(tmp_pat
     cmd, env = build_command(tmp_path / "co", spec, out)
     assert cmd == [str(script), "build", str(spec), "-o", str(out)]
     assert env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
+
+
+def test_pairs_reads_a_devices_bytes_from_diskstats() -> None:
+    text = (
+        " 254       0 vda 16402254 12413478 3772896562 16430814 13631060 32949252 11501642440"
+        " 71169561 0 9224572 92022969 25321358 294 11255086312 4220018 1970707 202574\n"
+        " 253       0 zram0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0\n"
+    )
+    assert disk_bytes(text, os.makedev(254, 0)) == (3772896562 * 512, 11501642440 * 512)
+    assert disk_bytes(text, os.makedev(253, 0)) == (0, 0)
+    assert disk_bytes(text, os.makedev(8, 1)) is None
 
 
 def _res(name: str, walls: list[float], rss: int, out: int | None = None) -> Result:

@@ -912,7 +912,7 @@ pub(crate) mod tests {
     }
 
     /// An empty pack file of this process in the temporary directory (the test removes it).
-    fn temp_pack(name: &str) -> (std::path::PathBuf, File) {
+    pub(crate) fn temp_pack(name: &str) -> (std::path::PathBuf, File) {
         let path = std::env::temp_dir().join(format!("pack-{name}-{}", std::process::id()));
         let file = File::options()
             .read(true)
