@@ -18,6 +18,10 @@ if cargo fmt --version >/dev/null 2>&1 && cargo clippy --version >/dev/null 2>&1
 else
   echo "test.sh: cargo fmt/clippy not installed: ublkd's format and lints NOT checked" >&2
 fi
+# the Rust crates' own tests (ublkd's frontends and sources; the extension's readers,
+# hashers and pack: sha256x4's property test against sha2, the mapping's truncation)
+(cd ublkd && cargo test --release --locked -q)
+(cd native && cargo test --release --locked -q)
 # the snapshotter (Go): gofmt, go vet, its unit tests
 # (the Go setup.sh found; go.mod's toolchain where that one is older)
 if GO=$(scripts/find-go.sh); then

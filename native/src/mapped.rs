@@ -327,14 +327,7 @@ pub(crate) mod tests {
 
     /// A file of `len` bytes (`i % 251 + 1`) in the temporary directory (the test removes it).
     pub(crate) fn temp(name: &str, len: usize) -> (std::path::PathBuf, std::fs::File) {
-        let path = std::env::temp_dir().join(format!("bui-mapped-{}-{name}", std::process::id()));
-        let mut f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&path)
-            .unwrap();
+        let (path, mut f) = crate::pack::tests::temp_pack(&format!("mapped-{name}"));
         let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8 + 1).collect();
         f.write_all(&data).unwrap();
         (path, f)
