@@ -15,7 +15,6 @@ import gc
 import hashlib
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,13 @@ from btrfs_ublk_image.manifest import (
 )
 from btrfs_ublk_image.packs import DEFAULT_CHUNK_SIZE, PackInfo, PackWriter
 from btrfs_ublk_image.progress import Progress
+from btrfs_ublk_image.staging import (
+    BUILDING,
+    new_pack_writer,
+    new_temporary_dir,
+    start_bundle,
+    unused_output,
+)
 from btrfs_ublk_image.tree import Tree
 
 if TYPE_CHECKING:
@@ -52,8 +58,6 @@ if TYPE_CHECKING:
 
 # bases that build pulls into a temporary directory first (the rest are bundle directories)
 REMOTE_BASES = ("oci://", "http://", "https://")
-# in a build's temporary directory while it is written: "PID BOOT_ID" of the build
-BUILDING = ".building"
 
 # Fills a tree from the sources, streaming file content into the pack writer; returns the
 # tree, the source records for the manifest and the image config (OCI) or None.
@@ -66,80 +70,6 @@ class BuildResult:
     image_id: str
     manifest: dict[str, Any]
     layout: ImageLayout
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return "unknown"
-
-
-def _build_gone(marker: str) -> bool:
-    """Whether the build that wrote ``marker`` (its pid and boot id) no longer runs."""
-    try:
-        with open(marker) as f:
-            pid_text, boot = f.read().split()
-        pid = int(pid_text)
-    except (OSError, ValueError):
-        return False  # not ours, or being written: leave it
-    if boot != _boot_id():
-        return True  # written before a reboot
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, another user's
-    return False
-
-
-def _mark_building(tmp: str) -> None:
-    """The BUILDING marker of a temporary directory: removed by a later build once this
-    process is gone (``remove_stale_builds``)."""
-    with open(os.path.join(tmp, BUILDING), "w") as f:
-        f.write(f"{os.getpid()} {_boot_id()}\n")
-
-
-def _unused_output(out_dir: str) -> str:
-    """``out_dir`` made absolute; an error if something is there (never overwritten)."""
-    out_dir = os.path.abspath(out_dir)
-    if os.path.lexists(out_dir):
-        raise ImageError(
-            f"{out_dir}: already exists (a bundle is never overwritten; remove it first)"
-        )
-    return out_dir
-
-
-def _new_temporary_dir(parent: str, prefix: str) -> str:
-    """A hidden ``PREFIX*.tmp`` directory in ``parent`` marked as this build's (so a later
-    build removes it if this one is killed); what killed builds left there goes first."""
-    if not os.path.isdir(parent):
-        raise ImageError(f"{parent}: no such directory")
-    remove_stale_builds(parent)
-    tmp = tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=parent)
-    try:
-        _mark_building(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return tmp
-
-
-def remove_stale_builds(parent: str) -> None:
-    """Remove the temporary directories that killed builds (SIGKILL, a crash, a power cut)
-    left in ``parent``: hidden ``.NAME.*.tmp`` directories whose BUILDING marker names a
-    process that is gone."""
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(parent, name)
-        hidden_tmp = name.startswith(".") and name.endswith(".tmp") and os.path.isdir(path)
-        if hidden_tmp and _build_gone(os.path.join(path, BUILDING)):
-            shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -158,34 +88,6 @@ def _no_cyclic_gc() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-
-def start_bundle(out_dir: str) -> tuple[str, str]:
-    """(``out_dir`` made absolute, the temporary directory beside it the bundle is written
-    into); an error if something is at ``out_dir``."""
-    out_dir = _unused_output(out_dir)
-    return out_dir, _new_temporary_dir(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.")
-
-
-def new_pack_writer(
-    tmp: str,
-    keep_inline: int,
-    chunk_size: int,
-    progress: Progress | None,
-    pack_compression: str = "none",
-    base: BaseImage | None = None,
-) -> PackWriter:
-    """The pack writer of the bundle being written in ``tmp`` (its ``packs/`` made)."""
-    packs_dir = os.path.join(tmp, PACKS)
-    os.mkdir(packs_dir)
-    return PackWriter(
-        packs_dir,
-        keep_inline=keep_inline,
-        chunk_size=chunk_size,
-        progress=progress,
-        compression=pack_compression,
-        base=base,
-    )
 
 
 def write_bundle(
@@ -298,8 +200,8 @@ def build_spec(
 
         # an existing output fails before the pull; a killed build's pulled base goes like
         # its temporary bundle (the same marker)
-        out = _unused_output(out)
-        pulled = _new_temporary_dir(os.path.dirname(out), ".base-")
+        out = unused_output(out)
+        pulled = new_temporary_dir(os.path.dirname(out), ".base-")
         try:
             if progress is not None:
                 progress.phase("pulling the base image")

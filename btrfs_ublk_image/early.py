@@ -4,7 +4,7 @@
 (``specyaml``). When the first layer is a plain ``tar: {path, uid, gid, sha256}`` layer
 that the native reader reads, and nothing asks for what this read does not do (a base
 bundle, compressed packs, an output that exists), ``EarlyRead.start`` makes the bundle's
-temporary directory and pack (``bundle.start_bundle``, ``bundle.new_pack_writer``) and
+temporary directory and pack (``staging.start_bundle``, ``staging.new_pack_writer``) and
 reads that layer into them on a thread of its own, from the YAML's values, while the main
 thread imports pydantic, validates the spec and imports the writer: the native reader
 parses, hashes and writes the pack on its own threads with the GIL released, and its
@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from btrfs_ublk_image import native
-from btrfs_ublk_image.bundle import new_pack_writer, start_bundle
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.progress import Progress
@@ -45,6 +44,7 @@ from btrfs_ublk_image.specyaml import (
     check_chunk_size,
     source_path,
 )
+from btrfs_ublk_image.staging import new_pack_writer, start_bundle
 from btrfs_ublk_image.tree import Tree
 
 if TYPE_CHECKING:

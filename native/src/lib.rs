@@ -427,7 +427,7 @@ struct Layer {
 fn run(
     core: &mut PackCore,
     layer: &Layer,
-    started: Option<prehash::Started>,
+    started: Option<stream::Started>,
     sink: SyncSender<Records>,
 ) -> Result<Done, Failure> {
     let Layer {

@@ -21,17 +21,10 @@ use pyo3::prelude::*;
 use sha2::{Digest, Sha256};
 
 use crate::mapped::Source;
+use crate::stream::{Started, WINDOW};
 
 /// the read size, the reader's: a stop waits for at most one
 const STEP: usize = crate::stream::IN_SIZE;
-/// the mapped windows' size
-const WINDOW: u64 = 4 << 20;
-
-/// The sha256 state of a file's first `at` bytes.
-pub struct Started {
-    pub hash: Sha256,
-    pub at: u64,
-}
 
 /// What identifies the file's content for the check: a write changes the mtime.
 #[derive(Clone, Copy, PartialEq, Eq)]

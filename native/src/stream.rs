@@ -16,12 +16,18 @@ use std::thread::JoinHandle;
 use sha2::{Digest, Sha256};
 
 use crate::mapped::{Source, Window};
-use crate::prehash::Started;
 
 /// the raw file's read size: blocks small enough that the few in flight stay in the CPU's
 /// caches between the read, the two hashes and the pack write (1 MiB blocks: the synthetic
 /// set's native read 3.6-3.7 s user and 65 MiB peak RSS; 256 KiB: 3.2-3.3 s, 57 MiB)
 pub const IN_SIZE: usize = 256 << 10;
+
+/// The sha256 state of a file's first `at` bytes: a digest begun before the read (the
+/// prehash, `prehash::Prehash`), which the reader takes over from `at`.
+pub struct Started {
+    pub hash: Sha256,
+    pub at: u64,
+}
 const OUT_SIZE: usize = 1 << 20;
 const DEPTH: usize = 8;
 /// buffers a pool keeps for reuse: the reader's queue, the parser's block and the pack
@@ -284,7 +290,7 @@ impl Drop for Readahead {
 
 /// The mapped windows' size and alignment in the file: a window's pages count in the RSS
 /// while a block of it is held (by the reader's queue, the parser, the chunk hasher).
-const WINDOW: u64 = 4 << 20;
+pub const WINDOW: u64 = 4 << 20;
 
 /// What a read reports when a page of its mapping was gone (`Source::failed`).
 pub const SHRANK: &str = "the file changed under the read: part of it was gone when read (truncated)";
