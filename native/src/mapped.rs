@@ -51,7 +51,7 @@ static INSTALL: Mutex<()> = Mutex::new(());
 /// the page size, read before the handler is installed (sysconf is not async-signal safe)
 static PAGE: AtomicUsize = AtomicUsize::new(0);
 
-fn page_size() -> usize {
+pub(crate) fn page_size() -> usize {
     match PAGE.load(SeqCst) {
         0 => {
             // SAFETY: a plain libc call

@@ -21,6 +21,11 @@ use crate::mapped::{Source, Window};
 /// caches between the read, the two hashes and the pack write (1 MiB blocks: the synthetic
 /// set's native read 3.6-3.7 s user and 65 MiB peak RSS; 256 KiB: 3.2-3.3 s, 57 MiB)
 pub const IN_SIZE: usize = 256 << 10;
+const OUT_SIZE: usize = 1 << 20;
+const DEPTH: usize = 8;
+/// buffers a pool keeps for reuse: the reader's queue, the parser's block and the pack
+/// hasher's queue of spans all hold some
+const POOL_KEEP: usize = 48;
 
 /// The sha256 state of a file's first `at` bytes: a digest begun before the read (the
 /// prehash, `prehash::Prehash`), which the reader takes over from `at`.
@@ -28,11 +33,6 @@ pub struct Started {
     pub hash: Sha256,
     pub at: u64,
 }
-const OUT_SIZE: usize = 1 << 20;
-const DEPTH: usize = 8;
-/// buffers a pool keeps for reuse: the reader's queue, the parser's block and the pack
-/// hasher's queue of spans all hold some
-const POOL_KEEP: usize = 48;
 
 /// Spare buffers of one size, reused by whoever takes them next.
 pub struct Pool {
@@ -274,9 +274,7 @@ fn cached_bytes(fd: i32, off: u64, len: u64) -> Option<u64> {
     let mut stat = Stat::default();
     // SAFETY: both structs are valid for the call, laid out as the kernel's
     let r = unsafe { libc::syscall(SYS_CACHESTAT, fd, &range, &mut stat, 0) };
-    // SAFETY: a plain query
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    (r == 0 && page > 0).then(|| stat.nr_cache * page as u64)
+    (r == 0).then(|| stat.nr_cache * crate::mapped::page_size() as u64)
 }
 
 impl Drop for Readahead {
