@@ -61,16 +61,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
 
 from btrfs_ublk_image import native
-from btrfs_ublk_image.blockmap import StoredChunk
-from btrfs_ublk_image.btrfs.encoded import COMPRESSED_EXTENT, EncodedExtents, ZstdExtentEncoder
 from btrfs_ublk_image.btrfs.ondisk import SECTORSIZE
 from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import ImageError, SourceError
 from btrfs_ublk_image.files import FICLONE, UNSUPPORTED
 from btrfs_ublk_image.tree import Blob, Content, Sparse
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # blockmap and encoded: compressed packs only (a build's first tar layer
+    # is read from start-up on, early.py: what its start imports delays it)
     from btrfs_ublk_image.base import BaseImage
+    from btrfs_ublk_image.blockmap import StoredChunk
+    from btrfs_ublk_image.btrfs.encoded import EncodedExtents, ZstdExtentEncoder
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 COPY_BUFFER = 1 << 20
@@ -205,6 +206,8 @@ class PackWriter:
         self.encoded: EncodedExtents | None = None
         self._encoder: ZstdExtentEncoder | None = None
         if compression == "btrfs-zstd":
+            from btrfs_ublk_image.btrfs.encoded import EncodedExtents, ZstdExtentEncoder
+
             self.encoded = EncodedExtents()
             self._encoder = ZstdExtentEncoder()
 
@@ -519,6 +522,8 @@ def _compress_pack(path: str, directory: str, size: int, chunk_size: int) -> Pac
     would not be smaller); digests over the stored bytes; name it by its id."""
     import zstandard  # compressed packs only: its 11 MiB library is not loaded otherwise
 
+    from btrfs_ublk_image.blockmap import StoredChunk
+
     out_path = path + ".zst"
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True)
     digests: list[bytes] = []
@@ -741,20 +746,24 @@ class _ExtentSink:
     they already lie (an in-place pack, at ``offset``)."""
 
     def __init__(self, packs: PackWriter, encoder: ZstdExtentEncoder | None, offset: int) -> None:
+        from btrfs_ublk_image.btrfs.encoded import COMPRESSED_EXTENT
+
         assert packs.encoded is not None
         self.packs, self.encoded, self.encoder = packs, packs.encoded, encoder
+        self.extent = COMPRESSED_EXTENT
         self.at = offset  # pack offset of the next stored byte
         self.buf = bytearray()
         self.encoded.begin()
 
     def write(self, data: bytes) -> None:
         self.buf += data
-        if len(self.buf) >= COMPRESSED_EXTENT:
+        extent = self.extent
+        if len(self.buf) >= extent:
             view = memoryview(self.buf)
             done = 0
-            while len(self.buf) - done >= COMPRESSED_EXTENT:
-                self._piece(bytes(view[done : done + COMPRESSED_EXTENT]))
-                done += COMPRESSED_EXTENT
+            while len(self.buf) - done >= extent:
+                self._piece(bytes(view[done : done + extent]))
+                done += extent
             view.release()
             del self.buf[:done]
 

@@ -46,6 +46,33 @@ def test_build_path_imports_stay_lean() -> None:
     assert sorted(m for m in NOT_AT_START if m in loaded) == []
 
 
+# what a build's early read (early.py: its first tar layer read from start-up on) imports
+# before it starts, it delays: the other sources, the blockmap, btrfs-zstd's extent encoder
+# and the Python reader's gzip inflater come later, with the build's writer
+NOT_BEFORE_EARLY_READ = (
+    "btrfs_ublk_image.blockmap",
+    "btrfs_ublk_image.btrfs.encoded",
+    "btrfs_ublk_image.sources.dir",
+    "btrfs_ublk_image.sources.files",
+    "btrfs_ublk_image.sources.gunzip",
+    "isal",
+    *SPEC_ONLY,
+)
+
+
+@pytest.mark.unit
+def test_the_early_read_starts_without_what_it_does_not_use() -> None:
+    code = (
+        "import json, sys\n"
+        "import btrfs_ublk_image.cli, btrfs_ublk_image.early\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(out.stdout))
+    assert "btrfs_ublk_image.sources.tar" in loaded
+    assert sorted(m for m in NOT_BEFORE_EARLY_READ if m in loaded) == []
+
+
 @pytest.mark.unit
 def test_commands_that_read_no_spec_never_import_pydantic(tmp_path: Path) -> None:
     bundle = tmp_path / "hello.bundle"

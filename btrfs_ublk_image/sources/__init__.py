@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.progress import Progress
-from btrfs_ublk_image.sources import dir as dir_source
-from btrfs_ublk_image.sources import files, tar
+from btrfs_ublk_image.sources import tar
 from btrfs_ublk_image.sources.base import LayerContext, SourceRecord
 from btrfs_ublk_image.sources.globs import PathSet
 from btrfs_ublk_image.tree import FileType, Tree, clamp_tree_times
@@ -55,6 +54,10 @@ def _apply_oci(layer: Any, ctx: LayerContext) -> SourceRecord:
 
 def _appliers() -> dict[type, Callable[[Any, LayerContext], SourceRecord]]:
     """Layer model -> the function that applies it."""
+    # here, not at the top: a build's first tar layer is read from start-up on (early.py),
+    # and what that start imports delays it
+    from btrfs_ublk_image.sources import dir as dir_source
+    from btrfs_ublk_image.sources import files
     from btrfs_ublk_image.spec import DirLayer, FilesLayer, OciLayer, TarLayer
 
     return {

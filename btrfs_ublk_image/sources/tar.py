@@ -41,7 +41,6 @@ from btrfs_ublk_image.hashing import BackgroundSha256
 from btrfs_ublk_image.packs import InPlacePack, PackWriter
 from btrfs_ublk_image.sources.base import WHITEOUT, Cancelled, LayerContext, SourceRecord
 from btrfs_ublk_image.sources.globs import normalize, selector
-from btrfs_ublk_image.sources.gunzip import InflateError, ThreadedGunzip
 from btrfs_ublk_image.sources.tarheader import (
     BLKTYPE,
     BLOCK,
@@ -63,6 +62,7 @@ from btrfs_ublk_image.sources.tarheader import (
 from btrfs_ublk_image.tree import Blob, Content, FileType, Inode, split_path
 
 if TYPE_CHECKING:  # a build's first tar layer is read while the spec's models import
+    from btrfs_ublk_image.sources.gunzip import ThreadedGunzip
     from btrfs_ublk_image.spec import TarLayer
 
 ZSTD_READ_SIZE = 1 << 14  # compressed bytes per decompress call: bounds a call's output
@@ -586,10 +586,14 @@ def read_tar(
     reader: TarReader | None = None
     diff: _DigestStream | ThreadedGunzip | None = None
     gunzip: ThreadedGunzip | None = None
-    corrupt: tuple[type[Exception], ...] = (TarFormatError, EOFError, OSError, InflateError)
+    corrupt: tuple[type[Exception], ...] = (TarFormatError, EOFError, OSError)
     read_whole = False
     try:
         if kind == "gzip":  # inflated and hashed (raw and inflated) on a worker thread
+            # (imported here: the native reader inflates the layers it reads itself)
+            from btrfs_ublk_image.sources.gunzip import InflateError, ThreadedGunzip
+
+            corrupt += (InflateError,)
             raw.hash.hash_inline()
             gunzip = ThreadedGunzip(raw, digest=opts.diff_id)
             stream: _Readable = gunzip
