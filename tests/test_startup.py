@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from btrfs_ublk_image.cli import parser
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # loaded only where needed: zstandard (an 11 MiB library) for zstd layers and compressed
@@ -71,6 +73,30 @@ def test_the_early_read_starts_without_what_it_does_not_use() -> None:
     loaded = set(json.loads(out.stdout))
     assert "btrfs_ublk_image.sources.tar" in loaded
     assert sorted(m for m in NOT_BEFORE_EARLY_READ if m in loaded) == []
+
+
+BUILD_LINES = [
+    ["build", "s.yaml"],
+    ["build", "s.yaml", "-o", "o", "--progress", "--update-lock", "--base", "b"],
+    ["build", "--plain-http", "--auth", "u:p", "s.yaml"],
+]
+
+
+@pytest.mark.unit
+def test_a_build_parses_with_its_own_parser_as_with_every_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for argv in BUILD_LINES:
+        assert vars(parser("build").parse_args(argv)) == vars(parser().parse_args(argv))
+    for argv in (["build", "--help"], ["build"], ["build", "s.yaml", "--bogus"], ["build", "-o"]):
+        seen = []
+        for p in (parser("build"), parser()):
+            with pytest.raises(SystemExit) as exit:
+                p.parse_args(argv)
+            seen.append((exit.value.code, capsys.readouterr()))
+        assert seen[0] == seen[1], argv
+    assert "inspect" not in parser("build").format_help()  # it is a parser of build alone
+    assert "inspect" in parser().format_help()
 
 
 @pytest.mark.unit
