@@ -570,9 +570,9 @@ def run() -> NoReturn:
     """The program (``btrfs-ublk-image``, ``python -m btrfs_ublk_image``): ``main``, with
     what only a process that ends after one command can skip (bench/results/issue23-log.md,
     "The program's start and end"): pydantic's plugin lookup; for ``build``, the other
-    commands' arguments (``parser``), the cyclic garbage
-    collector from the start (the build turns it off for its own part, ``bundle``; before
-    that the imports, the spec's models and the sources ran ~60 collections) and, once
+    commands' arguments (``parser``), the cyclic garbage collector from the start (the
+    build turns it off for its own part, ``bundle``; before that the imports, the spec's
+    models and the sources ran ~60 collections) and, once
     the bundle is written and reported, the interpreter's teardown, which frees every
     module and object one by one: the process ends when nothing is left to do (output
     flushed, atexit handlers run, no other non-daemon thread alive, no profiler or tracer
