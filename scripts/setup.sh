@@ -64,7 +64,10 @@ if [ -f "$ROOT/../shared/debian-minbase/SHA256SUMS" ]; then
 fi
 
 # Python: a venv inside the checkout, so the system Python stays untouched (PEP 668).
-PY=${PYTHON:-python3}
+# Its interpreter is the one apt installed above (Debian's, built with PGO and LTO), not
+# whatever `python3` comes first on PATH: a pyenv build without them ran a Debian-image
+# build ~13% slower (bench/results/issue23-log.md, session 17). PYTHON=... overrides.
+PY=${PYTHON:-/usr/bin/python3}
 if [ ! -x .venv/bin/python ]; then
   log "python: creating .venv"
   "$PY" -m venv .venv

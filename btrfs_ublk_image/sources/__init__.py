@@ -2,7 +2,7 @@
 
 ``build_sources`` is the entry point (``build_tree`` is the same without the
 image config). Each layer kind has one module with an
-``apply(layer, ctx) -> SourceRecord`` function, registered in ``_APPLY``; a new
+``apply(layer, ctx) -> SourceRecord`` function, registered in ``_appliers``; a new
 kind is a new module plus one registry entry.
 
 Placement rules (``LayerContext.place``), the same for every source:
