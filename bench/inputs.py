@@ -2,8 +2,10 @@
 
 The tree is generated deterministically from a seed (names, sizes, kinds, modes,
 owners, times and the bytes themselves), packed with GNU tar (``--format=pax
---sort=name``) and cached under the work directory, keyed by the parameters and
-``GENERATOR_VERSION``; the extracted tree is deleted once the tarball exists.
+--sort=name``, without the pax atime and ctime records: a file's ctime is the time it was
+generated, so with it each machine's tarball, and the image id, differed) and cached
+under the work directory, keyed by the parameters and ``GENERATOR_VERSION``; the
+extracted tree is deleted once the tarball exists.
 
 Shape of the small-file set (``InputParams.files`` entries, not counting directories):
 
@@ -46,7 +48,7 @@ from typing import Any
 
 from btrfs_ublk_image.hashing import file_sha256
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 OCI_REF = "latest"  # the ref name of the synthetic input's OCI layout
 LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -214,7 +216,9 @@ def generate_tree(root: Path, params: InputParams) -> InputStats:
         each, extra = divmod(params.large_bytes, params.large_count)
         for k in range(params.large_count):
             size = each + (1 if k < extra else 0)
-            _write_random(root / "large" / f"blob-{k}.bin", size, params.seed * 1000 + k)
+            blob = root / "large" / f"blob-{k}.bin"
+            _write_random(blob, size, params.seed * 1000 + k)
+            os.utime(blob, ns=(_BASE_MTIME_NS, _BASE_MTIME_NS))
             st.large_files += 1
             st.large_bytes += size
         st.regular_names += params.large_count
@@ -222,6 +226,7 @@ def generate_tree(root: Path, params: InputParams) -> InputStats:
 
     for d in sorted(dirs, key=lambda s: -s.count("/")):
         os.utime(root / d, ns=(_BASE_MTIME_NS, _BASE_MTIME_NS))
+    os.utime(root, ns=(_BASE_MTIME_NS, _BASE_MTIME_NS))  # the tarball's "." entry
     st.directories = len(dirs)
     st.entries = st.directories + st.regular_names + st.symlinks
     st.content_bytes = st.small_bytes + st.large_bytes
@@ -249,7 +254,17 @@ def ensure_inputs(workdir: Path, params: InputParams, log: Any = None) -> Inputs
             stats = generate_tree(tree, params)
             tar = tmp / "input.tar"
             subprocess.run(
-                ["tar", "--format=pax", "--sort=name", "-cf", str(tar), "-C", str(tree), "."],
+                [
+                    "tar",
+                    "--format=pax",
+                    "--pax-option=delete=atime,delete=ctime",
+                    "--sort=name",
+                    "-cf",
+                    str(tar),
+                    "-C",
+                    str(tree),
+                    ".",
+                ],
                 check=True,
             )
             shutil.rmtree(tree)
