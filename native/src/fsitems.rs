@@ -335,7 +335,13 @@ fn read_rows<T: pyo3::buffer::Element + Copy>(
 }
 
 impl Placement<'_> {
-    fn rows(&mut self, py: Python<'_>, blob: BlobRef<'_, '_>, encoded: bool, out: &mut Vec<(usize, Row)>) -> PyResult<()> {
+    fn rows(
+        &mut self,
+        py: Python<'_>,
+        blob: BlobRef<'_, '_>,
+        encoded: bool,
+        out: &mut Vec<(usize, Row)>,
+    ) -> PyResult<()> {
         out.clear();
         match self {
             Placement::Native(p) => {
@@ -728,7 +734,7 @@ pub fn fs_tree_items<'py>(
             nlink: if is_dir { 1 } else { nlink as u32 },
             uid,
             gid,
-            mode: (mode_type & S_IFMT) | (perm & 0o7777) as u32,
+            mode: (mode_type & S_IFMT) | (perm & 0o7777),
             rdev,
             flags,
             atime_ns: atime,

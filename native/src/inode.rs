@@ -43,7 +43,11 @@ pub(crate) enum Payload {
     Obj(Py<PyAny>),
     Blob(BlobFields),
     /// small content set aside in a `tree.AsideFile`
-    Aside { store: Py<PyAny>, offset: u64, size: u64 },
+    Aside {
+        store: Py<PyAny>,
+        offset: u64,
+        size: u64,
+    },
     /// emptied by the cyclic GC
     Cleared,
 }
@@ -281,7 +285,11 @@ impl Inode {
 
     /// Drop the out-of-line part when it holds nothing.
     fn trim_extra(&mut self) {
-        if self.extra.as_ref().is_some_and(|e| e.xattrs.is_none() && e.times.is_none()) {
+        if self
+            .extra
+            .as_ref()
+            .is_some_and(|e| e.xattrs.is_none() && e.times.is_none())
+        {
             self.extra = None;
         }
     }
@@ -298,7 +306,12 @@ impl Inode {
     }
 
     /// Set the times from Python values: natively when they fit in i64, else kept as given.
-    pub(crate) fn set_times(&mut self, m: &Bound<'_, PyAny>, a: &Bound<'_, PyAny>, c: &Bound<'_, PyAny>) -> PyResult<()> {
+    pub(crate) fn set_times(
+        &mut self,
+        m: &Bound<'_, PyAny>,
+        a: &Bound<'_, PyAny>,
+        c: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         if let (Some(Some(mv)), Some(av), Some(cv)) = (small_time(m), small_time(a), small_time(c)) {
             self.set_small_times(mv, av, cv);
             return Ok(());
@@ -729,14 +742,8 @@ impl Inode {
 
     /// Back to what ``saved_metadata`` saved (the payload stays).
     fn restore_metadata(&mut self, saved: &Bound<'_, PyTuple>) -> PyResult<()> {
-        let (t, mode, uid, gid, x, times): (
-            Bound<'_, PyAny>,
-            u32,
-            u32,
-            u32,
-            Bound<'_, PyAny>,
-            Bound<'_, PyTuple>,
-        ) = saved.extract()?;
+        let (t, mode, uid, gid, x, times): (Bound<'_, PyAny>, u32, u32, u32, Bound<'_, PyAny>, Bound<'_, PyTuple>) =
+            saved.extract()?;
         self.kind = kind_of(&t)?;
         (self.mode, self.uid, self.gid) = (mode, uid, gid);
         self.set_xattrs(Some(&x))?;
@@ -748,7 +755,13 @@ impl Inode {
         let py = slf.py();
         let (mode, uid, gid, x, times) = {
             let o = other.borrow();
-            (o.mode, o.uid, o.gid, o.xattrs_obj().map(|x| x.clone_ref(py)), o.times_tuple(py)?)
+            (
+                o.mode,
+                o.uid,
+                o.gid,
+                o.xattrs_obj().map(|x| x.clone_ref(py)),
+                o.times_tuple(py)?,
+            )
         };
         let mut me = slf.borrow_mut();
         (me.mode, me.uid, me.gid) = (mode, uid, gid);
@@ -764,7 +777,11 @@ pub fn clamp_tree_times(root: &Bound<'_, Inode>, limit_ns: &Bound<'_, PyAny>) ->
     let py = root.py();
     let limit = limit_ns.extract::<i64>().ok();
     clamp(&mut root.borrow_mut(), limit, limit_ns)?;
-    let mut todo = if root.borrow().is_dir() { vec![root.clone()] } else { vec![] };
+    let mut todo = if root.borrow().is_dir() {
+        vec![root.clone()]
+    } else {
+        vec![]
+    };
     let mut seen = std::collections::HashSet::new();
     while let Some(node) = todo.pop() {
         if !seen.insert(node.as_ptr() as usize) {

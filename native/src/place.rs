@@ -279,7 +279,11 @@ impl Placer {
         if kind == S_IFLNK && (link.is_empty() || link.len() >= PATH_MAX || link.contains(&0)) {
             return Ok(false); // the invalid target's error
         }
-        let mode = if kind == S_IFLNK { 0o777 } else { (r.mode & 0o7777) as u32 };
+        let mode = if kind == S_IFLNK {
+            0o777
+        } else {
+            (r.mode & 0o7777) as u32
+        };
         // small content worth setting aside: the side file must exist (the Python path makes it)
         let inline = match r.content {
             Content::Inline(at, n) if kind == S_IFREG => Some(&seg.data[at..at + n]),
@@ -347,7 +351,12 @@ impl Placer {
                     if pack >> PACK_BITS != 0 {
                         return Ok(false); // Blob's error
                     }
-                    Payload::Blob(BlobFields { crc, pack, size, offset })
+                    Payload::Blob(BlobFields {
+                        crc,
+                        pack,
+                        size,
+                        offset,
+                    })
                 }
             },
             S_IFDIR => Payload::Obj(PyDict::new(py).into_any().unbind()),
