@@ -68,8 +68,11 @@ pub struct Inode {
     extra: Option<Box<Extra>>,
     payload: Payload,
     ino: Option<Py<PyAny>>, // None: 0
+    #[pyo3(get, set)]
     mode: u32,
+    #[pyo3(get, set)]
     uid: u32,
+    #[pyo3(get, set)]
     gid: u32,
     kind: u8, // S_IFMT >> 12
     flags: u8,
@@ -493,36 +496,6 @@ impl Inode {
         self.kind = kind_of(value)?;
         self.payload = default_payload(py, self.kind());
         Ok(())
-    }
-
-    #[getter]
-    fn get_mode(&self) -> u32 {
-        self.mode
-    }
-
-    #[setter]
-    fn set_mode(&mut self, value: u32) {
-        self.mode = value;
-    }
-
-    #[getter]
-    fn get_uid(&self) -> u32 {
-        self.uid
-    }
-
-    #[setter]
-    fn set_uid(&mut self, value: u32) {
-        self.uid = value;
-    }
-
-    #[getter]
-    fn get_gid(&self) -> u32 {
-        self.gid
-    }
-
-    #[setter]
-    fn set_gid(&mut self, value: u32) {
-        self.gid = value;
     }
 
     #[getter]
