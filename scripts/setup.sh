@@ -103,9 +103,9 @@ if [ -f ublkd/Cargo.toml ]; then
   log "ublkd: cargo build --release"
   (cd ublkd && cargo build --release --locked -q)
   install -m 0755 ublkd/target/release/ublkd /usr/local/bin/ublkd
-  # the build's native data path (native/, a PyO3 extension): built by maturin (a dev
-  # dependency in pyproject.toml) and installed into .venv; without it builds take the
-  # Python path (docs/design.md, "Native data path")
+  # the build's native data path and the tree's Inode class (native/, a PyO3 extension):
+  # built by maturin (a dev dependency in pyproject.toml) and installed into .venv; the
+  # package needs it (docs/design.md, "The tree" and "Native data path")
   log "native: maturin develop --release (btrfs_ublk_native into .venv)"
   (cd native && cargo fetch --locked -q)
   VIRTUAL_ENV="$ROOT/.venv" .venv/bin/maturin develop --release --locked -q -m native/Cargo.toml

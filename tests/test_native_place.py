@@ -1,7 +1,7 @@
 """The native reader's members placed by the extension (``btrfs_ublk_native.Placer``)
 against ``_place_member`` (the reference, ``tar.NATIVE_PLACE = False``) and the Python
 reader (``BUI_NATIVE=0``): the same tree, entry by entry (names, types, modes, owners,
-times, xattrs, content and where it is kept, hardlink identity, shared metadata), the
+times, xattrs, content and where it is kept, hardlink identity), the
 same image id, or the same error."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from btrfs_ublk_image.bundle import build_spec
 from btrfs_ublk_image.errors import ImageError, SourceError
 from btrfs_ublk_image.sources import tar as tar_source
 from btrfs_ublk_image.spec import load_spec
-from btrfs_ublk_image.tree import _SHARED_META, Blob, FileType, Tree, _SetAside
+from btrfs_ublk_image.tree import Blob, FileType, Tree
 
 pytestmark = [
     pytest.mark.unit,
@@ -41,17 +41,18 @@ def snapshot(tree: Tree) -> Snapshot:
     out: Snapshot = []
     for path, node in tree.walk():
         t, mode, uid, gid, xattrs = node.meta()
-        p = node._payload
+        aside = node.aside_at()
         payload: Any
-        if type(p) is _SetAside:
-            payload = ("aside", p.offset, p.size, p.read())
+        if aside is not None:
+            payload = ("aside", *aside, node.content)
         elif t is FileType.DIR:
             payload = "dir"
-        elif isinstance(p, Blob):
-            payload = ("blob", p.crc32c, p.size, p.pack, p.offset)
+        elif t is FileType.REG and isinstance(node.content, Blob):
+            b = node.content
+            payload = ("blob", b.crc32c, b.size, b.pack, b.offset)
         else:
+            p = node.content if t is FileType.REG else node.target
             payload = (type(p).__name__, p)
-        shared = xattrs is None and _SHARED_META.get(node._meta) is node._meta
         out.append(
             (
                 path,
@@ -61,11 +62,9 @@ def snapshot(tree: Tree) -> Snapshot:
                 uid,
                 gid,
                 node.times(),
-                type(node._times).__name__,
                 dict(xattrs or {}),
                 payload,
                 first.setdefault(id(node), path),  # hardlinks: the first name of the inode
-                shared,
                 node.ino,
             )
         )

@@ -82,7 +82,7 @@ from btrfs_ublk_image.btrfs.treeblocks import (
     unspill,
 )
 from btrfs_ublk_image.errors import ImageError
-from btrfs_ublk_image.tree import Blob, FileType, Inode, Sparse, Tree, _SetAside
+from btrfs_ublk_image.tree import Blob, FileType, Inode, Sparse, Tree
 
 GENERATION = 1
 MAX_INLINE = d.SECTORSIZE - 1  # btrfs check: inline ram_bytes <= sectorsize - 1
@@ -805,7 +805,6 @@ def _fs_tree_items_native(
         encoded,
         GENERATION,
         0 if encoded else d.INODE_NODATASUM | d.INODE_NODATACOW,
-        (Blob, Sparse, _SetAside),
         (ref_extent, ref_ino, ref_offset),
     )
     if placed is not None:

@@ -1,7 +1,7 @@
 //! The writer's per-inode loop (`writer._fs_tree_items`, kept as the reference and for
 //! `BUI_NATIVE=0`) in one call: every inode's INODE_ITEM, INODE_REF/EXTREF, XATTR_ITEM,
 //! DIR_ITEM, DIR_INDEX and EXTENT_DATA items, packed as they are made (leaves.rs). The
-//! inodes' slots are read through the Python API (no Python code runs per inode), set-aside
+//! inodes (inode.rs) are read through a borrow (no Python code runs per inode), set-aside
 //! small files are read back from their file in large reads while they come in order, and
 //! a build without a base or btrfs-zstd places its data extents here too (`_DataPlacer.place`
 //! for the others). Same items, errors and messages as the Python loop.
@@ -12,14 +12,11 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyAssertionError, PyOSError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyRange, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyRange};
 
+use crate::inode::{self, BlobFields, Inode, Payload, Times, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
 use crate::leaves::{self, InodeFields, Packer};
 
-const S_IFMT: u32 = 0o170000;
-const S_IFREG: u32 = 0o100000;
-const S_IFDIR: u32 = 0o040000;
-const S_IFLNK: u32 = 0o120000;
 const S_IFCHR: u32 = 0o020000;
 const S_IFBLK: u32 = 0o060000;
 const S_IFIFO: u32 = 0o010000;
@@ -35,8 +32,6 @@ const MAX_INLINE: usize = 4095; // writer.MAX_INLINE: sectorsize - 1
 const LINK_MAX: usize = 65535;
 /// `ondisk.MAX_XATTR_SIZE`: a leaf's data less one item header and a dir item
 const MAX_XATTR_SIZE: usize = leaves::MAX_ITEM_DATA - 30;
-/// `tree._NONE_TIME`: a packed atime or ctime that is the same as mtime
-const NONE_TIME: i64 = i64::MIN;
 
 const SECTORSIZE: u64 = 4096;
 const MAX_EXTENT_SIZE: u64 = 128 << 20;
@@ -181,8 +176,8 @@ struct Placer<'py> {
     chunk_phys: u64,
     chunk_logical: u64,
     used: u64,
-    /// (low 128 bits, the rest) of a Blob's int -> its first row and number of rows
-    first: HashMap<(u128, u64), (u32, u32)>,
+    /// a Blob -> its first row and number of rows
+    first: HashMap<BlobFields, (u32, u32)>,
 }
 
 const LOGICAL: usize = 0;
@@ -244,7 +239,8 @@ impl<'py> Placer<'py> {
     }
 
     /// The rows of a blob's extents (`size` bytes at `offset` of pack `pack`).
-    fn place(&mut self, key: (u128, u64), size: u64, pack: u64, offset: u64) -> PyResult<std::ops::Range<usize>> {
+    fn place(&mut self, key: BlobFields) -> PyResult<std::ops::Range<usize>> {
+        let (size, pack, offset) = (key.size, key.pack as u64, key.offset);
         if let Some(&(first, n)) = self.first.get(&key) {
             return Ok(first as usize..(first + n) as usize);
         }
@@ -286,14 +282,23 @@ impl<'py> Placer<'py> {
     }
 }
 
-/// A Blob's fields from its int (`tree.Blob`: offset, pack (24 bits), size (64), crc (32)).
-fn blob_fields(blob: &Bound<'_, PyAny>, low_mask: &Bound<'_, PyAny>) -> PyResult<((u128, u64), u64, u64, u64)> {
-    let low: u128 = blob.bitand(low_mask)?.extract()?;
-    let high: u64 = blob.rshift(128)?.extract()?;
-    let size = (low >> 32) as u64;
-    let pack = ((low >> 96) as u64) & 0xFF_FFFF;
-    let offset = (high << 8) | ((low >> 120) as u64);
-    Ok(((low, high), size, pack, offset))
+/// A Blob's fields (`inode::blob_fields`), its offset in 64 bits.
+fn blob_fields(blob: &Bound<'_, PyAny>) -> PyResult<BlobFields> {
+    inode::blob_fields(blob)?.ok_or_else(|| pyo3::exceptions::PyOverflowError::new_err("blob offset out of range"))
+}
+
+/// A blob as an inode holds it: its fields, or a `tree.Blob` (a Sparse's segments).
+enum BlobRef<'a, 'py> {
+    Fields(BlobFields),
+    Obj(&'a Bound<'py, PyAny>),
+}
+
+/// An inode's payload, held while its items are made.
+enum Held<'py> {
+    Obj(Bound<'py, PyAny>),
+    Blob(BlobFields),
+    Aside(Bound<'py, PyAny>, u64, u64),
+    Cleared,
 }
 
 /// One row of the placer's columns: logical, disk bytes, file offset, ram bytes, compression.
@@ -302,7 +307,7 @@ type Row = (u64, u64, u64, u64, u8);
 /// Where the extents' rows come from: the native placer, or `_DataPlacer.place` (a base's
 /// extents, btrfs-zstd) with its columns read after each call.
 enum Placement<'py> {
-    Native(Box<Placer<'py>>, Bound<'py, PyAny>),
+    Native(Box<Placer<'py>>),
     Python {
         place: Bound<'py, PyAny>,
         placer: Bound<'py, PyAny>,
@@ -330,12 +335,21 @@ fn read_rows<T: pyo3::buffer::Element + Copy>(
 }
 
 impl Placement<'_> {
-    fn rows(&mut self, blob: &Bound<'_, PyAny>, encoded: bool, out: &mut Vec<(usize, Row)>) -> PyResult<()> {
+    fn rows(
+        &mut self,
+        py: Python<'_>,
+        blob: BlobRef<'_, '_>,
+        encoded: bool,
+        out: &mut Vec<(usize, Row)>,
+    ) -> PyResult<()> {
         out.clear();
         match self {
-            Placement::Native(p, mask) => {
-                let (key, size, pack, offset) = blob_fields(blob, mask)?;
-                for row in p.place(key, size, pack, offset)? {
+            Placement::Native(p) => {
+                let key = match blob {
+                    BlobRef::Fields(f) => f,
+                    BlobRef::Obj(b) => blob_fields(b)?,
+                };
+                for row in p.place(key)? {
                     let c = &p.cols;
                     out.push((
                         row,
@@ -350,7 +364,10 @@ impl Placement<'_> {
                 }
             }
             Placement::Python { place, placer } => {
-                let rows = place.call1((blob,))?;
+                let rows = match blob {
+                    BlobRef::Fields(f) => place.call1((inode::blob_object(py, f)?,))?,
+                    BlobRef::Obj(b) => place.call1((b,))?,
+                };
                 let rows = rows.cast::<PyRange>()?;
                 let start: usize = rows.getattr(intern!(rows.py(), "start"))?.extract()?;
                 let stop: usize = rows.getattr(intern!(rows.py(), "stop"))?.extract()?;
@@ -432,21 +449,15 @@ impl AsideReader {
     }
 }
 
-/// The three timestamps of an inode (`Inode._times`: 24 packed bytes, or a tuple when
-/// they did not fit): mtime, atime, ctime, the latter two mtime when unset.
-fn times(t: &Bound<'_, PyAny>) -> PyResult<(i128, i128, i128)> {
-    if let Ok(b) = t.cast::<PyBytes>() {
-        let b = b.as_bytes();
-        if b.len() != 24 {
-            return Err(PyTypeError::new_err("inode times: not 24 bytes"));
+/// The three timestamps of an inode: mtime, atime, ctime, the latter two mtime when unset.
+fn times(t: Times<'_>, py: Python<'_>) -> PyResult<(i128, i128, i128)> {
+    match t {
+        Times::Small(m, a, c) => Ok((m as i128, a.unwrap_or(m) as i128, c.unwrap_or(m) as i128)),
+        Times::Big(t) => {
+            let (m, a, c): (i128, Option<i128>, Option<i128>) = t.bind(py).extract()?;
+            Ok((m, a.unwrap_or(m), c.unwrap_or(m)))
         }
-        let at = |i: usize| i64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
-        let (m, a, c) = (at(0), at(1), at(2));
-        let or_m = |v: i64| if v == NONE_TIME { m as i128 } else { v as i128 };
-        return Ok((m as i128, or_m(a), or_m(c)));
     }
-    let (m, a, c): (i128, Option<i128>, Option<i128>) = t.extract()?;
-    Ok((m, a.unwrap_or(m), c.unwrap_or(m)))
 }
 
 /// `writer._kernel_rdev`: the kernel's dev_t, MKDEV(major, minor) = major << 20 | minor.
@@ -490,7 +501,7 @@ impl Column {
 /// native placement, the placer's closed chunks and state (chunks as (logical, length,
 /// physical), cursor, end, chunk physical, chunk logical, next logical, used).
 #[pyfunction]
-#[pyo3(signature = (packer, num, placer, native_placement, imax, encoded, generation, reg_flags, classes, refs))]
+#[pyo3(signature = (packer, num, placer, native_placement, imax, encoded, generation, reg_flags, refs))]
 #[allow(clippy::too_many_arguments, clippy::type_complexity)]
 pub fn fs_tree_items<'py>(
     py: Python<'py>,
@@ -502,7 +513,6 @@ pub fn fs_tree_items<'py>(
     encoded: bool,
     generation: u64,
     reg_flags: u64,
-    classes: (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>),
     refs: (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>),
 ) -> PyResult<(
     (u64, u64, u64, u64, u64, u64, u64),
@@ -511,7 +521,7 @@ pub fn fs_tree_items<'py>(
     if packer.done {
         return Err(pyo3::exceptions::PyValueError::new_err("leaf packer is finished"));
     }
-    let (blob_cls, sparse_cls, aside_cls) = classes;
+    let (blob_cls, sparse_cls) = (inode::blob_type(py)?, inode::sparse_type(py)?);
     let p: &mut Packer = &mut packer.inner;
     let gen = generation;
     let inodes = num.getattr("inodes")?;
@@ -546,16 +556,13 @@ pub fn fs_tree_items<'py>(
         let refs: Vec<(u64, u64, Vec<u8>)> = v.extract()?;
         more_refs.insert(k.extract()?, refs);
     }
-    // a Blob's low 128 bits (crc, size, pack, the offset's low byte: `blob_fields`)
-    let low_mask = 1u128.into_pyobject(py)?.lshift(128)?.sub(1)?;
     let mut placement = if native_placement {
-        let mask = low_mask.clone();
         let start: u64 = py
             .import("btrfs_ublk_image.btrfs.layout")?
             .getattr("DEVICE_START")?
             .extract()?;
         let placer = Placer::new(placer, start)?;
-        Placement::Native(Box::new(placer), mask)
+        Placement::Native(Box::new(placer))
     } else {
         Placement::Python {
             place: placer.getattr("place")?,
@@ -583,14 +590,18 @@ pub fn fs_tree_items<'py>(
             None => first_ino + n as u64,
             Some(i) => i[n],
         };
-        let meta = node.getattr(intern!(py, "_meta"))?;
-        let meta = meta.cast::<PyTuple>()?;
-        let mode_type: u32 = meta.get_item(0)?.extract()?;
-        let perm: u64 = meta.get_item(1)?.extract()?;
-        let uid: u32 = meta.get_item(2)?.extract()?;
-        let gid: u32 = meta.get_item(3)?.extract()?;
-        let xattrs = meta.get_item(4)?;
-        let payload = node.getattr(intern!(py, "_payload"))?;
+        // the fields copied out: no borrow is held while Python code (a Python placer) runs
+        let (mode_type, perm, (uid, gid), xattrs, payload, (mtime, atime, ctime)) = {
+            let i = node.cast::<Inode>()?.borrow();
+            let payload = match i.payload() {
+                Payload::Obj(o) => Held::Obj(o.bind(py).clone()),
+                Payload::Blob(b) => Held::Blob(*b),
+                Payload::Aside { store, offset, size } => Held::Aside(store.bind(py).clone(), *offset, *size),
+                Payload::Cleared => Held::Cleared,
+            };
+            let xattrs = i.xattrs_obj().map(|x| x.bind(py).clone());
+            (i.kind(), i.perm(), i.owner(), xattrs, payload, times(i.times(), py)?)
+        };
         let more = more_refs.get(&ino);
         let nlink = 1 + more.map_or(0, |m| m.len());
         let (mut size, mut nbytes, mut flags, mut rdev) = (0u64, 0u64, 0u64, 0u64);
@@ -600,40 +611,25 @@ pub fn fs_tree_items<'py>(
             S_IFREG => {
                 files += 1;
                 flags = reg_flags;
-                let is_blob = payload.is_instance(&blob_cls)?;
-                if is_blob || payload.is_instance(&sparse_cls)? {
-                    // a sparse file: extents for its data segments only, holes have no item
-                    let segments: Vec<(u64, Bound<'py, PyAny>)> = if is_blob {
-                        vec![(0, payload.clone())]
-                    } else {
-                        payload.getattr(intern!(py, "segments"))?.extract()?
-                    };
-                    size = if is_blob {
-                        // `Blob.size` from the int itself (the property would run Python code)
-                        blob_fields(&payload, &low_mask)?.1
-                    } else {
-                        payload.getattr(intern!(py, "size"))?.extract()?
-                    };
-                    for (seg_offset, blob) in &segments {
-                        placement.rows(blob, encoded, &mut rows)?;
-                        for &(row, (logical, disk, file_offset, num_bytes, comp)) in &rows {
-                            let offset = seg_offset + file_offset;
-                            let (held, item) = if encoded {
-                                (num_bytes, leaves::file_extent_reg(gen, logical, disk, num_bytes, comp))
-                            } else {
-                                (disk, leaves::file_extent_reg(gen, logical, disk, disk, 0))
-                            };
-                            file_extents.push(((ino, EXTENT_DATA_KEY, offset), item.to_vec()));
-                            ref_extent.push(row as u64)?;
-                            ref_ino.push(ino)?;
-                            ref_offset.push(offset)?;
-                            nbytes += held;
-                        }
+                // a sparse file: extents for its data segments only, holes have no item
+                let mut segments: Vec<(u64, BlobRef<'_, 'py>)> = Vec::new();
+                let sparse: Vec<(u64, Bound<'py, PyAny>)>;
+                inline.clear();
+                match &payload {
+                    Held::Blob(b) => {
+                        size = b.size;
+                        segments.push((0, BlobRef::Fields(*b)));
                     }
-                } else {
-                    inline.clear();
-                    if payload.is_exact_instance(&aside_cls) {
-                        let store = payload.getattr(intern!(py, "store"))?;
+                    Held::Obj(o) if o.is_instance(blob_cls)? => {
+                        size = blob_fields(o)?.size;
+                        segments.push((0, BlobRef::Obj(o)));
+                    }
+                    Held::Obj(o) if o.is_instance(sparse_cls)? => {
+                        size = o.getattr(intern!(py, "size"))?.extract()?;
+                        sparse = o.getattr(intern!(py, "segments"))?.extract()?;
+                        segments.extend(sparse.iter().map(|(at, b)| (*at, BlobRef::Obj(b))));
+                    }
+                    Held::Aside(store, offset, len) => {
                         let key = store.as_ptr() as usize;
                         let at = match asides.iter().position(|(k, _)| *k == key) {
                             Some(i) => i,
@@ -651,30 +647,47 @@ pub fn fs_tree_items<'py>(
                                 asides.len() - 1
                             }
                         };
-                        let offset: u64 = payload.getattr(intern!(py, "offset"))?.extract()?;
-                        let len: usize = payload.getattr(intern!(py, "size"))?.extract()?;
-                        inline.extend_from_slice(asides[at].1.read(offset, len)?);
-                    } else {
-                        inline.extend_from_slice(payload.cast::<PyBytes>()?.as_bytes());
+                        inline.extend_from_slice(asides[at].1.read(*offset, *len as usize)?);
                     }
-                    if !inline.is_empty() {
-                        if inline.len() > imax {
-                            return Err(PyAssertionError::new_err(
-                                "in-memory content larger than the inline limit",
-                            ));
-                        }
-                        size = inline.len() as u64;
-                        nbytes = size;
-                        inline_files += 1;
-                        file_extents.push(((ino, EXTENT_DATA_KEY, 0), leaves::file_extent_inline(gen, &inline)));
+                    Held::Obj(o) => inline.extend_from_slice(o.cast::<PyBytes>()?.as_bytes()),
+                    Held::Cleared => {}
+                }
+                for (seg_offset, blob) in segments {
+                    placement.rows(py, blob, encoded, &mut rows)?;
+                    for &(row, (logical, disk, file_offset, num_bytes, comp)) in &rows {
+                        let offset = seg_offset + file_offset;
+                        let (held, item) = if encoded {
+                            (num_bytes, leaves::file_extent_reg(gen, logical, disk, num_bytes, comp))
+                        } else {
+                            (disk, leaves::file_extent_reg(gen, logical, disk, disk, 0))
+                        };
+                        file_extents.push(((ino, EXTENT_DATA_KEY, offset), item.to_vec()));
+                        ref_extent.push(row as u64)?;
+                        ref_ino.push(ino)?;
+                        ref_offset.push(offset)?;
+                        nbytes += held;
                     }
+                }
+                if !inline.is_empty() {
+                    if inline.len() > imax {
+                        return Err(PyAssertionError::new_err(
+                            "in-memory content larger than the inline limit",
+                        ));
+                    }
+                    size = inline.len() as u64;
+                    nbytes = size;
+                    inline_files += 1;
+                    file_extents.push(((ino, EXTENT_DATA_KEY, 0), leaves::file_extent_inline(gen, &inline)));
                 }
                 content_bytes += size;
                 hardlinks += nlink as u64 - 1;
             }
             S_IFLNK => {
                 symlinks += 1;
-                let target = payload.cast::<PyBytes>()?.as_bytes();
+                let target = match &payload {
+                    Held::Obj(o) => o.cast::<PyBytes>()?.as_bytes(),
+                    _ => return Err(PyTypeError::new_err("symlink target is not bytes")),
+                };
                 if target.is_empty() || target.len() > MAX_INLINE {
                     return Err(image_error(
                         py,
@@ -687,7 +700,10 @@ pub fn fs_tree_items<'py>(
             }
             S_IFDIR => {
                 directories += 1;
-                let e = payload.cast::<PyDict>()?.clone();
+                let Held::Obj(e) = &payload else {
+                    return Err(PyTypeError::new_err("directory entries are not a dict"));
+                };
+                let e = e.cast::<PyDict>()?.clone();
                 size = 0;
                 for k in e.keys() {
                     size += 2 * k.cast::<PyBytes>()?.as_bytes().len() as u64;
@@ -697,7 +713,10 @@ pub fn fs_tree_items<'py>(
             t => {
                 devices += 1;
                 if t == S_IFCHR || t == S_IFBLK {
-                    rdev = kernel_rdev(payload.extract()?);
+                    rdev = match &payload {
+                        Held::Obj(o) => kernel_rdev(o.extract()?),
+                        _ => 0,
+                    };
                 }
             }
         }
@@ -707,7 +726,6 @@ pub fn fs_tree_items<'py>(
                 format!("inode {ino} has {nlink} hardlinks; btrfs allows {LINK_MAX}"),
             ));
         }
-        let (mtime, atime, ctime) = times(&node.getattr(intern!(py, "_times"))?)?;
         let is_dir = mode_type & S_IFMT == S_IFDIR;
         let fields = InodeFields {
             generation: gen,
@@ -716,7 +734,7 @@ pub fn fs_tree_items<'py>(
             nlink: if is_dir { 1 } else { nlink as u32 },
             uid,
             gid,
-            mode: (mode_type & S_IFMT) | (perm & 0o7777) as u32,
+            mode: (mode_type & S_IFMT) | (perm & 0o7777),
             rdev,
             flags,
             atime_ns: atime,
@@ -758,7 +776,11 @@ pub fn fs_tree_items<'py>(
                 p.add((ino, INODE_EXTREF_KEY, *h), data).map_err(crate::add_err)?;
             }
         }
-        if !xattrs.is_none() && xattrs.is_truthy()? {
+        let xattrs = match xattrs {
+            Some(x) if x.is_truthy()? => Some(x),
+            _ => None,
+        };
+        if let Some(xattrs) = xattrs {
             let mut by_hash: std::collections::BTreeMap<u64, Vec<u8>> = Default::default();
             for item in xattrs.call_method0(intern!(py, "items"))?.try_iter()? {
                 let (xname, value): (Bound<'py, PyBytes>, Bound<'py, PyBytes>) = item?.extract()?;
@@ -780,9 +802,9 @@ pub fn fs_tree_items<'py>(
             }
         }
         if let Some(e) = entries.filter(|e| !e.is_empty()) {
-            let mut children: Vec<(Bound<'py, PyBytes>, Bound<'py, PyAny>)> = Vec::with_capacity(e.len());
+            let mut children: Vec<(Bound<'py, PyBytes>, Bound<'py, Inode>)> = Vec::with_capacity(e.len());
             for (k, v) in e.iter() {
-                children.push((k.cast_into::<PyBytes>()?, v));
+                children.push((k.cast_into::<PyBytes>()?, v.cast_into::<Inode>()?));
             }
             children.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
             let mut child_inos: Vec<u64> = Vec::with_capacity(children.len());
@@ -797,23 +819,21 @@ pub fn fs_tree_items<'py>(
                     .ok_or_else(|| PyAssertionError::new_err(format!("directory {ino} has no child_base")))?
             };
             for (_, child) in &children {
-                let cino = child.getattr(intern!(py, "ino"))?;
+                let child = child.borrow();
                 let c = if inos.is_some() {
-                    cino.extract::<u64>()?
-                } else if cino.is(&once) {
+                    child.ino_obj(py).extract::<u64>()?
+                } else if child.ino_is(&once) {
                     k += 1;
                     k - 1
                 } else {
-                    let c: u64 = cino.extract()?;
+                    let c: u64 = child.ino_obj(py).extract()?;
                     if c == k {
                         k += 1;
                     }
                     c
                 };
                 child_inos.push(c);
-                let cmeta = child.getattr(intern!(py, "_meta"))?;
-                let ctype: u32 = cmeta.cast::<PyTuple>()?.get_item(0)?.extract()?;
-                ftypes.push(ftype_of(ctype & S_IFMT));
+                ftypes.push(ftype_of(child.kind()));
             }
             let dir_entries: Vec<(&[u8], u64, u8)> = children
                 .iter()
@@ -859,7 +879,7 @@ pub fn fs_tree_items<'py>(
         content_bytes,
     );
     let placed = match placement {
-        Placement::Native(mut pl, _) => {
+        Placement::Native(mut pl) => {
             for col in pl.cols.iter_mut() {
                 col.flush()?;
             }

@@ -8,6 +8,7 @@ mod blocks;
 mod direct;
 mod extents;
 mod fsitems;
+mod inode;
 mod leaves;
 mod mapped;
 mod numbering;
@@ -691,6 +692,8 @@ fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pack>()?;
     m.add_class::<Members>()?;
     m.add_class::<place::Placer>()?;
+    m.add_class::<inode::Inode>()?;
+    m.add_function(wrap_pyfunction!(inode::clamp_tree_times, m)?)?;
     m.add_class::<prehash::Prehash>()?;
     m.add_class::<LeafPacker>()?;
     m.add_function(wrap_pyfunction!(read_tar, m)?)?;

@@ -2,33 +2,20 @@
 //! call: which inodes have more than one name, then inode numbers (DFS, sorted names; a
 //! directory's new children take consecutive numbers when it is reached; a hardlink
 //! reuses its inode's number), dir indexes from 2 in name order, and the first name of
-//! each inode, into a `_Numbering`'s columns. The `Inode` slots are read and set through
-//! the Python API: no Python code runs per inode.
+//! each inode, into a `_Numbering`'s columns. The inodes (inode.rs) are read and marked
+//! through a borrow: no Python code runs per inode.
 
-use pyo3::exceptions::PyTypeError;
-use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::fsitems::{image_error, ColumnSink};
+use crate::inode::Inode;
 
-const S_IFMT: u32 = 0o170000;
-const S_IFDIR: u32 = 0o040000;
 const FIRST_FREE_OBJECTID: u64 = 256;
 
-/// Whether an inode is a directory (its `_meta`'s type).
-fn is_dir(node: &Bound<'_, PyAny>) -> PyResult<bool> {
-    let meta = node.getattr(intern!(node.py(), "_meta"))?;
-    let mode_type: u32 = meta.cast::<PyTuple>()?.get_item(0)?.extract()?;
-    Ok(mode_type & S_IFMT == S_IFDIR)
-}
-
-/// A directory's entries (its `_payload`: name -> Inode).
-fn entries<'py>(node: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
-    let payload = node.getattr(intern!(node.py(), "_payload"))?;
-    payload
-        .cast_into::<PyDict>()
-        .map_err(|_| PyTypeError::new_err("directory entries are not a dict"))
+/// A directory's entries (name -> Inode).
+fn entries<'py>(node: &Bound<'py, Inode>) -> PyResult<Bound<'py, PyDict>> {
+    node.borrow().entries_dict(node.py())
 }
 
 /// `_number(tree)` for a build without a base: `root` is the tree's root directory, `num`
@@ -38,31 +25,32 @@ fn entries<'py>(node: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyDict>> {
 #[pyfunction]
 pub fn number_inodes(
     py: Python<'_>,
-    root: &Bound<'_, PyAny>,
+    root: &Bound<'_, Inode>,
     num: &Bound<'_, PyAny>,
     more: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    let ino_attr = intern!(py, "ino");
     let once = num.getattr("once")?;
     // pass 1: which inodes have more than one name (marks of this run: whatever `ino` held
     // before is overwritten); the same walk as the Python pass, so the same name is reported
-    root.setattr(ino_attr, &once)?;
+    root.borrow_mut().set_ino(once.clone().unbind());
     let mut stack = vec![root.clone()];
     while let Some(dir) = stack.pop() {
         for (name, child) in entries(&dir)?.iter() {
-            let mark = child.getattr(ino_attr)?;
-            if mark.is(&once) {
-                if is_dir(&child)? {
+            let child = child.cast_into::<Inode>()?;
+            let mut c = child.borrow_mut();
+            if c.ino_is(&once) {
+                if c.is_dir() {
                     let shown = name.cast::<PyBytes>()?.repr()?;
                     return Err(image_error(
                         py,
                         format!("directory {shown} appears twice in the tree (hardlinked dir)"),
                     ));
                 }
-                child.setattr(ino_attr, more)?;
-            } else if !mark.is(more) {
-                child.setattr(ino_attr, &once)?;
-                if is_dir(&child)? {
+                c.set_ino(more.clone().unbind());
+            } else if !c.ino_is(more) {
+                c.set_ino(once.clone().unbind());
+                if c.is_dir() {
+                    drop(c);
                     stack.push(child);
                 }
             }
@@ -70,7 +58,7 @@ pub fn number_inodes(
     }
     // pass 2: numbers
     let first = FIRST_FREE_OBJECTID;
-    root.setattr(ino_attr, first)?;
+    root.borrow_mut().set_ino(first.into_pyobject(py)?.into_any().unbind());
     let inodes = num.getattr("inodes")?;
     let inodes = inodes.cast::<PyList>()?;
     let names = num.getattr("name")?;
@@ -83,19 +71,21 @@ pub fn number_inodes(
     let mut indexes = ColumnSink::new(num.getattr("index")?)?;
     let mut count = inodes.len() as u64; // rows so far (the root's)
     let mut dirs = vec![(root.clone(), first)];
-    let mut children: Vec<(Bound<'_, PyBytes>, Bound<'_, PyAny>)> = Vec::new();
+    let mut children: Vec<(Bound<'_, PyBytes>, Bound<'_, Inode>)> = Vec::new();
     let mut pending = Vec::new();
     while let Some((dir, pino)) = dirs.pop() {
         child_base.set_item(pino, first + count)?;
         children.clear();
         for (name, child) in entries(&dir)?.iter() {
-            children.push((name.cast_into::<PyBytes>()?, child));
+            children.push((name.cast_into::<PyBytes>()?, child.cast_into::<Inode>()?));
         }
         children.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
         pending.clear();
         for (index, (name, child)) in (2u64..).zip(&children) {
-            let mark = child.getattr(ino_attr)?;
-            if !mark.is(&once) && !mark.is(more) {
+            let mut c = child.borrow_mut();
+            if !c.ino_is(&once) && !c.ino_is(more) {
+                let mark = c.ino_obj(py);
+                drop(c);
                 // numbered already: another name of a hardlinked inode
                 let refs = match more_refs.get_item(&mark)? {
                     Some(r) => r.cast_into::<PyList>()?,
@@ -109,12 +99,13 @@ pub fn number_inodes(
                 continue;
             }
             let ino = first + count;
-            if is_dir(child)? {
-                child.setattr(ino_attr, ino)?;
+            if c.is_dir() {
+                c.set_ino(ino.into_pyobject(py)?.into_any().unbind());
                 pending.push((child.clone(), ino));
-            } else if mark.is(more) {
-                child.setattr(ino_attr, ino)?;
+            } else if c.ino_is(more) {
+                c.set_ino(ino.into_pyobject(py)?.into_any().unbind());
             }
+            drop(c);
             inodes.append(child)?;
             parents.push(pino)?;
             indexes.push(index)?;

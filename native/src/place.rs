@@ -4,34 +4,28 @@
 //! in its path, not a whiteout) whose directory is the one `place` resolved last
 //! (`LayerContext._last_dir`), or a path of plain directories (which becomes `_last_dir`, as
 //! `place` makes it), and whose name is new there (in OCI layers, its path is added
-//! to `LayerContext.upper` as `_mark_upper` adds it). Its `Inode` is made as
-//! `tree.Inode.__init__` makes it (the slots set through the Python API: `_meta` shared
-//! through `tree._SHARED_META`, `_times` packed as `tree._pack_times` packs them), small
-//! content is set aside as `tree.AsideFile.put` sets it, the undo log gets its entry and
-//! progress counts the members in bulk. Anything else goes to the Python callable, in
+//! to `LayerContext.upper` as `_mark_upper` adds it). Its `Inode` (inode.rs) is made here
+//! with the fields `Inode(...)` would give it, small content is set aside as
+//! `tree.AsideFile.put` sets it, the undo log gets its entry and progress counts the
+//! members in bulk. Anything else goes to the Python callable, in
 //! archive order, so the tree, the warnings and the errors are the Python path's.
-
-use std::collections::HashMap;
 
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple, PyType};
+use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
 
+use crate::inode::{BlobFields, Inode, Payload, ASIDE_MIN, S_IFDIR, S_IFLNK, S_IFREG};
 use crate::tar::{is_regular, Content, Rec, Records};
 use crate::Members;
 
 const NO_OWNER: i64 = 0xFFFF_FFFF; // (uid_t)-1: root's 0, as tar.py reads it
 const NAME_MAX: usize = 255;
 const PATH_MAX: usize = 4096; // base.PATH_MAX: a symlink target must be shorter
-const NONE_TIME: i64 = i64::MIN; // tree._NONE_TIME
 const PACK_BITS: u32 = 24; // tree._PACK_BITS
 /// set-aside content handed to the side file this much at a time: a segment's whole
 /// (up to 4 MiB), held twice while it is written, showed in the build's peak RSS
 const ASIDE_BATCH: usize = 256 << 10;
-
-/// (type, mode, uid, gid): the key of a shared `_meta` tuple
-type MetaKey = (u8, u32, u32, u32);
 
 /// `LayerContext._last_dir` as last read: its path components and the directory's entries.
 struct LastDir {
@@ -48,16 +42,6 @@ pub(crate) struct Placer {
     uid: Option<i64>,
     gid: Option<i64>,
     whiteouts: bool,
-    inode: Py<PyType>,
-    set_aside: Py<PyType>,
-    blob: Py<PyType>,
-    int_new: Py<PyAny>,
-    kinds: [Py<PyAny>; 3], // FileType.REG, DIR, SYMLINK
-    shared_meta: Py<PyDict>,
-    shared_meta_max: usize,
-    aside_min: usize,
-    zero: Py<PyAny>,
-    metas: HashMap<MetaKey, Py<PyTuple>>,
     last: Option<LastDir>,
     /// members placed here since progress was last told
     placed: usize,
@@ -109,51 +93,20 @@ fn split_plain(path: &[u8]) -> Option<Vec<&[u8]>> {
     Some(parts)
 }
 
-/// A new object of a slotted class, its `__init__` not run (`object.__new__(cls)`).
-fn alloc<'py>(py: Python<'py>, cls: &Bound<'py, PyType>) -> PyResult<Bound<'py, PyAny>> {
-    // SAFETY: tp_alloc of a heap type that takes no items; the new reference is owned here
-    unsafe { Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyType_GenericAlloc(cls.as_type_ptr(), 0)) }
-}
-
 #[pymethods]
 impl Placer {
     #[new]
     #[pyo3(signature = (ctx, uid, gid, whiteouts, slow))]
-    fn new(
-        py: Python<'_>,
-        ctx: Py<PyAny>,
-        uid: Option<i64>,
-        gid: Option<i64>,
-        whiteouts: bool,
-        slow: Py<PyAny>,
-    ) -> PyResult<Self> {
-        let tree = py.import("btrfs_ublk_image.tree")?;
-        let ftype = tree.getattr("FileType")?;
-        let cls = |name: &str| -> PyResult<Py<PyType>> { Ok(tree.getattr(name)?.cast_into::<PyType>()?.unbind()) };
-        let int_type = py.get_type::<pyo3::types::PyInt>();
-        Ok(Placer {
+    fn new(ctx: Py<PyAny>, uid: Option<i64>, gid: Option<i64>, whiteouts: bool, slow: Py<PyAny>) -> Self {
+        Placer {
             ctx,
             slow,
             uid,
             gid,
             whiteouts,
-            inode: cls("Inode")?,
-            set_aside: cls("_SetAside")?,
-            blob: cls("Blob")?,
-            int_new: int_type.getattr("__new__")?.unbind(),
-            kinds: [
-                ftype.getattr("REG")?.unbind(),
-                ftype.getattr("DIR")?.unbind(),
-                ftype.getattr("SYMLINK")?.unbind(),
-            ],
-            shared_meta: tree.getattr("_SHARED_META")?.cast_into::<PyDict>()?.unbind(),
-            shared_meta_max: tree.getattr("_SHARED_META_MAX")?.extract()?,
-            aside_min: tree.getattr("_ASIDE_MIN")?.extract()?,
-            zero: 0i64.into_pyobject(py)?.into_any().unbind(),
-            metas: HashMap::new(),
             last: None,
             placed: 0,
-        })
+        }
     }
 
     /// Place every member left in `members`, in order.
@@ -236,11 +189,10 @@ impl Placer {
             let t = now.cast::<PyTuple>()?;
             let parts: Vec<Vec<u8>> = t.get_item(0)?.extract()?;
             // `node.entries` as `place` reads it: the dict of a directory only
-            let node = t.get_item(1)?;
-            let meta = node.getattr(intern!(py, "_meta"))?;
-            let is_dir = meta.cast::<PyTuple>()?.get_item(0)?.is(self.kinds[1].bind(py));
-            let entries = if is_dir {
-                Some(node.getattr(intern!(py, "_payload"))?.cast_into::<PyDict>()?.unbind())
+            let node = t.get_item(1)?.cast_into::<Inode>()?;
+            let node = node.borrow();
+            let entries = if node.is_dir() {
+                Some(node.entries_dict(py)?.unbind())
             } else {
                 None
             };
@@ -261,32 +213,25 @@ impl Placer {
     /// given and resolved the same list). False (nothing changed): the Python path resolves
     /// it (symlinks, missing directories, a file in the way).
     fn resolve_plain(&mut self, py: Python<'_>, call: &Call<'_>, dir: &[&[u8]]) -> PyResult<bool> {
-        let dir_kind = self.kinds[1].bind(py);
-        let is_dir = |node: &Bound<'_, PyAny>| -> PyResult<bool> {
-            Ok(node
-                .getattr(intern!(py, "_meta"))?
-                .cast::<PyTuple>()?
-                .get_item(0)?
-                .is(dir_kind))
-        };
-        let mut node = call.tree.getattr(intern!(py, "root"))?;
-        if !is_dir(&node)? {
+        let mut node = call.tree.getattr(intern!(py, "root"))?.cast_into::<Inode>()?;
+        if !node.borrow().is_dir() {
             return Ok(false);
         }
         let names = PyList::empty(py);
         for comp in dir {
             let name = PyBytes::new(py, comp);
-            let entries = node.getattr(intern!(py, "_payload"))?.cast_into::<PyDict>()?;
+            let entries = node.borrow().entries_dict(py)?;
             let Some(child) = entries.get_item(&name)? else {
                 return Ok(false);
             };
-            if !is_dir(&child)? {
+            let child = child.cast_into::<Inode>()?;
+            if !child.borrow().is_dir() {
                 return Ok(false);
             }
             names.append(name)?;
             node = child;
         }
-        let entries = node.getattr(intern!(py, "_payload"))?.cast_into::<PyDict>()?;
+        let entries = node.borrow().entries_dict(py)?;
         call.ctx.setattr(
             intern!(py, "_last_dir"),
             PyTuple::new(py, [names.as_any(), &node, names.as_any()])?,
@@ -299,52 +244,12 @@ impl Placer {
         Ok(true)
     }
 
-    /// The shared `_meta` tuple for these values (`tree._meta` without xattrs).
-    fn meta<'py>(&mut self, py: Python<'py>, kind: usize, key: MetaKey) -> PyResult<Bound<'py, PyTuple>> {
-        if let Some(t) = self.metas.get(&key) {
-            return Ok(t.bind(py).clone());
-        }
-        let (_, mode, uid, gid) = key;
-        let tuple = PyTuple::new(
-            py,
-            [
-                self.kinds[kind].bind(py).clone(),
-                mode.into_pyobject(py)?.into_any(),
-                uid.into_pyobject(py)?.into_any(),
-                gid.into_pyobject(py)?.into_any(),
-                py.None().into_bound(py),
-            ],
-        )?;
-        let shared = self.shared_meta.bind(py);
-        if let Some(got) = shared.get_item(&tuple)? {
-            let got = got.cast_into::<PyTuple>()?;
-            self.metas.insert(key, got.clone().unbind());
-            return Ok(got);
-        }
-        if shared.len() < self.shared_meta_max {
-            shared.set_item(&tuple, &tuple)?;
-            self.metas.insert(key, tuple.clone().unbind());
-        }
-        Ok(tuple)
-    }
-
-    /// `tree.Blob(crc32c, size, pack, offset)`: the four fields in one int.
-    fn blob<'py>(&self, py: Python<'py>, crc: u32, size: u64, pack: u32, offset: u64) -> PyResult<Bound<'py, PyAny>> {
-        let low = crc as u128 | (size as u128) << 32 | (pack as u128) << 96 | ((offset & 0xff) as u128) << 120;
-        let high = offset >> 8;
-        let mut value = low.into_pyobject(py)?.into_any();
-        if high != 0 {
-            value = high.into_pyobject(py)?.into_any().lshift(128)?.bitor(value)?;
-        }
-        self.int_new.bind(py).call1((self.blob.bind(py), value))
-    }
-
     /// Place `r` here if it is the common member; false: the Python path's.
     fn fast<'py>(&mut self, py: Python<'py>, call: &mut Call<'py>, seg: &Records, r: &Rec) -> PyResult<bool> {
         let kind = match r.typ {
-            t if is_regular(t) => 0,
-            b'5' => 1,
-            b'2' => 2,
+            t if is_regular(t) => S_IFREG,
+            b'5' => S_IFDIR,
+            b'2' => S_IFLNK,
             _ => return Ok(false),
         };
         if r.xattrs.1 != 0 {
@@ -370,20 +275,21 @@ impl Placer {
         let (Ok(uid), Ok(gid)) = (u32::try_from(uid), u32::try_from(gid)) else {
             return Ok(false); // out of range: the error
         };
-        if r.mtime_ns == NONE_TIME || r.atime_ns == Some(NONE_TIME) || r.ctime_ns == Some(NONE_TIME) {
-            return Ok(false); // kept as a tuple
-        }
         let link = s(r.link);
-        if kind == 2 && (link.is_empty() || link.len() >= PATH_MAX || link.contains(&0)) {
+        if kind == S_IFLNK && (link.is_empty() || link.len() >= PATH_MAX || link.contains(&0)) {
             return Ok(false); // the invalid target's error
         }
-        let mode = if kind == 2 { 0o777 } else { (r.mode & 0o7777) as u32 };
+        let mode = if kind == S_IFLNK {
+            0o777
+        } else {
+            (r.mode & 0o7777) as u32
+        };
         // small content worth setting aside: the side file must exist (the Python path makes it)
         let inline = match r.content {
-            Content::Inline(at, n) if kind == 0 => Some(&seg.data[at..at + n]),
+            Content::Inline(at, n) if kind == S_IFREG => Some(&seg.data[at..at + n]),
             _ => None,
         };
-        let set_aside = inline.is_some_and(|d| d.len() > self.aside_min);
+        let set_aside = inline.is_some_and(|d| d.len() > ASIDE_MIN);
         if set_aside && call.aside.is_none() {
             let store = call.tree.getattr(intern!(py, "_aside"))?;
             if store.is_none() {
@@ -415,9 +321,9 @@ impl Placer {
         if entries.contains(&key)? {
             return Ok(false);
         }
-        let payload: Bound<'py, PyAny> = match kind {
-            0 => match r.content {
-                Content::None => PyBytes::new(py, b"").into_any(),
+        let payload = match kind {
+            S_IFREG => match r.content {
+                Content::None => Payload::Obj(PyBytes::new(py, b"").into_any().unbind()),
                 Content::Inline(..) => {
                     let data = inline.expect("inline content");
                     if set_aside {
@@ -432,37 +338,32 @@ impl Placer {
                         if a.pending.len() >= ASIDE_BATCH {
                             a.flush(py)?;
                         }
-                        let p = alloc(py, self.set_aside.bind(py))?;
-                        p.setattr(intern!(py, "store"), &a.store)?;
-                        p.setattr(intern!(py, "offset"), at)?;
-                        p.setattr(intern!(py, "size"), data.len())?;
-                        p
+                        Payload::Aside {
+                            store: a.store.clone().unbind(),
+                            offset: at,
+                            size: data.len() as u64,
+                        }
                     } else {
-                        PyBytes::new(py, data).into_any()
+                        Payload::Obj(PyBytes::new(py, data).into_any().unbind())
                     }
                 }
                 Content::Blob(crc, size, pack, offset) => {
                     if pack >> PACK_BITS != 0 {
                         return Ok(false); // Blob's error
                     }
-                    self.blob(py, crc, size, pack, offset)?
+                    Payload::Blob(BlobFields {
+                        crc,
+                        pack,
+                        size,
+                        offset,
+                    })
                 }
             },
-            1 => PyDict::new(py).into_any(),
-            _ => PyBytes::new(py, link).into_any(),
+            S_IFDIR => Payload::Obj(PyDict::new(py).into_any().unbind()),
+            _ => Payload::Obj(PyBytes::new(py, link).into_any().unbind()),
         };
-        let meta = self.meta(py, kind, (kind as u8, mode, uid, gid))?;
-        let a = r.atime_ns.unwrap_or(NONE_TIME);
-        let c = r.ctime_ns.unwrap_or(NONE_TIME);
-        let mut times = [0u8; 24];
-        times[..8].copy_from_slice(&r.mtime_ns.to_le_bytes());
-        times[8..16].copy_from_slice(&a.to_le_bytes());
-        times[16..].copy_from_slice(&c.to_le_bytes());
-        let inode = alloc(py, self.inode.bind(py))?;
-        inode.setattr(intern!(py, "_meta"), meta)?;
-        inode.setattr(intern!(py, "_times"), PyBytes::new(py, &times))?;
-        inode.setattr(intern!(py, "ino"), self.zero.bind(py))?;
-        inode.setattr(intern!(py, "_payload"), payload)?;
+        let inode = Inode::placed(kind, mode, uid, gid, r.mtime_ns, r.atime_ns, r.ctime_ns, payload);
+        let inode = Bound::new(py, inode)?;
         if let Some(upper) = &call.upper {
             // `LayerContext._mark_upper`: the path and its ancestors, as far as they are new
             let mut path = last_resolved;
