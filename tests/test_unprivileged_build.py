@@ -2,9 +2,10 @@
 and OCI layout, built by an unprivileged user (nobody, no capabilities, through
 setpriv) in a directory it owns, give the image ids of the same builds run as root.
 
-The user runs a copy of the package and of its runtime dependencies (found through
-their installed metadata), so the test does not depend on where the checkout or the
-virtualenv lie or who may read them.
+The user runs a copy of the package, of its extension (native/, which setup.sh builds
+into the venv; the tree's Inode is its class) and of its runtime dependencies (found
+through their installed metadata), so the test does not depend on where the checkout or
+the virtualenv lie or who may read them.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def _runtime_dists() -> list[importlib.metadata.Distribution]:
 
 
 def _copy_runtime(dest: Path) -> None:
-    """The package (from the checkout) and its dependencies' installed files."""
+    """The package (from the checkout), its extension's and its dependencies' installed
+    files."""
     shutil.copytree(
         ROOT / "btrfs_ublk_image",
         dest / "btrfs_ublk_image",
@@ -60,7 +62,7 @@ def _copy_runtime(dest: Path) -> None:
     )
     dists = _runtime_dists()
     assert {d.metadata["Name"].lower() for d in dists} >= {"pydantic", "pyyaml", "isal"}
-    for dist in dists:
+    for dist in [*dists, importlib.metadata.distribution("btrfs_ublk_native")]:
         for f in dist.files or []:
             src = Path(str(dist.locate_file(f)))
             if f.parts[0] == ".." or "__pycache__" in f.parts or not src.is_file():
