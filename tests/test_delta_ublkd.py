@@ -122,7 +122,11 @@ def test_v2_after_v1_over_http_fetches_only_new_chunks(no_leftovers: Path, cache
         fetched = pack_bytes(reqs)
     # v2's new pack is one chunk: its new content and device 2's superblock
     assert new_bytes < fetched <= new_bytes * 1.1, (fetched, new_bytes)
-    assert v1_fetched > 50 * fetched
+    # v1's reads fetched all of its content (its files' sizes are random: a fixed ratio to
+    # v2's fetch failed for the ~2% of seeds whose v1 holds under 9.7 MB); only hostname,
+    # 3 bytes, is inline in meta.img
+    v1_bytes = sum(len(data) for data in tree_files(v1).values())
+    assert v1_fetched >= v1_bytes - 4096, (v1_fetched, v1_bytes)
     shared = st["disk_cache_shared_bytes"]
     assert isinstance(shared, int) and shared > v1_fetched * 0.9, (shared, v1_fetched)
     # metadata: the manifest and the two patches; the patch base is v1's meta.img and
