@@ -14,11 +14,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyRange};
 
-use crate::inode::{self, BlobFields, Inode, Payload, Times, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
+use crate::inode::{self, BlobFields, Inode, Payload, Times, S_IFBLK, S_IFCHR, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
 use crate::leaves::{self, InodeFields, Packer};
 
-const S_IFCHR: u32 = 0o020000;
-const S_IFBLK: u32 = 0o060000;
 const S_IFIFO: u32 = 0o010000;
 const S_IFSOCK: u32 = 0o140000;
 

@@ -17,11 +17,11 @@ pub(crate) const S_IFMT: u32 = 0o170000;
 pub(crate) const S_IFREG: u32 = 0o100000;
 pub(crate) const S_IFDIR: u32 = 0o040000;
 pub(crate) const S_IFLNK: u32 = 0o120000;
-const S_IFCHR: u32 = 0o020000;
-const S_IFBLK: u32 = 0o060000;
+pub(crate) const S_IFCHR: u32 = 0o020000;
+pub(crate) const S_IFBLK: u32 = 0o060000;
 /// content up to this size stays in memory (a reference to set-aside content costs about this)
 pub(crate) const ASIDE_MIN: usize = 96;
-const PACK_BITS: u32 = 24; // tree._PACK_BITS
+pub(crate) const PACK_BITS: u32 = 24; // tree._PACK_BITS
 
 const A_NONE: u8 = 1; // atime unset (same as mtime)
 const C_NONE: u8 = 2; // ctime unset

@@ -15,14 +15,13 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
 
-use crate::inode::{BlobFields, Inode, Payload, ASIDE_MIN, S_IFDIR, S_IFLNK, S_IFREG};
+use crate::inode::{BlobFields, Inode, Payload, ASIDE_MIN, PACK_BITS, S_IFDIR, S_IFLNK, S_IFREG};
 use crate::tar::{is_regular, Content, Rec, Records};
 use crate::Members;
 
 const NO_OWNER: i64 = 0xFFFF_FFFF; // (uid_t)-1: root's 0, as tar.py reads it
 const NAME_MAX: usize = 255;
 const PATH_MAX: usize = 4096; // base.PATH_MAX: a symlink target must be shorter
-const PACK_BITS: u32 = 24; // tree._PACK_BITS
 /// set-aside content handed to the side file this much at a time: a segment's whole
 /// (up to 4 MiB), held twice while it is written, showed in the build's peak RSS
 const ASIDE_BATCH: usize = 256 << 10;
