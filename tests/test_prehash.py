@@ -71,11 +71,18 @@ def _build(spec: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> tuple[i
 
 
 def _prehash_threads() -> int:
-    n = 0
-    for task in Path("/proc/self/task").iterdir():
-        with contextlib.suppress(OSError):  # ended meanwhile
-            n += (task / "comm").read_text().strip() == "prehash"
-    return n
+    """The prehash threads still in /proc/self/task, after a moment's grace: a joined
+    thread's task leaves the list shortly after pthread_join returns (the kernel clears
+    the tid the join waits on before it unlinks the task)."""
+    deadline = time.monotonic() + 2
+    while True:
+        n = 0
+        for task in Path("/proc/self/task").iterdir():
+            with contextlib.suppress(OSError):  # ended meanwhile
+                n += (task / "comm").read_text().strip() == "prehash"
+        if n == 0 or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)
 
 
 def _fds_to(path: Path) -> int:
