@@ -12,7 +12,8 @@ written, so its objects are compact (the build's peak memory is mostly these):
 extension even with ``BUI_NATIVE=0``), its type, mode, owner and times held as
 machine integers, one payload for whatever its type carries (content, symlink
 target, directory entries or device number; a Blob as its four fields), no xattr
-mapping when it has none; a ``Blob`` is one int. Sources set small files' content
+mapping when it has none; a ``Blob`` is one int. A directory's ``Entries`` keep their
+names in the extension too, not as a ``bytes`` object and a dict slot each. Sources set small files' content
 aside in a file (``Tree.set_content_aside``) rather than keep it in memory.
 """
 
@@ -23,9 +24,10 @@ import os
 import stat
 import tempfile
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from types import MappingProxyType
 
+from btrfs_ublk_native import Entries as _NativeEntries
 from btrfs_ublk_native import Inode as Inode
 from btrfs_ublk_native import clamp_tree_times as _clamp_tree_times
 
@@ -130,6 +132,16 @@ class Sparse:
 
 
 Content = bytes | Blob | Sparse
+
+
+class Entries(_NativeEntries, MutableMapping[bytes, Inode]):
+    """A directory's entries, name -> ``Inode``, in the order they were added (a name set
+    again keeps its place). The names and children are held by the extension
+    (``native/src/entries.rs``): a name's ``bytes`` object is made only when Python code
+    reads it. ``MutableMapping`` adds the rest of a mapping's methods."""
+
+    __slots__ = ()
+
 
 _NO_XATTRS: Mapping[bytes, bytes] = MappingProxyType({})  # what ``Inode.xattrs`` reads as
 

@@ -1,10 +1,38 @@
 """Types of the extension's classes and functions that Python code uses by name (the rest
 it reaches through ``native.module()``, untyped)."""
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, TypeVar, overload
 
-from btrfs_ublk_image.tree import AsideFile, Content, FileType, SavedMetadata
+from btrfs_ublk_image.tree import (
+    AsideFile,
+    Content,
+    FileType,
+    SavedMetadata,
+)
+from btrfs_ublk_image.tree import (
+    Entries as TreeEntries,
+)
+
+_T = TypeVar("_T")
+
+class Entries:
+    """A directory's entries held natively (native/src/entries.rs); ``tree.Entries`` is
+    the mapping Python code uses."""
+
+    def __init__(self, entries: Mapping[bytes, Inode] | None = None) -> None: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, name: object) -> bool: ...
+    def __getitem__(self, name: bytes) -> Inode: ...
+    def __setitem__(self, name: bytes, child: Inode) -> None: ...
+    def __delitem__(self, name: bytes) -> None: ...
+    def __iter__(self) -> Iterator[bytes]: ...
+    @overload
+    def get(self, name: bytes) -> Inode | None: ...
+    @overload
+    def get(self, name: bytes, default: Inode) -> Inode: ...
+    @overload
+    def get(self, name: bytes, default: _T) -> Inode | _T: ...
 
 class Inode:
     """One file object (``btrfs_ublk_image.tree``; native/src/inode.rs)."""
@@ -19,7 +47,10 @@ class Inode:
     ctime_ns: int | None
     content: Content
     target: bytes
-    entries: dict[bytes, Inode]
+    @property
+    def entries(self) -> TreeEntries: ...
+    @entries.setter
+    def entries(self, value: Mapping[bytes, Inode]) -> None: ...
     rdev: int
     def __init__(
         self,
@@ -34,7 +65,7 @@ class Inode:
         rdev: int = 0,
         target: bytes = b"",
         content: Content = b"",
-        entries: dict[bytes, Inode] | None = None,
+        entries: Mapping[bytes, Inode] | None = None,
     ) -> None: ...
     @property
     def xattrs(self) -> Mapping[bytes, bytes]: ...

@@ -679,7 +679,7 @@ def _fs_tree_items(
         more = more_refs.get(ino)
         nlink = 1 if more is None else 1 + len(more)
         file_extents: list[tuple[d.Key, bytes]] = []
-        entries: dict[bytes, Inode] = {}
+        entries: Mapping[bytes, Inode] = {}
         rdev = 0
         if ftype is reg:
             files += 1

@@ -11,7 +11,15 @@ from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.progress import Progress
 from btrfs_ublk_image.specyaml import source_path
-from btrfs_ublk_image.tree import FileType, Inode, SavedMetadata, Tree, check_name, split_path
+from btrfs_ublk_image.tree import (
+    Entries,
+    FileType,
+    Inode,
+    SavedMetadata,
+    Tree,
+    check_name,
+    split_path,
+)
 
 
 class SpecDates(Protocol):
@@ -31,9 +39,7 @@ OPAQUE = b".wh..wh..opq"
 # it held before (None: nothing), a path added to the layer's upper set, a directory's
 # metadata before ``take_metadata``
 _Change = (
-    tuple[dict[bytes, Inode], bytes, Inode | None]
-    | tuple[set[bytes], bytes]
-    | tuple[Inode, SavedMetadata]
+    tuple[Entries, bytes, Inode | None] | tuple[set[bytes], bytes] | tuple[Inode, SavedMetadata]
 )
 
 

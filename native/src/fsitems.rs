@@ -14,6 +14,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyRange};
 
+use crate::entries::Entries;
 use crate::inode::{self, BlobFields, Inode, Payload, Times, S_IFBLK, S_IFCHR, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
 use crate::leaves::{self, InodeFields, Packer};
 
@@ -603,7 +604,7 @@ pub fn fs_tree_items<'py>(
         let more = more_refs.get(&ino);
         let nlink = 1 + more.map_or(0, |m| m.len());
         let (mut size, mut nbytes, mut flags, mut rdev) = (0u64, 0u64, 0u64, 0u64);
-        let mut entries: Option<Bound<'py, PyDict>> = None;
+        let mut entries: Option<Bound<'py, Entries>> = None;
         file_extents.clear();
         match mode_type & S_IFMT {
             S_IFREG => {
@@ -699,13 +700,10 @@ pub fn fs_tree_items<'py>(
             S_IFDIR => {
                 directories += 1;
                 let Held::Obj(e) = &payload else {
-                    return Err(PyTypeError::new_err("directory entries are not a dict"));
+                    return Err(PyTypeError::new_err("directory entries are not Entries"));
                 };
-                let e = e.cast::<PyDict>()?.clone();
-                size = 0;
-                for k in e.keys() {
-                    size += 2 * k.cast::<PyBytes>()?.as_bytes().len() as u64;
-                }
+                let e = e.cast::<Entries>()?.clone();
+                size = 2 * e.borrow().names_len();
                 entries = Some(e);
             }
             t => {
@@ -799,12 +797,10 @@ pub fn fs_tree_items<'py>(
                 p.add((ino, XATTR_ITEM_KEY, *h), data).map_err(crate::add_err)?;
             }
         }
-        if let Some(e) = entries.filter(|e| !e.is_empty()) {
-            let mut children: Vec<(Bound<'py, PyBytes>, Bound<'py, Inode>)> = Vec::with_capacity(e.len());
-            for (k, v) in e.iter() {
-                children.push((k.cast_into::<PyBytes>()?, v.cast_into::<Inode>()?));
-            }
-            children.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+        let held = entries.as_ref().map(|e| e.borrow());
+        if let Some(e) = held.as_ref().filter(|e| e.len() != 0) {
+            // no Python code runs while the entries are borrowed
+            let children = e.sorted();
             let mut child_inos: Vec<u64> = Vec::with_capacity(children.len());
             let mut ftypes: Vec<u8> = Vec::with_capacity(children.len());
             // `_Numbering.child_inos`: with a base every inode holds its number; else a
@@ -817,7 +813,7 @@ pub fn fs_tree_items<'py>(
                     .ok_or_else(|| PyAssertionError::new_err(format!("directory {ino} has no child_base")))?
             };
             for (_, child) in &children {
-                let child = child.borrow();
+                let child = child.bind(py).borrow();
                 let c = if inos.is_some() {
                     child.ino_obj(py).extract::<u64>()?
                 } else if child.ino_is(&once) {
@@ -837,7 +833,7 @@ pub fn fs_tree_items<'py>(
                 .iter()
                 .zip(&child_inos)
                 .zip(&ftypes)
-                .map(|(((nm, _), &c), &t)| (nm.as_bytes(), c, t))
+                .map(|(((nm, _), &c), &t)| (*nm, c, t))
                 .collect();
             let given = if dir_indexes.is_empty() {
                 None

@@ -10,7 +10,9 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyDict, PyTuple, PyType};
+use pyo3::types::{PyBytes, PyTuple, PyType};
+
+use crate::entries::{entries_new, Entries};
 use pyo3::{intern, PyTraverseError};
 
 pub(crate) const S_IFMT: u32 = 0o170000;
@@ -38,7 +40,7 @@ pub(crate) struct BlobFields {
 
 /// What an inode's type carries.
 pub(crate) enum Payload {
-    /// content bytes, a Sparse, a symlink target, a directory's entries dict, a device
+    /// content bytes, a Sparse, a symlink target, a directory's `Entries`, a device
     /// number, or whatever else was set
     Obj(Py<PyAny>),
     Blob(BlobFields),
@@ -160,12 +162,26 @@ fn content_payload(value: &Bound<'_, PyAny>) -> PyResult<Payload> {
     Ok(Payload::Obj(value.clone().unbind()))
 }
 
-fn default_payload(py: Python<'_>, kind: u32) -> Payload {
-    Payload::Obj(match kind {
-        S_IFDIR => PyDict::new(py).into_any().unbind(),
+fn default_payload(py: Python<'_>, kind: u32) -> PyResult<Payload> {
+    Ok(Payload::Obj(match kind {
+        S_IFDIR => entries_new(py)?.into_any().unbind(),
         S_IFREG | S_IFLNK => PyBytes::new(py, b"").into_any().unbind(),
-        _ => 0i64.into_pyobject(py).expect("an int").into_any().unbind(),
-    })
+        _ => 0i64.into_pyobject(py)?.into_any().unbind(),
+    }))
+}
+
+/// A directory's payload from a mapping: a `tree.Entries` as it is, another mapping copied
+/// into one.
+fn entries_payload(value: &Bound<'_, PyAny>) -> PyResult<Payload> {
+    if value.cast::<Entries>().is_ok() {
+        return Ok(Payload::Obj(value.clone().unbind()));
+    }
+    let e = entries_new(value.py())?;
+    for item in value.call_method0(intern!(value.py(), "items"))?.try_iter()? {
+        let (name, child): (Bound<'_, PyBytes>, Bound<'_, Inode>) = item?.extract()?;
+        e.borrow_mut().insert(name.as_bytes(), child.unbind())?;
+    }
+    Ok(Payload::Obj(e.into_any().unbind()))
 }
 
 /// S_IFMT >> 12 of a FileType value.
@@ -242,14 +258,14 @@ impl Inode {
     }
 
     /// A directory's entries (name -> Inode).
-    pub(crate) fn entries_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    pub(crate) fn entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, Entries>> {
         match &self.payload {
             Payload::Obj(o) => o
                 .bind(py)
                 .clone()
-                .cast_into::<PyDict>()
-                .map_err(|_| PyTypeError::new_err("directory entries are not a dict")),
-            _ => Err(PyTypeError::new_err("directory entries are not a dict")),
+                .cast_into::<Entries>()
+                .map_err(|_| PyTypeError::new_err("directory entries are not Entries")),
+            _ => Err(PyTypeError::new_err("directory entries are not Entries")),
         }
     }
 
@@ -427,15 +443,21 @@ impl Inode {
         let payload = match k {
             S_IFREG => match content {
                 Some(c) => content_payload(c)?,
-                None => default_payload(py, k),
+                None => default_payload(py, k)?,
             },
             S_IFDIR => match entries.filter(|e| !e.is_none()) {
-                Some(e) => Payload::Obj(e.clone().unbind()),
-                None => default_payload(py, k),
+                Some(e) => entries_payload(e)?,
+                None => default_payload(py, k)?,
             },
-            S_IFLNK => given(target).map_or_else(|| default_payload(py, k), Payload::Obj),
-            S_IFCHR | S_IFBLK => given(rdev).map_or_else(|| default_payload(py, k), Payload::Obj),
-            _ => default_payload(py, k),
+            S_IFLNK => match given(target) {
+                Some(t) => Payload::Obj(t),
+                None => default_payload(py, k)?,
+            },
+            S_IFCHR | S_IFBLK => match given(rdev) {
+                Some(r) => Payload::Obj(r),
+                None => default_payload(py, k)?,
+            },
+            _ => default_payload(py, k)?,
         };
         let mut inode = Inode::placed(k, mode, uid, gid, 0, None, None, payload);
         let none = py.None().into_bound(py);
@@ -494,7 +516,7 @@ impl Inode {
     #[setter(r#type)]
     fn set_type(&mut self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<()> {
         self.kind = kind_of(value)?;
-        self.payload = default_payload(py, self.kind());
+        self.payload = default_payload(py, self.kind())?;
         Ok(())
     }
 
@@ -598,14 +620,15 @@ impl Inode {
     fn get_entries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         match &self.payload {
             Payload::Obj(o) if self.is_dir() => Ok(o.bind(py).clone()),
-            _ => Ok(PyDict::new(py).into_any()),
+            _ => Ok(entries_new(py)?.into_any()),
         }
     }
 
+    /// A mapping other than `tree.Entries` is copied into one.
     #[setter]
     fn set_entries(&mut self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<()> {
         self.check(py, S_IFDIR, "entries")?;
-        self.payload = Payload::Obj(value.clone().unbind());
+        self.payload = entries_payload(value)?;
         Ok(())
     }
 
@@ -760,9 +783,9 @@ pub fn clamp_tree_times(root: &Bound<'_, Inode>, limit_ns: &Bound<'_, PyAny>) ->
         if !seen.insert(node.as_ptr() as usize) {
             continue;
         }
-        let entries = node.borrow().entries_dict(py)?;
-        for (_, child) in entries.iter() {
-            let child = child.cast_into::<Inode>()?;
+        let entries = node.borrow().entries(py)?;
+        let children: Vec<Bound<'_, Inode>> = entries.borrow().iter().map(|(_, c)| c.bind(py).clone()).collect();
+        for child in children {
             let is_dir = {
                 let mut c = child.borrow_mut();
                 clamp(&mut c, limit, limit_ns)?;

@@ -6,6 +6,7 @@
 
 mod blocks;
 mod direct;
+mod entries;
 mod extents;
 mod fsitems;
 mod inode;
@@ -693,6 +694,7 @@ fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Members>()?;
     m.add_class::<place::Placer>()?;
     m.add_class::<inode::Inode>()?;
+    m.add_class::<entries::Entries>()?;
     m.add_function(wrap_pyfunction!(inode::clamp_tree_times, m)?)?;
     m.add_class::<prehash::Prehash>()?;
     m.add_class::<LeafPacker>()?;

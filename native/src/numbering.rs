@@ -9,13 +9,14 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::fsitems::{image_error, ColumnSink};
+use crate::entries::Entries;
 use crate::inode::Inode;
 
 const FIRST_FREE_OBJECTID: u64 = 256;
 
 /// A directory's entries (name -> Inode).
-fn entries<'py>(node: &Bound<'py, Inode>) -> PyResult<Bound<'py, PyDict>> {
-    node.borrow().entries_dict(node.py())
+fn entries<'py>(node: &Bound<'py, Inode>) -> PyResult<Bound<'py, Entries>> {
+    node.borrow().entries(node.py())
 }
 
 /// `_number(tree)` for a build without a base: `root` is the tree's root directory, `num`
@@ -35,12 +36,14 @@ pub fn number_inodes(
     root.borrow_mut().set_ino(once.clone().unbind());
     let mut stack = vec![root.clone()];
     while let Some(dir) = stack.pop() {
-        for (name, child) in entries(&dir)?.iter() {
-            let child = child.cast_into::<Inode>()?;
+        let entries = entries(&dir)?;
+        let entries = entries.borrow();
+        for (name, child) in entries.iter() {
+            let child = child.bind(py);
             let mut c = child.borrow_mut();
             if c.ino_is(&once) {
                 if c.is_dir() {
-                    let shown = name.cast::<PyBytes>()?.repr()?;
+                    let shown = PyBytes::new(py, name).repr()?;
                     return Err(image_error(
                         py,
                         format!("directory {shown} appears twice in the tree (hardlinked dir)"),
@@ -51,7 +54,7 @@ pub fn number_inodes(
                 c.set_ino(once.clone().unbind());
                 if c.is_dir() {
                     drop(c);
-                    stack.push(child);
+                    stack.push(child.clone());
                 }
             }
         }
@@ -76,10 +79,9 @@ pub fn number_inodes(
     while let Some((dir, pino)) = dirs.pop() {
         child_base.set_item(pino, first + count)?;
         children.clear();
-        for (name, child) in entries(&dir)?.iter() {
-            children.push((name.cast_into::<PyBytes>()?, child.cast_into::<Inode>()?));
+        for (name, child) in entries(&dir)?.borrow().sorted() {
+            children.push((PyBytes::new(py, name), child.bind(py).clone()));
         }
-        children.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
         pending.clear();
         for (index, (name, child)) in (2u64..).zip(&children) {
             let mut c = child.borrow_mut();

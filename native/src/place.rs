@@ -13,8 +13,9 @@
 use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyTuple};
+use pyo3::types::{PyBytes, PyList, PySet, PyTuple};
 
+use crate::entries::{entries_new, Entries};
 use crate::inode::{BlobFields, Inode, Payload, ASIDE_MIN, PACK_BITS, S_IFDIR, S_IFLNK, S_IFREG};
 use crate::tar::{is_regular, Content, Rec, Records};
 use crate::Members;
@@ -29,7 +30,7 @@ const ASIDE_BATCH: usize = 256 << 10;
 /// `LayerContext._last_dir` as last read: its path components and the directory's entries.
 struct LastDir {
     parts: Vec<Vec<u8>>,
-    entries: Option<Py<PyDict>>, // None: not a directory's entries now (members go slow)
+    entries: Option<Py<Entries>>, // None: not a directory's entries now (members go slow)
     resolved: Vec<u8>,
 }
 
@@ -191,7 +192,7 @@ impl Placer {
             let node = t.get_item(1)?.cast_into::<Inode>()?;
             let node = node.borrow();
             let entries = if node.is_dir() {
-                Some(node.entries_dict(py)?.unbind())
+                Some(node.entries(py)?.unbind())
             } else {
                 None
             };
@@ -218,19 +219,17 @@ impl Placer {
         }
         let names = PyList::empty(py);
         for comp in dir {
-            let name = PyBytes::new(py, comp);
-            let entries = node.borrow().entries_dict(py)?;
-            let Some(child) = entries.get_item(&name)? else {
+            let entries = node.borrow().entries(py)?;
+            let Some(child) = entries.borrow().get(comp).map(|c| c.bind(py).clone()) else {
                 return Ok(false);
             };
-            let child = child.cast_into::<Inode>()?;
             if !child.borrow().is_dir() {
                 return Ok(false);
             }
-            names.append(name)?;
+            names.append(PyBytes::new(py, comp))?;
             node = child;
         }
-        let entries = node.borrow().entries_dict(py)?;
+        let entries = node.borrow().entries(py)?;
         call.ctx.setattr(
             intern!(py, "_last_dir"),
             PyTuple::new(py, [names.as_any(), &node, names.as_any()])?,
@@ -316,8 +315,7 @@ impl Placer {
         } else {
             Vec::new()
         };
-        let key = PyBytes::new(py, name);
-        if entries.contains(&key)? {
+        if entries.borrow().contains(name) {
             return Ok(false);
         }
         let payload = match kind {
@@ -358,7 +356,7 @@ impl Placer {
                     })
                 }
             },
-            S_IFDIR => Payload::Obj(PyDict::new(py).into_any().unbind()),
+            S_IFDIR => Payload::Obj(entries_new(py)?.into_any().unbind()),
             _ => Payload::Obj(PyBytes::new(py, link).into_any().unbind()),
         };
         let inode = Inode::placed(kind, mode, uid, gid, r.mtime_ns, r.atime_ns, r.ctime_ns, payload);
@@ -383,10 +381,11 @@ impl Placer {
             }
         }
         if let Some(changes) = &call.changes {
+            let key = PyBytes::new(py, name);
             let undo = PyTuple::new(py, [entries.as_any(), key.as_any(), &py.None().into_bound(py)])?;
             changes.append(undo)?;
         }
-        entries.set_item(key, inode)?;
+        entries.borrow_mut().insert(name, inode.unbind())?;
         self.placed += 1;
         Ok(true)
     }
