@@ -1,7 +1,7 @@
 """Types of the extension's classes and functions that Python code uses by name (the rest
 it reaches through ``native.module()``, untyped)."""
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar, overload
 
 from btrfs_ublk_image.tree import (
@@ -33,6 +33,15 @@ class Entries:
     def get(self, name: bytes, default: Inode) -> Inode: ...
     @overload
     def get(self, name: bytes, default: _T) -> Inode | _T: ...
+
+class Names:
+    """``_Numbering.name``: one name per row, held natively (native/src/numbering.rs)."""
+
+    def __init__(self, names: Iterable[bytes] = ()) -> None: ...
+    def __len__(self) -> int: ...
+    def __getitem__(self, row: int) -> bytes: ...
+    def __iter__(self) -> Iterator[bytes]: ...
+    def append(self, name: bytes) -> None: ...
 
 class Inode:
     """One file object (``btrfs_ublk_image.tree``; native/src/inode.rs)."""

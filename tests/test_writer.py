@@ -862,7 +862,7 @@ def test_native_numbering_is_the_python_ones(monkeypatch: pytest.MonkeyPatch) ->
         rows = [id(node) for node in num.inodes]
         inos = [node.ino if isinstance(node.ino, int) else None for node in num.inodes]
         return (
-            rows, inos, bytes(num.parent), bytes(num.index), num.name,
+            rows, inos, bytes(num.parent), bytes(num.index), list(num.name),
             num.more_refs, num.child_base, num.dir_indexes, num.inos,
         )  # fmt: skip
 

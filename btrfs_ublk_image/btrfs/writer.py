@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import IO
 
+from btrfs_ublk_native import Names
+
 from btrfs_ublk_image import native
 from btrfs_ublk_image.blockmap import Ranges
 from btrfs_ublk_image.btrfs import ondisk as d
@@ -176,7 +178,7 @@ class _Numbering:
         # the first name of each inode: parent dir's ino, dir index, name
         self.parent = array("Q", [d.FIRST_FREE_OBJECTID])
         self.index = array("Q", [0])
-        self.name: list[bytes] = [b".."]
+        self.name = Names([b".."])
         # hardlinks: ino -> its other names (parent ino, index, name)
         self.more_refs: dict[int, list[tuple[int, int, bytes]]] = {}
         self.child_base: dict[int, int] = {}  # dir ino -> the number of its first new child
@@ -350,7 +352,7 @@ def _number_on_base(num: _Numbering, base: BaseLayout, more: object) -> _Numberi
     num.inos = array("Q", [inos[i] for i in order])
     num.parent = array("Q", [parents[i] for i in order])
     num.index = array("Q", [indexes[i] for i in order])
-    num.name = [names[i] for i in order]
+    num.name = Names(names[i] for i in order)
     return num
 
 

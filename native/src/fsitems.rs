@@ -17,6 +17,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyRange};
 use crate::entries::Entries;
 use crate::inode::{self, BlobFields, Inode, Payload, Times, S_IFBLK, S_IFCHR, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
 use crate::leaves::{self, InodeFields, Packer};
+use crate::numbering::Names;
 
 const S_IFIFO: u32 = 0o010000;
 const S_IFSOCK: u32 = 0o140000;
@@ -526,7 +527,7 @@ pub fn fs_tree_items<'py>(
     let inodes = num.getattr("inodes")?;
     let inodes = inodes.cast::<PyList>()?;
     let names = num.getattr("name")?;
-    let names = names.cast::<PyList>()?;
+    let names = names.cast::<Names>()?.borrow();
     let parent_col = Column::new(&num.getattr("parent")?)?;
     let index_col = Column::new(&num.getattr("index")?)?;
     let (parents, indexes) = (parent_col.slice(), index_col.slice());
@@ -738,14 +739,13 @@ pub fn fs_tree_items<'py>(
             mtime_ns: mtime,
             otime_ns: mtime,
         };
-        let name = names.get_item(n)?;
-        let name = name.cast::<PyBytes>()?;
-        let one_ref = (nlink == 1).then(|| (parents[n], indexes[n], name.as_bytes()));
+        let name = names.get(n);
+        let one_ref = (nlink == 1).then(|| (parents[n], indexes[n], name));
         p.add_inode(ino, &fields, one_ref).map_err(crate::add_err)?;
         if let Some(more) = more.filter(|_| nlink != 1) {
             // names per parent dir in one INODE_REF item while it fits in a leaf, the rest
             // in INODE_EXTREF items (EXTENDED_IREF), as the kernel does when a ref item is full
-            let mut refs: Vec<(u64, u64, &[u8])> = vec![(parents[n], indexes[n], name.as_bytes())];
+            let mut refs: Vec<(u64, u64, &[u8])> = vec![(parents[n], indexes[n], name)];
             refs.extend(more.iter().map(|(pa, i, nm)| (*pa, *i, nm.as_slice())));
             refs.sort();
             let mut by_parent: std::collections::BTreeMap<u64, Vec<u8>> = Default::default();

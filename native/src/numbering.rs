@@ -5,11 +5,12 @@
 //! each inode, into a `_Numbering`'s columns. The inodes (inode.rs) are read and marked
 //! through a borrow: no Python code runs per inode.
 
+use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use crate::fsitems::{image_error, ColumnSink};
 use crate::entries::Entries;
+use crate::fsitems::{image_error, ColumnSink};
 use crate::inode::Inode;
 
 const FIRST_FREE_OBJECTID: u64 = 256;
@@ -65,7 +66,7 @@ pub fn number_inodes(
     let inodes = num.getattr("inodes")?;
     let inodes = inodes.cast::<PyList>()?;
     let names = num.getattr("name")?;
-    let names = names.cast::<PyList>()?;
+    let mut names = names.cast::<Names>()?.borrow_mut();
     let more_refs = num.getattr("more_refs")?;
     let more_refs = more_refs.cast::<PyDict>()?;
     let child_base = num.getattr("child_base")?;
@@ -74,16 +75,15 @@ pub fn number_inodes(
     let mut indexes = ColumnSink::new(num.getattr("index")?)?;
     let mut count = inodes.len() as u64; // rows so far (the root's)
     let mut dirs = vec![(root.clone(), first)];
-    let mut children: Vec<(Bound<'_, PyBytes>, Bound<'_, Inode>)> = Vec::new();
     let mut pending = Vec::new();
     while let Some((dir, pino)) = dirs.pop() {
         child_base.set_item(pino, first + count)?;
-        children.clear();
-        for (name, child) in entries(&dir)?.borrow().sorted() {
-            children.push((PyBytes::new(py, name), child.bind(py).clone()));
-        }
+        let entries = entries(&dir)?;
+        let entries = entries.borrow();
+        let children = entries.sorted();
         pending.clear();
-        for (index, (name, child)) in (2u64..).zip(&children) {
+        for (index, &(name, child)) in (2u64..).zip(&children) {
+            let child = child.bind(py);
             let mut c = child.borrow_mut();
             if !c.ino_is(&once) && !c.ino_is(more) {
                 let mark = c.ino_obj(py);
@@ -97,7 +97,7 @@ pub fn number_inodes(
                         r
                     }
                 };
-                refs.append((pino, index, name))?;
+                refs.append((pino, index, PyBytes::new(py, name)))?;
                 continue;
             }
             let ino = first + count;
@@ -111,7 +111,7 @@ pub fn number_inodes(
             inodes.append(child)?;
             parents.push(pino)?;
             indexes.push(index)?;
-            names.append(name)?;
+            names.push(name)?;
             count += 1;
         }
         dirs.extend(pending.drain(..).rev());
@@ -119,4 +119,71 @@ pub fn number_inodes(
     parents.flush()?;
     indexes.flush()?;
     Ok(())
+}
+
+/// `_Numbering.name`: the first name of each inode, row by row, in one buffer (a `bytes`
+/// object is made only when Python code reads a row).
+#[pyclass(module = "btrfs_ublk_native")]
+pub struct Names {
+    bytes: Vec<u8>,
+    ends: Vec<u32>,
+}
+
+impl Names {
+    pub(crate) fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    pub(crate) fn get(&self, row: usize) -> &[u8] {
+        let start = if row == 0 { 0 } else { self.ends[row - 1] as usize };
+        &self.bytes[start..self.ends[row] as usize]
+    }
+
+    pub(crate) fn push(&mut self, name: &[u8]) -> PyResult<()> {
+        let end = u32::try_from(self.bytes.len() + name.len())
+            .map_err(|_| PyValueError::new_err("the image's names exceed 4 GiB"))?;
+        self.bytes.extend_from_slice(name);
+        self.ends.push(end);
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl Names {
+    #[new]
+    #[pyo3(signature = (names=None))]
+    fn new(names: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let mut me = Names {
+            bytes: Vec::new(),
+            ends: Vec::new(),
+        };
+        if let Some(names) = names {
+            for name in names.try_iter()? {
+                me.push(name?.cast::<PyBytes>()?.as_bytes())?;
+            }
+        }
+        Ok(me)
+    }
+
+    fn __len__(&self) -> usize {
+        self.ends.len()
+    }
+
+    fn __getitem__<'py>(&self, py: Python<'py>, row: isize) -> PyResult<Bound<'py, PyBytes>> {
+        let n = self.ends.len() as isize;
+        let at = if row < 0 { row + n } else { row };
+        if !(0..n).contains(&at) {
+            return Err(PyIndexError::new_err("name row out of range"));
+        }
+        Ok(PyBytes::new(py, self.get(at as usize)))
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let names = PyList::new(py, (0..self.len()).map(|i| PyBytes::new(py, self.get(i))))?;
+        names.try_iter().map(|i| i.into_any())
+    }
+
+    fn append(&mut self, name: &Bound<'_, PyBytes>) -> PyResult<()> {
+        self.push(name.as_bytes())
+    }
 }
