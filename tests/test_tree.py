@@ -4,13 +4,20 @@ Python code uses, and ``Names`` as the numbering's name column."""
 from __future__ import annotations
 
 import gc
+import io
 import random
+import tarfile
 import weakref
 from collections.abc import MutableMapping
+from pathlib import Path
 
 import pytest
 from btrfs_ublk_native import Names
 
+from btrfs_ublk_image import native
+from btrfs_ublk_image.bundle import build_spec
+from btrfs_ublk_image.sources.base import LayerContext
+from btrfs_ublk_image.spec import load_spec
 from btrfs_ublk_image.tree import Entries, FileType, Inode, new_dir
 
 
@@ -82,3 +89,36 @@ def test_names_column() -> None:
     assert list(names) == [b"..", b"a", b"\xffb"]
     with pytest.raises(IndexError):
         names[3]
+
+
+@pytest.mark.unit
+def test_members_placed_natively_are_undone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An archive the native read hands back after placing members (no end-of-archive
+    marker): its undo log holds one ``Names`` per run of members in one directory, and the
+    undo leaves none of them in the tree."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as t:
+        for d in ("d", "e"):
+            info = tarfile.TarInfo(d)
+            info.type = tarfile.DIRTYPE
+            t.addfile(info)
+            for i in range(3000):
+                t.addfile(tarfile.TarInfo(f"{d}/f{i}"), io.BytesIO(b""))
+    data = buf.getvalue()[: -2 * 512].rstrip(b"\0")
+    (tmp_path / "l.tar").write_bytes(data + b"\0" * (-len(data) % 512))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("version: 1\nname: t\nlayers:\n  - tar: {path: l.tar}\n")
+    undone: list[tuple[list[str], list[bytes]]] = []
+    undo = LayerContext.undo
+
+    def watched(ctx: LayerContext) -> None:
+        kinds = [type(c[1]).__name__ for c in ctx._changes or [] if len(c) == 2]
+        undo(ctx)
+        undone.append((kinds, list(ctx.tree.root.entries)))
+
+    monkeypatch.setattr(LayerContext, "undo", watched)
+    del native.fallbacks[:]
+    build_spec(load_spec(spec), spec, str(tmp_path / "out"), None)
+    assert native.fallbacks and undone == [(["Names"] * 4, [])]

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from btrfs_ublk_native import Names
+
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
 from btrfs_ublk_image.progress import Progress
@@ -36,10 +38,14 @@ WHITEOUT = b".wh."
 OPAQUE = b".wh..wh..opq"
 
 # one change to the tree, as ``LayerContext.undo`` reverts it: a directory's entry and what
-# it held before (None: nothing), a path added to the layer's upper set, a directory's
-# metadata before ``take_metadata``
+# it held before (None: nothing), names new in a directory (the extension's placer: one
+# ``Names`` per run of members in one directory), a path added to the layer's upper set, a
+# directory's metadata before ``take_metadata``
 _Change = (
-    tuple[Entries, bytes, Inode | None] | tuple[set[bytes], bytes] | tuple[Inode, SavedMetadata]
+    tuple[Entries, bytes, Inode | None]
+    | tuple[Entries, Names]
+    | tuple[set[bytes], bytes]
+    | tuple[Inode, SavedMetadata]
 )
 
 
@@ -143,6 +149,10 @@ class LayerContext:
                 target, value = change
                 if isinstance(target, set):
                     target.discard(value)
+                elif isinstance(target, Entries):
+                    assert isinstance(value, Names)
+                    for name in value:
+                        del target[name]
                 else:
                     assert isinstance(target, Inode) and isinstance(value, tuple)
                     target.restore_metadata(value)

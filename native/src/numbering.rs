@@ -124,6 +124,7 @@ pub fn number_inodes(
 /// `_Numbering.name`: the first name of each inode, row by row, in one buffer (a `bytes`
 /// object is made only when Python code reads a row).
 #[pyclass(module = "btrfs_ublk_native")]
+#[derive(Default)]
 pub struct Names {
     bytes: Vec<u8>,
     ends: Vec<u32>,
@@ -153,10 +154,7 @@ impl Names {
     #[new]
     #[pyo3(signature = (names=None))]
     fn new(names: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
-        let mut me = Names {
-            bytes: Vec::new(),
-            ends: Vec::new(),
-        };
+        let mut me = Names::default();
         if let Some(names) = names {
             for name in names.try_iter()? {
                 me.push(name?.cast::<PyBytes>()?.as_bytes())?;

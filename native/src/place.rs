@@ -17,6 +17,7 @@ use pyo3::types::{PyBytes, PyList, PySet, PyTuple};
 
 use crate::entries::{entries_new, Entries};
 use crate::inode::{BlobFields, Inode, Payload, ASIDE_MIN, PACK_BITS, S_IFDIR, S_IFLNK, S_IFREG};
+use crate::numbering::Names;
 use crate::tar::{is_regular, Content, Rec, Records};
 use crate::Members;
 
@@ -76,7 +77,10 @@ struct Call<'py> {
     tree: Bound<'py, PyAny>,
     aside: Option<Aside<'py>>,
     changes: Option<Bound<'py, PyList>>, // the undo log (the native read may hand back)
-    upper: Option<Bound<'py, PySet>>,    // OCI layers: `LayerContext.upper`
+    /// the undo log's last entry when it is the names placed here in one directory (its
+    /// entries' address): the names of a run of members go into one `Names`
+    batch: Option<(usize, Bound<'py, Names>)>,
+    upper: Option<Bound<'py, PySet>>, // OCI layers: `LayerContext.upper`
 }
 
 /// `tree.split_path` for the paths it handles without climbing: None when a component is
@@ -134,6 +138,7 @@ impl Placer {
             ctx,
             aside: None,
             changes,
+            batch: None,
             upper,
         };
         let mut m = members.borrow_mut();
@@ -146,6 +151,7 @@ impl Placer {
                             a.end = None;
                         }
                         self.last = None; // the Python path may change it
+                        call.batch = None; // its changes come after this batch's
                         self.tell_progress(py, &call.ctx)?;
                         self.slow.bind(py).call1((crate::member_tuple(py, seg, r)?,))?;
                     }
@@ -381,9 +387,16 @@ impl Placer {
             }
         }
         if let Some(changes) = &call.changes {
-            let key = PyBytes::new(py, name);
-            let undo = PyTuple::new(py, [entries.as_any(), key.as_any(), &py.None().into_bound(py)])?;
-            changes.append(undo)?;
+            let here = entries.as_ptr() as usize;
+            match &call.batch {
+                Some((at, names)) if *at == here => names.borrow_mut().push(name)?,
+                _ => {
+                    let names = Bound::new(py, Names::default())?;
+                    names.borrow_mut().push(name)?;
+                    changes.append(PyTuple::new(py, [entries.as_any(), names.as_any()])?)?;
+                    call.batch = Some((here, names));
+                }
+            }
         }
         entries.borrow_mut().insert(name, inode.unbind())?;
         self.placed += 1;
