@@ -319,9 +319,9 @@ fn read_tar<'py>(
     prehash: Option<&Bound<'py, prehash::Prehash>>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     // the file's digest begun at start-up (from offset 0: the whole file's)
-    let begun = prehash
+    let started = prehash
         .filter(|_| start == 0 && length.is_none())
-        .and_then(|p| p.get().take());
+        .and_then(|p| p.get().take(py));
     let layer = Layer {
         fd,
         start,
@@ -337,7 +337,7 @@ fn read_tar<'py>(
     let (result, placed) = std::thread::scope(|s| {
         let reader = std::thread::Builder::new()
             .name("tar-parse".into())
-            .spawn_scoped(s, || run(core, &layer, begun, sink))
+            .spawn_scoped(s, || run(core, &layer, started, sink))
             .expect("spawn tar-parse");
         let mut placed = Ok(());
         let mut rx = Some(segments);
@@ -429,7 +429,7 @@ struct Layer {
 fn run(
     core: &mut PackCore,
     layer: &Layer,
-    begun: Option<prehash::Begun>,
+    started: Option<stream::Started>,
     sink: SyncSender<Records>,
 ) -> Result<Done, Failure> {
     let Layer {
@@ -452,7 +452,7 @@ fn run(
     let kind = detect(&head).map_err(Failure::Unsupported)?;
     let mark = core.mark();
     core.begin_layer();
-    let (raw_rx, reader, mapping) = stream::spawn_reader(fd, start, length, begun);
+    let (raw_rx, reader, mapping) = stream::spawn_reader(fd, start, length, started);
     let mut hasher = None;
     let mut inflater = None;
     let blocks = if kind == "none" {

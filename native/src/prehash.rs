@@ -1,8 +1,8 @@
 //! A tarball's source digest begun while the program starts (`Prehash`): the command
 //! starts it as soon as the spec's YAML is parsed, before pydantic and the build's modules
 //! are imported, on a thread of its own (the second core is idle then); the layer's native
-//! read (`read_tar(..., prehash=)`) takes the running hash over (`Digesting`, which goes
-//! on beside the parser to the file's end), so no byte is hashed twice.
+//! read (`read_tar(..., prehash=)`) takes it over: the sha256 state and the offset it
+//! reached. The reader hashes only from there, so no byte is hashed twice.
 //!
 //! The prehash reads its own fd of the file; `same_file` compares the reader's fd with the
 //! device, inode, size and mtime the prehash saw when it opened the file (the caller checks
@@ -13,7 +13,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -48,65 +48,11 @@ impl FileId {
     }
 }
 
-/// A file's sha256 on a thread of its own, from a state already reached (`Started`) to
-/// `end` (or the file's end): the source digest runs beside the parser rather than ahead
-/// of it in the reader, so neither waits for the other where one is the slower (the
-/// digest through large members, the parser through small ones). Dropped, it stops at its
-/// next step and is joined.
-pub struct Digesting {
-    stop: Arc<AtomicBool>,
-    at: Arc<AtomicU64>,
-    thread: Option<JoinHandle<Started>>,
-}
-
-impl Digesting {
-    /// Hashes `file` (its own fd: it closes when the thread ends) on from `started`.
-    pub fn spawn(file: File, started: Started, end: Option<u64>, name: &str) -> io::Result<Digesting> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let at = Arc::new(AtomicU64::new(started.at));
-        let (flag, pos) = (Arc::clone(&stop), Arc::clone(&at));
-        let thread = std::thread::Builder::new()
-            .name(name.into())
-            .spawn(move || hash_range(&file, started, end, &flag, &pos))?;
-        Ok(Digesting {
-            stop,
-            at,
-            thread: Some(thread),
-        })
-    }
-
-    /// How far it has hashed.
-    pub fn at(&self) -> u64 {
-        self.at.load(Ordering::Relaxed)
-    }
-
-    /// Waits for it to reach its end (`stop`: stops it at its next step first): the state
-    /// reached; None if it panicked (a panicked hash is no digest: the caller hashes it all).
-    pub fn finish(mut self, stop: bool) -> Option<Started> {
-        if stop {
-            self.stop.store(true, Ordering::Relaxed);
-        }
-        self.thread.take().and_then(|t| t.join().ok())
-    }
-}
-
-impl Drop for Digesting {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-/// Where a taken prehash stands: still hashing, or done (at its limit or the file's end).
-pub enum Begun {
-    Running(Digesting),
-    At(Started),
-}
-
 enum State {
-    Running(Digesting),
+    Running {
+        stop: Arc<AtomicBool>,
+        thread: JoinHandle<Started>,
+    },
     Done(Started),
     Gone,
 }
@@ -116,7 +62,12 @@ impl State {
     /// and joined: the state it reached.
     fn finish(&mut self, stop: bool) -> Option<Started> {
         match std::mem::replace(self, State::Gone) {
-            State::Running(d) => d.finish(stop),
+            State::Running { stop: flag, thread } => {
+                if stop {
+                    flag.store(true, Ordering::Relaxed);
+                }
+                thread.join().ok() // a panicked hash is no prehash: the reader hashes it all
+            }
             State::Done(s) => Some(s),
             State::Gone => None,
         }
@@ -132,56 +83,47 @@ pub struct Prehash {
     taken: AtomicBool,
 }
 
-/// `file` hashed on from `started` to `end` (or its end), until `stop`; the state reached,
-/// `pos` following it. The bytes up to the file's size at the start are read in place
-/// through a mapping (no copy out of the page cache), any past it with `pread`. A read
-/// that fails ends the hash where it is: the caller finds it short and reads the rest
-/// itself (and reports the error).
-pub(crate) fn hash_range(
-    file: &File,
-    started: Started,
-    end: Option<u64>,
-    stop: &AtomicBool,
-    pos: &AtomicU64,
-) -> Started {
-    let Started { mut hash, mut at } = started;
-    let done = |at: u64| end.is_some_and(|e| at >= e);
+fn hash_file(file: &File, stop: &AtomicBool, limit: Option<u64>) -> Started {
+    let mut hash = Sha256::new();
+    let mut at = 0u64;
+    // in place through a mapping, as the reader reads (no copy out of the page cache)
     if let Some(source) = Source::new(file.as_raw_fd()) {
-        let mapped_end = end.map_or(source.size, |e| e.min(source.size));
-        while at < mapped_end && !stop.load(Ordering::Relaxed) {
-            let from = at & !(WINDOW - 1);
-            let len = (mapped_end - from).min(WINDOW) as usize;
-            let Some(window) = source.map(from, len) else {
-                break; // read with pread from here
+        let end = limit.map_or(source.size, |l| l.min(source.size));
+        while at < end && !stop.load(Ordering::Relaxed) {
+            let len = (end - at).min(WINDOW) as usize;
+            let Some(window) = source.map(at, len) else {
+                break; // the reader reads the rest (mapped or not)
             };
-            let mut done = (at - from) as usize;
+            let mut done = 0;
             while done < len && !stop.load(Ordering::Relaxed) {
                 let n = (len - done).min(STEP);
                 let before = hash.clone();
                 hash.update(window.bytes(done, n));
                 if source.failed() {
                     // a page was gone (the file truncated): the state before this step,
-                    // whose bytes were the file's
+                    // whose bytes were the file's; the reader reads on from there
                     return Started { hash: before, at };
                 }
                 done += n;
                 at += n as u64;
-                pos.store(at, Ordering::Relaxed);
             }
         }
+        return Started { hash, at };
     }
     let mut buf = vec![0u8; STEP];
-    while !stop.load(Ordering::Relaxed) && !done(at) {
-        let want = end.map_or(STEP as u64, |e| (e - at).min(STEP as u64)) as usize;
+    while !stop.load(Ordering::Relaxed) {
+        let want = limit.map_or(STEP as u64, |l| (l - at).min(STEP as u64)) as usize;
+        if want == 0 {
+            break;
+        }
         match file.read_at(&mut buf[..want], at) {
             Ok(0) => break,
             Ok(n) => {
                 hash.update(&buf[..n]);
                 at += n as u64;
-                pos.store(at, Ordering::Relaxed);
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(_) => break,
+            Err(_) => break, // the reader reads the rest itself (and reports the error)
         }
     }
     Started { hash, at }
@@ -206,13 +148,13 @@ impl Prehash {
         if !meta.is_file() {
             return Err(io::Error::other("not a regular file").into());
         }
-        let begun = Started {
-            hash: Sha256::new(),
-            at: 0,
-        };
-        let digesting = Digesting::spawn(file, begun, limit, "prehash")?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let thread = std::thread::Builder::new()
+            .name("prehash".into())
+            .spawn(move || hash_file(&file, &flag, limit))?; // the fd closes when it ends
         Ok(Prehash {
-            state: Mutex::new(State::Running(digesting)),
+            state: Mutex::new(State::Running { stop, thread }),
             id: FileId::of(&meta),
             taken: AtomicBool::new(false),
         })
@@ -261,15 +203,10 @@ impl Drop for Prehash {
 }
 
 impl Prehash {
-    /// The hash as it stands, running or done: the reader's to go on with (once).
-    pub fn take(&self) -> Option<Begun> {
-        let state = std::mem::replace(&mut *self.state.lock().unwrap_or_else(|e| e.into_inner()), State::Gone);
-        let begun = match state {
-            State::Running(d) => Some(Begun::Running(d)),
-            State::Done(s) => Some(Begun::At(s)),
-            State::Gone => None,
-        };
-        self.taken.store(begun.is_some(), Ordering::Relaxed);
-        begun
+    /// The state reached, the thread stopped: the reader's to go on with (once).
+    pub fn take(&self, py: Python<'_>) -> Option<Started> {
+        let started = py.detach(|| self.state.lock().unwrap_or_else(|e| e.into_inner()).finish(true));
+        self.taken.store(started.is_some(), Ordering::Relaxed);
+        started
     }
 }

@@ -1,18 +1,14 @@
-//! The input side of a tar layer: the raw file read on a thread and hashed beside it on
-//! another (the source digest, `prehash::Digesting`), an inflating thread for gzip/zstd
-//! (with the diff_id hashed on a thread of its own), and `Blocks`, the parser's view of the
-//! uncompressed stream.
+//! The input side of a tar layer: the raw file read once on a thread that also hashes it
+//! (the source digest), an inflating thread for gzip/zstd (with the diff_id hashed on a
+//! third thread), and `Blocks`, the parser's view of the uncompressed stream.
 //!
 //! A block is read once into a buffer that is handed on by reference (`Shared`): the parser
 //! writes pack content straight from it and the pack's chunk hasher hashes the same bytes
 //! (`Span`), so no byte is copied between them; buffers go back to a pool once the last
 //! reference drops (fresh memory costs page faults and zeroing on every block).
 
-use std::fs::File;
 use std::io::{self, BufRead, Read};
 use std::ops::Deref;
-use std::os::fd::FromRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -20,7 +16,6 @@ use std::thread::JoinHandle;
 use sha2::{Digest, Sha256};
 
 use crate::mapped::{Source, Window};
-use crate::prehash::{hash_range, Begun, Digesting};
 
 /// the raw file's read size: blocks small enough that the few in flight stay in the CPU's
 /// caches between the read, the two hashes and the pack write (1 MiB blocks: the synthetic
@@ -32,7 +27,8 @@ const DEPTH: usize = 8;
 /// hasher's queue of spans all hold some
 const POOL_KEEP: usize = 48;
 
-/// The sha256 state of a file's bytes up to `at` (from the read's start).
+/// The sha256 state of a file's first `at` bytes: a digest begun before the read (the
+/// prehash, `prehash::Prehash`), which the reader takes over from `at`.
 pub struct Started {
     pub hash: Sha256,
     pub at: u64,
@@ -173,8 +169,8 @@ fn pread(fd: i32, buf: &mut [u8], offset: u64) -> io::Result<usize> {
     }
 }
 
-/// How far ahead of the read (the reader or the digest beside it, whichever leads) the
-/// kernel is asked to read (`POSIX_FADV_WILLNEED`), in steps of `AHEAD_STEP`.
+/// How far ahead of the reader the kernel is asked to read (`POSIX_FADV_WILLNEED`), in
+/// steps of `AHEAD_STEP`.
 const AHEAD: u64 = 64 << 20;
 const AHEAD_STEP: u64 = 8 << 20;
 
@@ -184,8 +180,8 @@ const AHEAD_STEP: u64 = 8 << 20;
 /// was on the read's critical path. Dropped, it stops and is joined (the fd is the
 /// caller's: no hint may reach it after the read).
 ///
-/// A cold read that takes over a prehash starts advising at the offset the prehash
-/// reached (`ahead_from`).
+/// A cold read that takes over a prehash starts at the offset the prehash reached and keeps
+/// that lead (`ahead_from`).
 struct Readahead {
     tx: Option<SyncSender<u64>>,
     thread: Option<JoinHandle<()>>,
@@ -195,12 +191,12 @@ struct Readahead {
 impl Readahead {
     fn new(fd: i32, end: Option<u64>, start: u64, frontier: u64) -> Readahead {
         let (tx, rx) = sync_channel::<u64>(1);
-        let mut advised = ahead_from(fd, start, frontier);
+        let (mut advised, lead) = ahead_from(fd, start, frontier);
         let thread = std::thread::Builder::new()
             .name("tar-ahead".into())
             .spawn(move || {
                 for at in rx {
-                    let until = end.map_or(at + AHEAD, |e| (at + AHEAD).min(e));
+                    let until = end.map_or(at + lead, |e| (at + lead).min(e));
                     while advised < until {
                         let from = advised.max(at);
                         // SAFETY: a plain syscall on the caller's open fd
@@ -222,7 +218,7 @@ impl Readahead {
         }
     }
 
-    /// The read is at `at`.
+    /// The reader is at `at`.
     fn at(&mut self, at: u64) {
         if at >= self.next {
             self.next = at + AHEAD_STEP;
@@ -233,13 +229,14 @@ impl Readahead {
     }
 }
 
-/// Where the read-ahead starts. Read from `start`, with a prehash that reached `frontier`:
-/// the first `AHEAD` past the reader are pages the prehash read, so where the pages past the
-/// frontier are not cached the advice starts there (the synthetic set cold: ~0.5 s, with
-/// ~650 MB prehashed). Where they are (a warm build), from the reader, as without a prehash:
-/// warm builds advised from the frontier were faster in only 9 of 33 pairs
-/// (issue23-log.md, "The cold build against the disk").
-fn ahead_from(fd: i32, start: u64, frontier: u64) -> u64 {
+/// Where the read-ahead starts and how far past the reader it stays. Read from `start`, with
+/// a prehash that reached `frontier`: the reader first goes through the pages the prehash
+/// read, and a window of `AHEAD` past it asked the disk for nothing meanwhile (the synthetic
+/// set cold: ~0.5 s, with ~650 MB prehashed), so where the pages past the frontier are not
+/// cached the window starts there and keeps that lead. Where they are (a warm build), as
+/// without a prehash: warm builds with the lead taken always were faster than main in only 9
+/// of 33 pairs (issue23-log.md, "The cold build against the disk").
+fn ahead_from(fd: i32, start: u64, frontier: u64) -> (u64, u64) {
     let cold = frontier > start && cached_bytes(fd, frontier, AHEAD).is_some_and(|n| n < AHEAD / 2);
     if crate::native_times() {
         eprintln!(
@@ -249,9 +246,9 @@ fn ahead_from(fd: i32, start: u64, frontier: u64) -> u64 {
         );
     }
     if cold {
-        frontier
+        (frontier, AHEAD + (frontier - start))
     } else {
-        start
+        (start, AHEAD)
     }
 }
 
@@ -296,60 +293,40 @@ pub const WINDOW: u64 = 4 << 20;
 /// What a read reports when a page of its mapping was gone (`Source::failed`).
 pub const SHRANK: &str = "the file changed under the read: part of it was gone when read (truncated)";
 
-/// A second fd of `fd`'s file, the caller's to close.
-fn dup_file(fd: i32) -> io::Result<File> {
-    // SAFETY: a plain syscall; the new fd is owned by the File alone
-    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-    if new < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `new` is an open fd nothing else owns
-    Ok(unsafe { File::from_raw_fd(new) })
-}
-
-/// Reads `fd` from `start` (to its end, or `length` bytes) on a thread; the blocks go to
-/// the returned receiver, and every byte is hashed on a thread beside it (`Digesting`, on
-/// a second fd: the prehash taken over where `begun` says, else one begun here). The fd
-/// stays the caller's. The file's bytes up to its size when the read begins are read in
-/// place through windows of a mapping (`mapped::Source`, returned: once its blocks are all
-/// dropped, `failed` says whether any read zeros in place of a page truncated away), the
-/// rest (or all, where it cannot be mapped) with pread.
+/// Reads `fd` from `start` (to its end, or `length` bytes) on a thread, hashing every byte
+/// (those `started` hashed already, from offset 0: from where it stopped); the blocks go to
+/// the returned receiver. The fd stays the caller's. The file's bytes up to its size when
+/// the read begins are read in place through windows of a mapping (`mapped::Source`,
+/// returned: once its blocks are all dropped, `failed` says whether any read zeros in place
+/// of a page truncated away), the rest (or all, where it cannot be mapped) with pread.
 pub fn spawn_reader(
     fd: i32,
     start: u64,
     length: Option<u64>,
-    begun: Option<Begun>,
+    started: Option<Started>,
 ) -> (Receiver<Block>, JoinHandle<Digested>, Option<Arc<Source>>) {
     let (tx, rx) = sync_channel::<Block>(DEPTH);
     let source = Source::new(fd);
     let mapping = source.clone();
-    let end = length.map(|l| start + l);
     let handle = std::thread::Builder::new()
         .name("tar-read".into())
         .spawn(move || {
-            let fail = |msg: String| {
-                let _ = tx.send(Err(msg.clone()));
-                Err(msg)
-            };
-            let spawn = |started: Started| dup_file(fd).and_then(|f| Digesting::spawn(f, started, end, "tar-sha256"));
-            let digest = match begun {
-                Some(Begun::Running(d)) => Ok(d),
-                Some(Begun::At(s)) => spawn(s),
-                None => spawn(Started {
-                    hash: Sha256::new(),
-                    at: start,
-                }),
-            };
-            let digest = match digest {
-                Ok(d) => d,
-                Err(e) => return fail(format!("read error: {e}")),
+            let (mut hash, mut hashed) = match started {
+                Some(s) => (s.hash, s.at),
+                None => (Sha256::new(), start),
             };
             let mut at = start;
             let mut total = 0u64;
             let pool = Pool::new(IN_SIZE);
-            let mut ahead = Readahead::new(fd, end, start, digest.at());
-            let mut map_end = mapping.as_ref().map_or(0, |m| end.map_or(m.size, |e| e.min(m.size)));
+            let mut ahead = Readahead::new(fd, length.map(|l| start + l), start, hashed);
+            let mut map_end = mapping
+                .as_ref()
+                .map_or(0, |m| length.map_or(m.size, |l| (start + l).min(m.size)));
             let mut window: Option<(Arc<Window>, u64, u64)> = None; // and its file range
+            let fail = |msg: String| {
+                let _ = tx.send(Err(msg.clone()));
+                Err(msg)
+            };
             loop {
                 let want = match length {
                     Some(l) => (l - total).min(IN_SIZE as u64) as usize,
@@ -358,7 +335,7 @@ pub fn spawn_reader(
                 if want == 0 {
                     break;
                 }
-                ahead.at(at.max(digest.at())); // ahead of whichever of the two leads
+                ahead.at(at);
                 let mut block = None;
                 if let Some(m) = mapping.as_ref().filter(|_| at < map_end) {
                     if window.as_ref().is_none_or(|w| at >= w.2) {
@@ -389,6 +366,10 @@ pub fn spawn_reader(
                 if n == 0 {
                     break;
                 }
+                if at + n as u64 > hashed {
+                    hash.update(&buf[(hashed.max(at) - at) as usize..]);
+                    hashed = at + n as u64;
+                }
                 if mapping.as_ref().is_some_and(|m| m.failed()) {
                     return fail(SHRANK.into());
                 }
@@ -401,31 +382,15 @@ pub fn spawn_reader(
                     return Err("stopped".into());
                 }
             }
-            drop(ahead);
-            let Some(mut hashed) = digest.finish(false) else {
-                return fail("the sha256 thread panicked".into());
-            };
-            if hashed.at < at {
-                // the digest stopped short (a prehash's limit, a failed read): the rest here
-                let file = match dup_file(fd) {
-                    Ok(f) => f,
-                    Err(e) => return fail(format!("read error: {e}")),
-                };
-                let (stop, pos) = (AtomicBool::new(false), AtomicU64::new(hashed.at));
-                hashed = hash_range(&file, hashed, Some(at), &stop, &pos);
-            }
-            if hashed.at > at {
-                return fail(format!("read {at} bytes, {} hashed: the file is shorter", hashed.at));
-            }
-            if hashed.at < at {
-                return fail(SHRANK.into());
+            if hashed > at {
+                return fail(format!("read {at} bytes, {hashed} hashed before: the file is shorter"));
             }
             if let Some(l) = length {
                 if total != l {
                     return fail(format!("read {total} of {l} bytes"));
                 }
             }
-            Ok((hex(&hashed.hash.finalize()), total))
+            Ok((hex(&hash.finalize()), total))
         })
         .expect("spawn tar-read");
     (rx, handle, source)
@@ -778,7 +743,7 @@ mod tests {
             return; // a kernel before 6.5: no cachestat, the read-ahead is the reader's
         };
         assert_eq!(cached, AHEAD);
-        assert_eq!(ahead_from(fd, 0, AHEAD), 0);
+        assert_eq!(ahead_from(fd, 0, AHEAD), (0, AHEAD));
         file.sync_all().unwrap();
         // SAFETY: a plain syscall on an open fd
         assert_eq!(unsafe { libc::posix_fadvise(fd, 0, 0, libc::POSIX_FADV_DONTNEED) }, 0);
@@ -787,8 +752,8 @@ mod tests {
         if after >= AHEAD / 2 {
             return; // a filesystem that keeps its pages (tmpfs): nothing to tell apart
         }
-        assert_eq!(ahead_from(fd, 0, AHEAD), AHEAD);
-        assert_eq!(ahead_from(fd, 0, 0), 0); // no prehash
-        assert_eq!(ahead_from(fd, AHEAD, AHEAD), AHEAD); // nothing prehashed past the start
+        assert_eq!(ahead_from(fd, 0, AHEAD), (AHEAD, 2 * AHEAD));
+        assert_eq!(ahead_from(fd, 0, 0), (0, AHEAD)); // no prehash
+        assert_eq!(ahead_from(fd, AHEAD, AHEAD), (AHEAD, AHEAD)); // nothing prehashed past the start
     }
 }
