@@ -43,9 +43,29 @@ const GATHER_BYTES: usize = 512 << 10;
 /// A place of content: pack index and offset in it.
 pub type Loc = (u32, u64);
 
+/// `Known::source` of content with no source file to compare it in
+const NO_SOURCE: u32 = u32::MAX;
+
+/// Remembered content: its place in a pack and, where it came from a layer read natively
+/// from an uncompressed file, its place in that file (`PackCore::sources`), where dedup
+/// compares read it: its pack bytes may have gone to disk with O_DIRECT.
+#[derive(Clone, Copy)]
+struct Known {
+    pack: u32,
+    source: u32,
+    offset: u64,
+    at: u64, // in the source
+}
+
+impl Known {
+    fn loc(&self) -> Loc {
+        (self.pack, self.offset)
+    }
+}
+
 enum Locs {
-    One(Loc),
-    Many(Vec<Loc>),
+    One(Known),
+    Many(Vec<Known>),
 }
 
 /// A chunk being gathered: the bytes hashed so far (a mark hashes what came before it) and
@@ -273,6 +293,30 @@ impl Flusher {
     }
 }
 
+/// Are the bytes of `spans` equal to as many read by `read(buf, offset)` from `at` on?
+fn same_as_read(
+    spans: &[Span],
+    mut at: u64,
+    scratch: &mut Vec<u8>,
+    mut read: impl FnMut(&mut [u8], u64) -> io::Result<()>,
+) -> io::Result<bool> {
+    for span in spans {
+        let data = span.bytes();
+        let mut done = 0;
+        while done < data.len() {
+            let n = COMPARE_STEP.min(data.len() - done);
+            scratch.resize(n, 0);
+            read(&mut scratch[..n], at)?;
+            if scratch[..n] != data[done..done + n] {
+                return Ok(false);
+            }
+            done += n;
+            at += n as u64;
+        }
+    }
+    Ok(true)
+}
+
 fn pread_exact(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<()> {
     let mut done = 0;
     while done < buf.len() {
@@ -314,6 +358,11 @@ pub struct PackCore {
     pub size: u64,
     index: HashMap<u64, Locs>,
     fds: HashMap<u32, RawFd>, // in-place packs (their fds are the Python side's)
+    /// the uncompressed files of the layers read natively (`begin_layer`), open until the
+    /// pack is finished: remembered content is compared where it lies in them
+    sources: Vec<File>,
+    /// the layer being read: its index in `sources` and the file offset of its stream's start
+    source: Option<(u32, u64)>,
     hasher: Hasher,
     flusher: Flusher,
     /// bytes written but not yet handed to the hasher (all after the newest mark)
@@ -342,6 +391,8 @@ pub struct PackCore {
     /// file offset (a multiple of `ALIGN`) and how many bytes it holds; the pack's bytes
     /// from there to `size` are in it, the full blocks before it written or queued
     staged: Option<(u64, Aligned, usize)>,
+    /// the pack's size when the staged block began: the bytes before it are on file
+    staged_from: u64,
     /// full staged blocks written through the buffered fd (the direct writer was behind)
     pub spilled: u64,
     /// time the writer waited for the hasher to take a batch (`BUI_NATIVE_TIMES`)
@@ -365,6 +416,8 @@ impl PackCore {
             size: 0,
             index: HashMap::new(),
             fds: HashMap::new(),
+            sources: Vec::new(),
+            source: None,
             hasher,
             flusher,
             pending: Vec::new(),
@@ -383,6 +436,7 @@ impl PackCore {
             gathered_at: 0,
             direct,
             staged: None,
+            staged_from: 0,
             spilled: 0,
             hash_wait: std::time::Duration::ZERO,
         }
@@ -407,22 +461,39 @@ impl PackCore {
     }
 
     pub fn candidates(&self, key: u64) -> Vec<Loc> {
+        self.known(key).iter().map(Known::loc).collect()
+    }
+
+    fn known(&self, key: u64) -> Vec<Known> {
         match self.index.get(&key) {
             None => Vec::new(),
-            Some(Locs::One(l)) => vec![*l],
+            Some(Locs::One(k)) => vec![*k],
             Some(Locs::Many(v)) => v.clone(),
         }
     }
 
+    /// Content at `loc` (compared in its pack).
     pub fn remember(&mut self, key: u64, loc: Loc) {
+        self.remember_known(
+            key,
+            Known {
+                pack: loc.0,
+                source: NO_SOURCE,
+                offset: loc.1,
+                at: 0,
+            },
+        );
+    }
+
+    fn remember_known(&mut self, key: u64, known: Known) {
         match self.index.get_mut(&key) {
             None => {
-                self.index.insert(key, Locs::One(loc));
+                self.index.insert(key, Locs::One(known));
             }
-            Some(Locs::Many(v)) => v.push(loc),
+            Some(Locs::Many(v)) => v.push(known),
             Some(slot @ Locs::One(_)) => {
                 let Locs::One(first) = *slot else { unreachable!() };
-                *slot = Locs::Many(vec![first, loc]);
+                *slot = Locs::Many(vec![first, known]);
             }
         }
         if let Some(j) = &mut self.journal {
@@ -478,9 +549,20 @@ impl PackCore {
         Ok(())
     }
 
-    /// A layer is read natively: small content is gathered until `end_layer`.
-    pub fn begin_layer(&mut self) {
+    /// A layer is read natively: small content is gathered until `end_layer`. `source`: the
+    /// uncompressed file it is read from (the fd stays the caller's; a duplicate is kept)
+    /// and the file offset of the stream's start; its content then goes through the
+    /// O_DIRECT blocks whatever its size (`put`), compared where it lies in the file.
+    pub fn begin_layer(&mut self, source: Option<(RawFd, u64)>) {
         self.gathering = true;
+        self.source = source.and_then(|(fd, start)| {
+            // SAFETY: the caller's fd is open for the call
+            let file = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }
+                .try_clone_to_owned()
+                .ok()?; // no duplicate (no fds left): compared in the pack, written buffered
+            self.sources.push(File::from(file));
+            Some(((self.sources.len() - 1) as u32, start))
+        });
     }
 
     /// A layer's read is over: the gathered bytes written and their buffer freed, the
@@ -489,6 +571,7 @@ impl PackCore {
     /// set 91-92 MB instead of 95-97).
     pub fn end_layer(&mut self) -> io::Result<()> {
         self.gathering = false;
+        self.source = None;
         self.write_gathered()?;
         self.gathered = Vec::new();
         self.hand_over(true);
@@ -525,6 +608,7 @@ impl PackCore {
                 // gathered bytes are written first (the head below may lie in them)
                 let at = self.size & !(ALIGN - 1);
                 let fill = (self.size - at) as usize;
+                self.staged_from = self.size;
                 let mut block = direct.block()?;
                 pread_exact(self.file.as_raw_fd(), &mut block.bytes_mut()[..fill], at)?;
                 (at, block, fill)
@@ -577,25 +661,26 @@ impl PackCore {
     /// Are the bytes of `spans` equal to as many bytes at `loc`?
     fn same_as_spans(&mut self, loc: Loc, spans: &[Span]) -> io::Result<bool> {
         self.unstage()?;
-        let mut at = loc.1;
         let mut scratch = std::mem::take(&mut self.scratch);
-        for span in spans {
-            let data = span.bytes();
-            let mut done = 0;
-            while done < data.len() {
-                let n = COMPARE_STEP.min(data.len() - done);
-                scratch.resize(n, 0);
-                let read = self.read_at(loc.0, &mut scratch[..n], at);
-                if read.is_err() || scratch[..n] != data[done..done + n] {
-                    self.scratch = scratch;
-                    return read.map(|()| false);
-                }
-                done += n;
-                at += n as u64;
+        let same = same_as_read(spans, loc.1, &mut scratch, |buf, at| self.read_at(loc.0, buf, at));
+        self.scratch = scratch;
+        same
+    }
+
+    /// Are the bytes of `spans` equal to the remembered content's? Compared in its source
+    /// file where it has one (in the page cache: the layer's read just went through it),
+    /// else, or where that file is shorter now, in its pack.
+    fn same_as_known(&mut self, known: &Known, spans: &[Span]) -> io::Result<bool> {
+        if let Some(file) = self.sources.get(known.source as usize) {
+            let fd = file.as_raw_fd();
+            let mut scratch = std::mem::take(&mut self.scratch);
+            let same = same_as_read(spans, known.at, &mut scratch, |buf, at| pread_exact(fd, buf, at));
+            self.scratch = scratch;
+            if let Ok(same) = same {
+                return Ok(same);
             }
         }
-        self.scratch = scratch;
-        Ok(true)
+        self.same_as_spans(known.loc(), spans)
     }
 
     /// Are two ranges of packs equal?
@@ -626,22 +711,39 @@ impl PackCore {
     }
 
     /// Content in shared blocks, all of it at hand: deduplicated before anything is
-    /// written (when `dedupe`), then written and hashed from the blocks.
-    pub fn put(&mut self, spans: &[Span], crc: u32, dedupe: bool) -> io::Result<Put> {
+    /// written (when `dedupe`), then written and hashed from the blocks. `origin`: where it
+    /// lies in the stream of the layer being read (`begin_layer`).
+    pub fn put(&mut self, spans: &[Span], crc: u32, dedupe: bool, origin: Option<u64>) -> io::Result<Put> {
         let size: u64 = spans.iter().map(|s| (s.end - s.start) as u64).sum();
         self.bytes_in += size;
         let key = size << 32 | crc as u64;
-        self.unstage()?;
         if dedupe {
-            for loc in self.candidates(key) {
-                if self.same_as_spans(loc, spans)? {
+            for known in self.known(key) {
+                if self.same_as_known(&known, spans)? {
                     self.bytes_deduped += size;
-                    return Ok(Put::Dup(loc));
+                    return Ok(Put::Dup(known.loc()));
                 }
             }
         }
         let at = self.size;
-        if self.gathering && size as usize <= GATHER_MAX {
+        let mut known = Known {
+            pack: 0,
+            source: NO_SOURCE,
+            offset: at,
+            at: 0,
+        };
+        if let (Some((source, start)), Some(origin), true) = (self.source, origin, self.staging()) {
+            // compared in the source from now on: to the O_DIRECT blocks with the streams
+            (known.source, known.at) = (source, start + origin);
+            if !self.gathered.is_empty() {
+                self.write_gathered()?;
+            }
+            for span in spans {
+                self.stage(span.bytes())?;
+                self.hash_later(span.clone());
+            }
+        } else if self.gathering && size as usize <= GATHER_MAX {
+            self.unstage()?;
             if self.gathered.len() + size as usize > GATHER_BYTES {
                 self.write_gathered()?;
             }
@@ -654,12 +756,13 @@ impl PackCore {
                 self.hash_later(span.clone());
             }
         } else {
+            self.unstage()?;
             for span in spans {
                 self.write_span(span.clone())?;
             }
         }
         if dedupe {
-            self.remember(key, (0, at));
+            self.remember_known(key, known);
         }
         self.final_size();
         Ok(Put::New((0, at)))
@@ -808,8 +911,12 @@ impl PackCore {
 
     /// Undo everything since `mark`: file size, remembered keys, counters, chunk digests.
     pub fn rollback(&mut self, mark: Mark) -> io::Result<()> {
-        // staged and queued bytes all lie after the mark (every stream's end drained the
-        // queue): their writes finish, their errors (a full disk) are cut off with them
+        if self.staged.is_some() && mark.size > self.staged_from {
+            // the staged bytes before the mark are kept: written as `unstage` does
+            self.unstage()?;
+        }
+        // staged and queued bytes all lie after the mark: their writes finish, their
+        // errors (a full disk) are cut off with them
         self.staged = None;
         if let Some(d) = &mut self.direct {
             let _ = d.drain();
@@ -932,13 +1039,13 @@ pub(crate) mod tests {
         let mut rng = Rng(7);
         let (path, file) = temp_pack("gather");
         let mut core = PackCore::new(file, 1 << 20, true);
-        core.begin_layer();
+        core.begin_layer(None);
         let big = rng.bytes(GATHER_MAX + 1000); // written at once
         let small = rng.bytes(3000); // gathered
         let mut all = Vec::new();
         for data in [&big, &small] {
             assert!(matches!(
-                core.put(&[shared(data)], crc(data), true).unwrap(),
+                core.put(&[shared(data)], crc(data), true, None).unwrap(),
                 Put::New(_)
             ));
             all.extend_from_slice(data);
@@ -953,7 +1060,7 @@ pub(crate) mod tests {
         changed[550] ^= 1;
         assert!(!core.same_as_spans((0, at as u64), &[shared(&changed)]).unwrap());
         // a duplicate of the gathered content is found in memory
-        let put = core.put(&[shared(&small)], crc(&small), true).unwrap();
+        let put = core.put(&[shared(&small)], crc(&small), true, None).unwrap();
         assert!(matches!(put, Put::Dup((0, o)) if o == big.len() as u64));
         // reading past the end is an error, not bytes
         let mut buf = vec![0u8; 10];
@@ -963,7 +1070,7 @@ pub(crate) mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), all);
         // outside a layer's native read, content is written at once
         let more = rng.bytes(100);
-        core.put(&[shared(&more)], crc(&more), true).unwrap();
+        core.put(&[shared(&more)], crc(&more), true, None).unwrap();
         all.extend_from_slice(&more);
         assert_eq!(std::fs::read(&path).unwrap(), all);
         let digests = core.finish().unwrap();
@@ -982,7 +1089,7 @@ pub(crate) mod tests {
             let (path, file) = temp_pack(&format!("test-{seed}"));
             let mut core = PackCore::new(file, chunk, seed % 3 != 0);
             if seed % 2 == 1 {
-                core.begin_layer(); // small content gathered, the rest as Python appends
+                core.begin_layer(None); // small content gathered, the rest as Python appends
             }
             let mut contents: Vec<Vec<u8>> = Vec::new();
             let mut layer: Option<(Mark, usize)> = None;
@@ -1010,7 +1117,7 @@ pub(crate) mod tests {
                 let put = match rng.below(4) {
                     0 | 1 => {
                         let spans = spans_of(&data, &mut rng);
-                        core.put(&spans, crc(&data), true).unwrap()
+                        core.put(&spans, crc(&data), true, None).unwrap()
                     }
                     2 => {
                         let mark = core.begin_stream();
@@ -1047,6 +1154,101 @@ pub(crate) mod tests {
         }
     }
 
+    /// Content of a layer read from an uncompressed file, whatever its size, goes through
+    /// the O_DIRECT blocks (not where they are refused: gathered and written buffered) and
+    /// its duplicates are found by comparing the file's bytes (the staged block stays, the
+    /// pack is not read), also after the layer; a remembered place whose source bytes
+    /// differ is no match, one whose source is shorter now is compared in the pack. A
+    /// stream that starts inside a staged block and is rolled back keeps the bytes before
+    /// it; the file holds every byte kept, its last partial block included, and the chunk
+    /// digests match.
+    #[test]
+    fn layer_content_compared_in_its_source() {
+        for refuse in [false, true] {
+            let mut rng = Rng(if refuse { 23 } else { 29 });
+            // the source: contents one after another (as a tar's members, without headers)
+            let contents: Vec<Vec<u8>> = (0..400)
+                .map(|i| {
+                    let most = [100u64, 5000, 70_000][i % 3];
+                    let len = 1 + rng.below(most) as usize;
+                    rng.bytes(len)
+                })
+                .collect();
+            let lead = 777u64; // the stream starts here in the file
+            let mut source = vec![0u8; lead as usize];
+            let mut at = Vec::new();
+            for c in &contents {
+                at.push(source.len() as u64 - lead);
+                source.extend_from_slice(c);
+            }
+            let (src_path, src) = temp_pack(&format!("source-{refuse}"));
+            src.write_all_at(&source, 0).unwrap();
+            let (path, file) = temp_pack(&format!("sourced-{refuse}"));
+            let mut core = PackCore::new(file, 1 << 20, true);
+            if refuse {
+                core.direct = Some(Direct::refusing(&core.file));
+            }
+            core.begin_layer(Some((src.as_raw_fd(), lead)));
+            let mut all: Vec<u8> = Vec::new();
+            let mut placed: Vec<Loc> = Vec::new();
+            for (i, c) in contents.iter().enumerate() {
+                let put = core.put(&spans_of(c, &mut rng), crc(c), true, Some(at[i])).unwrap();
+                assert!(matches!(put, Put::New((0, o)) if o == all.len() as u64));
+                placed.push((0, all.len() as u64));
+                all.extend_from_slice(c);
+            }
+            assert!(refuse || core.staged.is_some());
+            // duplicates, their first copies mostly on disk: compared in the source
+            for i in (0..contents.len()).step_by(7) {
+                let c = &contents[i];
+                let put = core.put(&[shared(c)], crc(c), true, Some(at[i])).unwrap();
+                assert!(matches!(put, Put::Dup(l) if l == placed[i]));
+            }
+            assert!(refuse || core.staged.is_some(), "no read of the pack");
+            // streams begun inside the staged block, failed and rolled back (within the
+            // block, and past it)
+            for n in [100, BLOCK + 99] {
+                let mark = core.begin_stream();
+                core.write_span(shared(&rng.bytes(n))).unwrap();
+                core.rollback(mark).unwrap();
+            }
+            let last = rng.bytes(10_000);
+            let put = core.put(&[shared(&last)], crc(&last), true, Some(0)).unwrap();
+            assert!(matches!(put, Put::New((0, o)) if o == all.len() as u64));
+            all.extend_from_slice(&last);
+            core.end_layer().unwrap();
+            // after the layer: a duplicate (Python's append) is compared in the source
+            let c = &contents[3];
+            let put = core.put(&[shared(c)], crc(c), true, None).unwrap();
+            assert!(matches!(put, Put::Dup(l) if l == placed[3]));
+            // `last` was remembered at the stream's offset 0, where the source holds other
+            // bytes: no match there, so it is written again (refused: it was gathered,
+            // remembered without its source, and compared in the pack)
+            let put = core.put(&[shared(&last)], crc(&last), true, None).unwrap();
+            assert_eq!(matches!(put, Put::New(_)), !refuse);
+            if !refuse {
+                all.extend_from_slice(&last);
+            }
+            // the source cut short: compared in the pack
+            src.set_len(lead + at[5]).unwrap();
+            let c = &contents[6];
+            let put = core.put(&[shared(c)], crc(c), true, None).unwrap();
+            assert!(matches!(put, Put::Dup(l) if l == placed[6]));
+            // refused: the blocks queued before the writer met the refusal went through the
+            // buffered fd, the rest was gathered
+            let d = core.direct.as_ref().unwrap();
+            assert_eq!(d.refused(), refuse);
+            assert!(refuse || d.queued + core.spilled >= 2 * BLOCK as u64, "{}", d.queued);
+            let digests = core.finish().unwrap();
+            let written = std::fs::read(&path).unwrap();
+            std::fs::remove_file(&path).unwrap();
+            std::fs::remove_file(&src_path).unwrap();
+            assert!(written == all, "refuse {refuse}: the file differs");
+            let expect: Vec<[u8; 32]> = all.chunks(1 << 20).map(|c| Sha256::digest(c).into()).collect();
+            assert_eq!(digests, expect);
+        }
+    }
+
     /// Streamed content through the O_DIRECT blocks (as the filesystem takes them, and
     /// where the writes are refused): the file holds every byte appended, in order, through
     /// streams that span blocks, duplicates found after they went to disk (rolled back,
@@ -1065,7 +1267,7 @@ pub(crate) mod tests {
                 d.depth = 0; // the writer always behind: every full block to the page cache
             }
             assert!(core.direct.is_some(), "this test's filesystem takes O_DIRECT");
-            core.begin_layer();
+            core.begin_layer(None);
             let mut all: Vec<u8> = Vec::new();
             let stream = |core: &mut PackCore, data: &[u8], rng: &mut Rng| {
                 let mark = core.begin_stream();
@@ -1083,7 +1285,7 @@ pub(crate) mod tests {
                 let put = if data.len() > 1000 {
                     stream(&mut core, data, &mut rng)
                 } else {
-                    core.put(&[shared(data)], crc(data), true).unwrap()
+                    core.put(&[shared(data)], crc(data), true, None).unwrap()
                 };
                 if let Put::New(_) = put {
                     all.extend_from_slice(data);
