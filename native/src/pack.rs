@@ -12,6 +12,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io;
+use std::num::NonZeroU32;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::sync::mpsc::{sync_channel, SyncSender};
@@ -44,7 +45,7 @@ const GATHER_BYTES: usize = 512 << 10;
 pub type Loc = (u32, u64);
 
 /// `Known::source` of content with no source file to compare it in
-const NO_SOURCE: u32 = u32::MAX;
+const NO_SOURCE: NonZeroU32 = NonZeroU32::MAX;
 
 /// Remembered content: its place in a pack and, where it came from a layer read natively
 /// from an uncompressed file, its place in that file (`PackCore::sources`), where dedup
@@ -52,7 +53,7 @@ const NO_SOURCE: u32 = u32::MAX;
 #[derive(Clone, Copy)]
 struct Known {
     pack: u32,
-    source: u32,
+    source: NonZeroU32, // 1 + its index in `sources` (the niche keeps `Locs` at 24 bytes)
     offset: u64,
     at: u64, // in the source
 }
@@ -63,10 +64,12 @@ impl Known {
     }
 }
 
+/// An index entry: nearly always one content per key (a box for the rest keeps it small).
 enum Locs {
     One(Known),
-    Many(Vec<Known>),
+    Many(Box<Vec<Known>>),
 }
+const _: () = assert!(std::mem::size_of::<Locs>() == 24);
 
 /// A chunk being gathered: the bytes hashed so far (a mark hashes what came before it) and
 /// the spans that follow them, not yet hashed.
@@ -361,8 +364,8 @@ pub struct PackCore {
     /// the uncompressed files of the layers read natively (`begin_layer`), open until the
     /// pack is finished: remembered content is compared where it lies in them
     sources: Vec<File>,
-    /// the layer being read: its index in `sources` and the file offset of its stream's start
-    source: Option<(u32, u64)>,
+    /// the layer being read: its `Known::source` and the file offset of its stream's start
+    source: Option<(NonZeroU32, u64)>,
     hasher: Hasher,
     flusher: Flusher,
     /// bytes written but not yet handed to the hasher (all after the newest mark)
@@ -468,7 +471,7 @@ impl PackCore {
         match self.index.get(&key) {
             None => Vec::new(),
             Some(Locs::One(k)) => vec![*k],
-            Some(Locs::Many(v)) => v.clone(),
+            Some(Locs::Many(v)) => v.to_vec(),
         }
     }
 
@@ -493,7 +496,7 @@ impl PackCore {
             Some(Locs::Many(v)) => v.push(known),
             Some(slot @ Locs::One(_)) => {
                 let Locs::One(first) = *slot else { unreachable!() };
-                *slot = Locs::Many(vec![first, known]);
+                *slot = Locs::Many(Box::new(vec![first, known]));
             }
         }
         if let Some(j) = &mut self.journal {
@@ -561,7 +564,7 @@ impl PackCore {
                 .try_clone_to_owned()
                 .ok()?; // no duplicate (no fds left): compared in the pack, written buffered
             self.sources.push(File::from(file));
-            Some(((self.sources.len() - 1) as u32, start))
+            Some((NonZeroU32::new(self.sources.len() as u32)?, start))
         });
     }
 
@@ -671,7 +674,7 @@ impl PackCore {
     /// file where it has one (in the page cache: the layer's read just went through it),
     /// else, or where that file is shorter now, in its pack.
     fn same_as_known(&mut self, known: &Known, spans: &[Span]) -> io::Result<bool> {
-        if let Some(file) = self.sources.get(known.source as usize) {
+        if let Some(file) = self.sources.get(known.source.get() as usize - 1) {
             let fd = file.as_raw_fd();
             let mut scratch = std::mem::take(&mut self.scratch);
             let same = same_as_read(spans, known.at, &mut scratch, |buf, at| pread_exact(fd, buf, at));
