@@ -64,10 +64,11 @@ impl Known {
     }
 }
 
-/// An index entry: nearly always one content per key (a box for the rest keeps it small).
+/// An index entry: nearly always one content per key (a boxed slice for the rest keeps it
+/// small).
 enum Locs {
     One(Known),
-    Many(Box<Vec<Known>>),
+    Many(Box<[Known]>),
 }
 const _: () = assert!(std::mem::size_of::<Locs>() == 24);
 
@@ -493,10 +494,15 @@ impl PackCore {
             None => {
                 self.index.insert(key, Locs::One(known));
             }
-            Some(Locs::Many(v)) => v.push(known),
+            Some(slot @ Locs::Many(_)) => {
+                let Locs::Many(v) = std::mem::replace(slot, Locs::Many(Box::new([]))) else {
+                    unreachable!()
+                };
+                *slot = Locs::Many([&v[..], &[known]].concat().into());
+            }
             Some(slot @ Locs::One(_)) => {
                 let Locs::One(first) = *slot else { unreachable!() };
-                *slot = Locs::Many(Box::new(vec![first, known]));
+                *slot = Locs::Many(Box::new([first, known]));
             }
         }
         if let Some(j) = &mut self.journal {
@@ -506,12 +512,14 @@ impl PackCore {
 
     fn forget_last(&mut self, key: u64) {
         let remove = match self.index.get_mut(&key) {
-            Some(Locs::Many(v)) => {
-                v.pop();
-                if v.len() == 1 {
-                    let only = v[0];
-                    self.index.insert(key, Locs::One(only));
-                }
+            Some(slot @ Locs::Many(_)) => {
+                let Locs::Many(v) = std::mem::replace(slot, Locs::Many(Box::new([]))) else {
+                    unreachable!()
+                };
+                *slot = match &v[..v.len() - 1] {
+                    [only] => Locs::One(*only),
+                    rest => Locs::Many(rest.into()),
+                };
                 false
             }
             Some(Locs::One(_)) => true,
@@ -1155,6 +1163,28 @@ pub(crate) mod tests {
             let expect: Vec<[u8; 32]> = all.chunks(chunk as usize).map(|c| Sha256::digest(c).into()).collect();
             assert_eq!(digests, expect, "seed {seed}, chunk {chunk}");
         }
+    }
+
+    /// Several contents under one key are candidates in the order remembered; a rollback
+    /// forgets those remembered since its mark, back to one.
+    #[test]
+    fn several_contents_per_key_through_rollbacks() {
+        let (path, file) = temp_pack("index");
+        let mut core = PackCore::new(file, 1 << 20, false);
+        core.remember(7, (0, 10));
+        for more in [vec![(0, 20)], vec![(0, 20), (1, 30)]] {
+            let mark = core.mark();
+            for &loc in &more {
+                core.remember(7, loc);
+            }
+            core.remember(8, (0, 40));
+            assert_eq!(core.candidates(7), [vec![(0, 10)], more].concat());
+            core.rollback(mark).unwrap();
+            assert_eq!(core.candidates(7), vec![(0, 10)]);
+            assert!(core.candidates(8).is_empty());
+        }
+        core.finish().unwrap();
+        std::fs::remove_file(&path).unwrap();
     }
 
     /// Content of a layer read from an uncompressed file, whatever its size, goes through
