@@ -1,16 +1,18 @@
-//! O_DIRECT writes of pack 0's streamed content (members larger than `pack::MEM_MAX`, most
-//! of a pack's bytes where there are large files): the bytes are copied into page-aligned
-//! blocks and each full block is written from there by a thread of its own, with `O_DIRECT`
-//! on a second open of the pack. A buffered write's kernel side (page-cache folios
-//! allocated and copied into, ext4's delayed allocation, the write-back later) cost the
-//! synthetic set's build more CPU than the copy into a block that is reused while it is
-//! still in the CPU's caches (bench/results/issue23-log.md, "Pack writes without the page cache").
+//! O_DIRECT writes of pack 0's content in a layer's native read: streamed content (members
+//! larger than `pack::MEM_MAX`) and all content of an uncompressed layer (whose dedup
+//! compares read the layer's file, not the pack: `PackCore::put`). The bytes are copied
+//! into page-aligned blocks and each full block is written from there by a thread of its
+//! own, with `O_DIRECT` on a second open of the pack. A buffered write's kernel side
+//! (page-cache folios allocated and copied into, ext4's delayed allocation, the write-back
+//! later) cost the synthetic set's build more CPU than the copy into a block that is reused
+//! while it is still in the CPU's caches (bench/results/issue23-log.md, "Pack writes
+//! without the page cache"; for small members, "Small content without the page cache").
 //!
 //! Only full aligned blocks go this way; the staged block's partial end is written through
-//! the buffered fd when the stream ends (`PackCore::unstage`), so small content, and with
-//! it nearly every dedup compare, still reads the pack from the page cache. Where the
-//! filesystem refuses `O_DIRECT` (the open fails, or the first write is refused with
-//! EINVAL) every block is written through the buffered fd instead.
+//! the buffered fd when something reads the pack, at a streamed member's end and at the
+//! layer's (`PackCore::unstage`). Where the filesystem refuses `O_DIRECT` (the open fails,
+//! or the first write is refused with EINVAL) every block is written through the buffered
+//! fd instead.
 
 use std::fs::File;
 use std::io;

@@ -1,7 +1,8 @@
 //! Pack 0, the bundle's written pack: appends with CRC-32C deduplication (a match is
-//! compared byte by byte, then rolled back), the chunk sha256s on a worker thread fed the
-//! bytes as they are written (never read back from the pack), and write-back started as
-//! the pack grows.
+//! compared byte by byte, in the layer's file the content came from where it has one, else
+//! in the pack; then rolled back), the chunk sha256s on a worker thread fed the bytes as
+//! they are written (never read back from the pack), and write-back started as the pack
+//! grows.
 //!
 //! The same rules as `packs.PackWriter` (whose pack-0 side this is): the dedup key is
 //! `size << 32 | crc32c`, candidates are compared in the order they were remembered, the
@@ -36,8 +37,9 @@ const BATCH_BYTES: usize = 512 << 10;
 /// batches waiting for the hasher (the blocks they reference stay allocated meanwhile)
 const HASH_DEPTH: usize = 2;
 /// content up to this size is gathered with its neighbours and written in one `pwrite` of
-/// up to `GATHER_BYTES`: one write per small member cost the parser a syscall and the
-/// kernel's per-page work of two partial-page writes per member
+/// up to `GATHER_BYTES` where it does not go through the O_DIRECT blocks (`put`): one write
+/// per small member cost the parser a syscall and the kernel's per-page work of two
+/// partial-page writes per member
 const GATHER_MAX: usize = 64 << 10;
 const GATHER_BYTES: usize = 512 << 10;
 
@@ -391,9 +393,10 @@ pub struct PackCore {
     gathered_at: u64,
     /// streamed content's O_DIRECT writer (None: every write is buffered)
     direct: Option<Direct>,
-    /// while content streams in a layer's native read: the block it is copied into, its
-    /// file offset (a multiple of `ALIGN`) and how many bytes it holds; the pack's bytes
-    /// from there to `size` are in it, the full blocks before it written or queued
+    /// while a layer's native read stages content (`staging`): the block it is copied
+    /// into, its file offset (a multiple of `ALIGN`) and how many bytes it holds; the
+    /// pack's bytes from there to `size` are in it, the full blocks before it written or
+    /// queued
     staged: Option<(u64, Aligned, usize)>,
     /// the pack's size when the staged block began: the bytes before it are on file
     staged_from: u64,
@@ -601,8 +604,8 @@ impl PackCore {
         Ok(())
     }
 
-    /// Streamed bytes of a layer's native read go through an aligned block to the O_DIRECT
-    /// writer (not where O_DIRECT was refused).
+    /// Streamed bytes of a layer's native read (and all of an uncompressed layer's content)
+    /// go through an aligned block to the O_DIRECT writer (not where O_DIRECT was refused).
     fn staging(&self) -> bool {
         self.gathering && self.direct.as_ref().is_some_and(|d| !d.refused())
     }
