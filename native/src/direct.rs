@@ -1,16 +1,18 @@
-//! O_DIRECT writes of pack 0's streamed content (members larger than `pack::MEM_MAX`, most
-//! of a pack's bytes where there are large files): the bytes are copied into page-aligned
-//! blocks and each full block is written from there by a thread of its own, with `O_DIRECT`
-//! on a second open of the pack. A buffered write's kernel side (page-cache folios
-//! allocated and copied into, ext4's delayed allocation, the write-back later) cost the
-//! synthetic set's build more CPU than the copy into a block that is reused while it is
-//! still in the CPU's caches (bench/results/issue23-log.md, "Pack writes without the page cache").
+//! O_DIRECT writes of pack 0's content in a layer's native read: streamed content (members
+//! larger than `pack::MEM_MAX`) and all content of an uncompressed layer the page cache
+//! holds (whose dedup compares read the layer's file, not the pack: `PackCore::put`). The bytes are copied
+//! into page-aligned blocks and each full block is written from there by a thread of its
+//! own, with `O_DIRECT` on a second open of the pack. A buffered write's kernel side
+//! (page-cache folios allocated and copied into, ext4's delayed allocation, the write-back
+//! later) cost the synthetic set's build more CPU than the copy into a block that is reused
+//! while it is still in the CPU's caches (bench/results/issue23-log.md, "Pack writes
+//! without the page cache"; for small members, "Small content without the page cache").
 //!
 //! Only full aligned blocks go this way; the staged block's partial end is written through
-//! the buffered fd when the stream ends (`PackCore::unstage`), so small content, and with
-//! it nearly every dedup compare, still reads the pack from the page cache. Where the
-//! filesystem refuses `O_DIRECT` (the open fails, or the first write is refused with
-//! EINVAL) every block is written through the buffered fd instead.
+//! the buffered fd when something reads the pack, at a streamed member's end and at the
+//! layer's (`PackCore::unstage`). Where the filesystem refuses `O_DIRECT` (the open fails,
+//! or the first write is refused with EINVAL) every block is written through the buffered
+//! fd instead.
 
 use std::fs::File;
 use std::io;
@@ -38,6 +40,9 @@ pub const BLOCK: usize = 2 << 20;
 /// never waits for the disk, whose write-back of those pages comes later, as before (a cold
 /// build reads the input from the same disk: waiting there made it slower)
 const DEPTH: usize = 2;
+/// how long a full block waits for the writer before it goes through the buffered fd: a
+/// 2 MiB buffered write's fresh page-cache pages cost this VM 1-8 ms of CPU
+const ROOM_WAIT: std::time::Duration = std::time::Duration::from_millis(4);
 
 /// `BLOCK` bytes of anonymous memory, page-aligned (mmap: given back to the kernel when
 /// dropped, so the staging never stays in the heap the build's later peak RSS counts).
@@ -226,16 +231,25 @@ impl Direct {
         err.map_or(Ok(()), Err)
     }
 
-    /// Has the writer room for another block? (The blocks it is done with taken back.)
+    /// Has the writer room for another block? (The blocks it is done with taken back; with
+    /// none, the first waited for up to `ROOM_WAIT`.)
     pub fn has_room(&mut self) -> bool {
-        while let Ok((block, err)) = self.back.try_recv() {
+        let mut wait = Some(ROOM_WAIT).filter(|_| self.depth > 0);
+        loop {
+            let got = match self.back.try_recv() {
+                Ok(done) => Some(done),
+                Err(_) if self.in_flight >= self.depth => wait.take().and_then(|w| self.back.recv_timeout(w).ok()),
+                Err(_) => None,
+            };
+            let Some((block, err)) = got else {
+                return self.in_flight < self.depth;
+            };
             self.in_flight -= 1;
             self.spare.push(block);
             if self.failed.is_none() {
                 self.failed = err;
             }
         }
-        self.in_flight < self.depth
     }
 
     /// Queue the full `block` for writing at `offset` (a multiple of `ALIGN`; `has_room`).

@@ -140,7 +140,7 @@ impl Pack {
             }
             let crc = crc32c::crc32c(&data);
             let span = Span::whole(Arc::new(Buf::owned(data)));
-            let put = py.detach(|| core.put(&[span], crc, dedupe)).map_err(os_err)?;
+            let put = py.detach(|| core.put(&[span], crc, dedupe, None)).map_err(os_err)?;
             let (pack::Put::New(loc) | pack::Put::Dup(loc)) = put;
             return Ok((crc, loc.0, loc.1));
         }
@@ -451,7 +451,8 @@ fn run(
     head.truncate(n as usize);
     let kind = detect(&head).map_err(Failure::Unsupported)?;
     let mark = core.mark();
-    core.begin_layer();
+    // an uncompressed stream's offsets are the file's, from `start`
+    core.begin_layer((kind == "none").then_some((fd, start)));
     let (raw_rx, reader, mapping) = stream::spawn_reader(fd, start, length, started);
     let mut hasher = None;
     let mut inflater = None;

@@ -1,7 +1,8 @@
 //! Pack 0, the bundle's written pack: appends with CRC-32C deduplication (a match is
-//! compared byte by byte, then rolled back), the chunk sha256s on a worker thread fed the
-//! bytes as they are written (never read back from the pack), and write-back started as
-//! the pack grows.
+//! compared byte by byte, in the layer's file the content came from where it has one, else
+//! in the pack; then rolled back), the chunk sha256s on a worker thread fed the bytes as
+//! they are written (never read back from the pack), and write-back started as the pack
+//! grows.
 //!
 //! The same rules as `packs.PackWriter` (whose pack-0 side this is): the dedup key is
 //! `size << 32 | crc32c`, candidates are compared in the order they were remembered, the
@@ -12,6 +13,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io;
+use std::num::NonZeroU32;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::fs::FileExt;
 use std::sync::mpsc::{sync_channel, SyncSender};
@@ -35,18 +37,45 @@ const BATCH_BYTES: usize = 512 << 10;
 /// batches waiting for the hasher (the blocks they reference stay allocated meanwhile)
 const HASH_DEPTH: usize = 2;
 /// content up to this size is gathered with its neighbours and written in one `pwrite` of
-/// up to `GATHER_BYTES`: one write per small member cost the parser a syscall and the
-/// kernel's per-page work of two partial-page writes per member
+/// up to `GATHER_BYTES` where it does not go through the O_DIRECT blocks (`put`): one write
+/// per small member cost the parser a syscall and the kernel's per-page work of two
+/// partial-page writes per member
 const GATHER_MAX: usize = 64 << 10;
 const GATHER_BYTES: usize = 512 << 10;
+/// the share of a layer's file in the page cache from which its content goes through the
+/// O_DIRECT blocks (`warm`)
+const WARM: f64 = 0.75;
 
 /// A place of content: pack index and offset in it.
 pub type Loc = (u32, u64);
 
-enum Locs {
-    One(Loc),
-    Many(Vec<Loc>),
+/// `Known::source` of content with no source file to compare it in
+const NO_SOURCE: NonZeroU32 = NonZeroU32::MAX;
+
+/// Remembered content: its place in a pack and, where it came from a layer read natively
+/// from an uncompressed file, its place in that file (`PackCore::sources`), where dedup
+/// compares read it: its pack bytes may have gone to disk with O_DIRECT.
+#[derive(Clone, Copy)]
+struct Known {
+    pack: u32,
+    source: NonZeroU32, // 1 + its index in `sources` (the niche keeps `Locs` at 24 bytes)
+    offset: u64,
+    at: u64, // in the source
 }
+
+impl Known {
+    fn loc(&self) -> Loc {
+        (self.pack, self.offset)
+    }
+}
+
+/// An index entry: nearly always one content per key (a boxed slice for the rest keeps it
+/// small).
+enum Locs {
+    One(Known),
+    Many(Box<[Known]>),
+}
+const _: () = assert!(std::mem::size_of::<Locs>() == 24);
 
 /// A chunk being gathered: the bytes hashed so far (a mark hashes what came before it) and
 /// the spans that follow them, not yet hashed.
@@ -273,6 +302,48 @@ impl Flusher {
     }
 }
 
+/// Is most of `fd` from `start` on in the page cache (`WARM`)? A cold read shares the disk
+/// with the pack's writes: buffered small content is written back after the read, while
+/// the disk is idle (the synthetic set cold with it through the O_DIRECT blocks: 0 of 4
+/// pairs faster, 8.75 against 8.01 s); and its dedup compares would read the disk where the
+/// input's pages went (issue23-log.md, "Small content without the page cache").
+fn warm(fd: RawFd, start: u64) -> bool {
+    // SAFETY: a zeroed stat is valid; fstat fills it on the caller's open fd
+    let (r, st) = unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        (libc::fstat(fd, &mut st), st)
+    };
+    if r != 0 {
+        return false;
+    }
+    let len = (st.st_size as u64).saturating_sub(start);
+    crate::stream::cached_bytes(fd, start, len).is_some_and(|n| n as f64 >= WARM * len as f64)
+}
+
+/// Are the bytes of `spans` equal to as many read by `read(buf, offset)` from `at` on?
+fn same_as_read(
+    spans: &[Span],
+    mut at: u64,
+    scratch: &mut Vec<u8>,
+    mut read: impl FnMut(&mut [u8], u64) -> io::Result<()>,
+) -> io::Result<bool> {
+    for span in spans {
+        let data = span.bytes();
+        let mut done = 0;
+        while done < data.len() {
+            let n = COMPARE_STEP.min(data.len() - done);
+            scratch.resize(n, 0);
+            read(&mut scratch[..n], at)?;
+            if scratch[..n] != data[done..done + n] {
+                return Ok(false);
+            }
+            done += n;
+            at += n as u64;
+        }
+    }
+    Ok(true)
+}
+
 fn pread_exact(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<()> {
     let mut done = 0;
     while done < buf.len() {
@@ -314,6 +385,11 @@ pub struct PackCore {
     pub size: u64,
     index: HashMap<u64, Locs>,
     fds: HashMap<u32, RawFd>, // in-place packs (their fds are the Python side's)
+    /// the uncompressed files of the layers read natively (`begin_layer`), open until the
+    /// pack is finished: remembered content is compared where it lies in them
+    sources: Vec<File>,
+    /// the layer being read: its `Known::source` and the file offset of its stream's start
+    source: Option<(NonZeroU32, u64)>,
     hasher: Hasher,
     flusher: Flusher,
     /// bytes written but not yet handed to the hasher (all after the newest mark)
@@ -338,10 +414,13 @@ pub struct PackCore {
     gathered_at: u64,
     /// streamed content's O_DIRECT writer (None: every write is buffered)
     direct: Option<Direct>,
-    /// while content streams in a layer's native read: the block it is copied into, its
-    /// file offset (a multiple of `ALIGN`) and how many bytes it holds; the pack's bytes
-    /// from there to `size` are in it, the full blocks before it written or queued
+    /// while a layer's native read stages content (`staging`): the block it is copied
+    /// into, its file offset (a multiple of `ALIGN`) and how many bytes it holds; the
+    /// pack's bytes from there to `size` are in it, the full blocks before it written or
+    /// queued
     staged: Option<(u64, Aligned, usize)>,
+    /// the pack's size when the staged block began: the bytes before it are on file
+    staged_from: u64,
     /// full staged blocks written through the buffered fd (the direct writer was behind)
     pub spilled: u64,
     /// time the writer waited for the hasher to take a batch (`BUI_NATIVE_TIMES`)
@@ -365,6 +444,8 @@ impl PackCore {
             size: 0,
             index: HashMap::new(),
             fds: HashMap::new(),
+            sources: Vec::new(),
+            source: None,
             hasher,
             flusher,
             pending: Vec::new(),
@@ -383,6 +464,7 @@ impl PackCore {
             gathered_at: 0,
             direct,
             staged: None,
+            staged_from: 0,
             spilled: 0,
             hash_wait: std::time::Duration::ZERO,
         }
@@ -407,22 +489,44 @@ impl PackCore {
     }
 
     pub fn candidates(&self, key: u64) -> Vec<Loc> {
+        self.known(key).iter().map(Known::loc).collect()
+    }
+
+    fn known(&self, key: u64) -> Vec<Known> {
         match self.index.get(&key) {
             None => Vec::new(),
-            Some(Locs::One(l)) => vec![*l],
-            Some(Locs::Many(v)) => v.clone(),
+            Some(Locs::One(k)) => vec![*k],
+            Some(Locs::Many(v)) => v.to_vec(),
         }
     }
 
+    /// Content at `loc` (compared in its pack).
     pub fn remember(&mut self, key: u64, loc: Loc) {
+        self.remember_known(
+            key,
+            Known {
+                pack: loc.0,
+                source: NO_SOURCE,
+                offset: loc.1,
+                at: 0,
+            },
+        );
+    }
+
+    fn remember_known(&mut self, key: u64, known: Known) {
         match self.index.get_mut(&key) {
             None => {
-                self.index.insert(key, Locs::One(loc));
+                self.index.insert(key, Locs::One(known));
             }
-            Some(Locs::Many(v)) => v.push(loc),
+            Some(slot @ Locs::Many(_)) => {
+                let Locs::Many(v) = std::mem::replace(slot, Locs::Many(Box::new([]))) else {
+                    unreachable!()
+                };
+                *slot = Locs::Many([&v[..], &[known]].concat().into());
+            }
             Some(slot @ Locs::One(_)) => {
                 let Locs::One(first) = *slot else { unreachable!() };
-                *slot = Locs::Many(vec![first, loc]);
+                *slot = Locs::Many(Box::new([first, known]));
             }
         }
         if let Some(j) = &mut self.journal {
@@ -432,12 +536,14 @@ impl PackCore {
 
     fn forget_last(&mut self, key: u64) {
         let remove = match self.index.get_mut(&key) {
-            Some(Locs::Many(v)) => {
-                v.pop();
-                if v.len() == 1 {
-                    let only = v[0];
-                    self.index.insert(key, Locs::One(only));
-                }
+            Some(slot @ Locs::Many(_)) => {
+                let Locs::Many(v) = std::mem::replace(slot, Locs::Many(Box::new([]))) else {
+                    unreachable!()
+                };
+                *slot = match &v[..v.len() - 1] {
+                    [only] => Locs::One(*only),
+                    rest => Locs::Many(rest.into()),
+                };
                 false
             }
             Some(Locs::One(_)) => true,
@@ -478,9 +584,21 @@ impl PackCore {
         Ok(())
     }
 
-    /// A layer is read natively: small content is gathered until `end_layer`.
-    pub fn begin_layer(&mut self) {
+    /// A layer is read natively: small content is gathered until `end_layer`. `source`: the
+    /// uncompressed file it is read from (the fd stays the caller's; a duplicate is kept)
+    /// and the file offset of the stream's start; where the page cache holds most of the
+    /// file (`WARM`), its content goes through the O_DIRECT blocks whatever its size
+    /// (`put`), compared where it lies in the file.
+    pub fn begin_layer(&mut self, source: Option<(RawFd, u64)>) {
         self.gathering = true;
+        self.source = source.filter(|&(fd, start)| warm(fd, start)).and_then(|(fd, start)| {
+            // SAFETY: the caller's fd is open for the call
+            let file = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }
+                .try_clone_to_owned()
+                .ok()?; // no duplicate (no fds left): compared in the pack, written buffered
+            self.sources.push(File::from(file));
+            Some((NonZeroU32::new(self.sources.len() as u32)?, start))
+        });
     }
 
     /// A layer's read is over: the gathered bytes written and their buffer freed, the
@@ -489,6 +607,7 @@ impl PackCore {
     /// set 91-92 MB instead of 95-97).
     pub fn end_layer(&mut self) -> io::Result<()> {
         self.gathering = false;
+        self.source = None;
         self.write_gathered()?;
         self.gathered = Vec::new();
         self.hand_over(true);
@@ -507,8 +626,8 @@ impl PackCore {
         Ok(())
     }
 
-    /// Streamed bytes of a layer's native read go through an aligned block to the O_DIRECT
-    /// writer (not where O_DIRECT was refused).
+    /// Streamed bytes of a layer's native read (and all of an uncompressed layer's content)
+    /// go through an aligned block to the O_DIRECT writer (not where O_DIRECT was refused).
     fn staging(&self) -> bool {
         self.gathering && self.direct.as_ref().is_some_and(|d| !d.refused())
     }
@@ -525,6 +644,7 @@ impl PackCore {
                 // gathered bytes are written first (the head below may lie in them)
                 let at = self.size & !(ALIGN - 1);
                 let fill = (self.size - at) as usize;
+                self.staged_from = self.size;
                 let mut block = direct.block()?;
                 pread_exact(self.file.as_raw_fd(), &mut block.bytes_mut()[..fill], at)?;
                 (at, block, fill)
@@ -577,25 +697,26 @@ impl PackCore {
     /// Are the bytes of `spans` equal to as many bytes at `loc`?
     fn same_as_spans(&mut self, loc: Loc, spans: &[Span]) -> io::Result<bool> {
         self.unstage()?;
-        let mut at = loc.1;
         let mut scratch = std::mem::take(&mut self.scratch);
-        for span in spans {
-            let data = span.bytes();
-            let mut done = 0;
-            while done < data.len() {
-                let n = COMPARE_STEP.min(data.len() - done);
-                scratch.resize(n, 0);
-                let read = self.read_at(loc.0, &mut scratch[..n], at);
-                if read.is_err() || scratch[..n] != data[done..done + n] {
-                    self.scratch = scratch;
-                    return read.map(|()| false);
-                }
-                done += n;
-                at += n as u64;
+        let same = same_as_read(spans, loc.1, &mut scratch, |buf, at| self.read_at(loc.0, buf, at));
+        self.scratch = scratch;
+        same
+    }
+
+    /// Are the bytes of `spans` equal to the remembered content's? Compared in its source
+    /// file where it has one (in the page cache: the layer's read just went through it),
+    /// else, or where that file is shorter now, in its pack.
+    fn same_as_known(&mut self, known: &Known, spans: &[Span]) -> io::Result<bool> {
+        if let Some(file) = self.sources.get(known.source.get() as usize - 1) {
+            let fd = file.as_raw_fd();
+            let mut scratch = std::mem::take(&mut self.scratch);
+            let same = same_as_read(spans, known.at, &mut scratch, |buf, at| pread_exact(fd, buf, at));
+            self.scratch = scratch;
+            if let Ok(same) = same {
+                return Ok(same);
             }
         }
-        self.scratch = scratch;
-        Ok(true)
+        self.same_as_spans(known.loc(), spans)
     }
 
     /// Are two ranges of packs equal?
@@ -626,22 +747,39 @@ impl PackCore {
     }
 
     /// Content in shared blocks, all of it at hand: deduplicated before anything is
-    /// written (when `dedupe`), then written and hashed from the blocks.
-    pub fn put(&mut self, spans: &[Span], crc: u32, dedupe: bool) -> io::Result<Put> {
+    /// written (when `dedupe`), then written and hashed from the blocks. `origin`: where it
+    /// lies in the stream of the layer being read (`begin_layer`).
+    pub fn put(&mut self, spans: &[Span], crc: u32, dedupe: bool, origin: Option<u64>) -> io::Result<Put> {
         let size: u64 = spans.iter().map(|s| (s.end - s.start) as u64).sum();
         self.bytes_in += size;
         let key = size << 32 | crc as u64;
-        self.unstage()?;
         if dedupe {
-            for loc in self.candidates(key) {
-                if self.same_as_spans(loc, spans)? {
+            for known in self.known(key) {
+                if self.same_as_known(&known, spans)? {
                     self.bytes_deduped += size;
-                    return Ok(Put::Dup(loc));
+                    return Ok(Put::Dup(known.loc()));
                 }
             }
         }
         let at = self.size;
-        if self.gathering && size as usize <= GATHER_MAX {
+        let mut known = Known {
+            pack: 0,
+            source: NO_SOURCE,
+            offset: at,
+            at: 0,
+        };
+        if let (Some((source, start)), Some(origin), true) = (self.source, origin, self.staging()) {
+            // compared in the source from now on: to the O_DIRECT blocks with the streams
+            (known.source, known.at) = (source, start + origin);
+            if !self.gathered.is_empty() {
+                self.write_gathered()?;
+            }
+            for span in spans {
+                self.stage(span.bytes())?;
+                self.hash_later(span.clone());
+            }
+        } else if self.gathering && size as usize <= GATHER_MAX {
+            self.unstage()?;
             if self.gathered.len() + size as usize > GATHER_BYTES {
                 self.write_gathered()?;
             }
@@ -654,12 +792,13 @@ impl PackCore {
                 self.hash_later(span.clone());
             }
         } else {
+            self.unstage()?;
             for span in spans {
                 self.write_span(span.clone())?;
             }
         }
         if dedupe {
-            self.remember(key, (0, at));
+            self.remember_known(key, known);
         }
         self.final_size();
         Ok(Put::New((0, at)))
@@ -808,8 +947,12 @@ impl PackCore {
 
     /// Undo everything since `mark`: file size, remembered keys, counters, chunk digests.
     pub fn rollback(&mut self, mark: Mark) -> io::Result<()> {
-        // staged and queued bytes all lie after the mark (every stream's end drained the
-        // queue): their writes finish, their errors (a full disk) are cut off with them
+        if self.staged.is_some() && mark.size > self.staged_from {
+            // the staged bytes before the mark are kept: written as `unstage` does
+            self.unstage()?;
+        }
+        // staged and queued bytes all lie after the mark: their writes finish, their
+        // errors (a full disk) are cut off with them
         self.staged = None;
         if let Some(d) = &mut self.direct {
             let _ = d.drain();
@@ -932,13 +1075,13 @@ pub(crate) mod tests {
         let mut rng = Rng(7);
         let (path, file) = temp_pack("gather");
         let mut core = PackCore::new(file, 1 << 20, true);
-        core.begin_layer();
+        core.begin_layer(None);
         let big = rng.bytes(GATHER_MAX + 1000); // written at once
         let small = rng.bytes(3000); // gathered
         let mut all = Vec::new();
         for data in [&big, &small] {
             assert!(matches!(
-                core.put(&[shared(data)], crc(data), true).unwrap(),
+                core.put(&[shared(data)], crc(data), true, None).unwrap(),
                 Put::New(_)
             ));
             all.extend_from_slice(data);
@@ -953,7 +1096,7 @@ pub(crate) mod tests {
         changed[550] ^= 1;
         assert!(!core.same_as_spans((0, at as u64), &[shared(&changed)]).unwrap());
         // a duplicate of the gathered content is found in memory
-        let put = core.put(&[shared(&small)], crc(&small), true).unwrap();
+        let put = core.put(&[shared(&small)], crc(&small), true, None).unwrap();
         assert!(matches!(put, Put::Dup((0, o)) if o == big.len() as u64));
         // reading past the end is an error, not bytes
         let mut buf = vec![0u8; 10];
@@ -963,7 +1106,7 @@ pub(crate) mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), all);
         // outside a layer's native read, content is written at once
         let more = rng.bytes(100);
-        core.put(&[shared(&more)], crc(&more), true).unwrap();
+        core.put(&[shared(&more)], crc(&more), true, None).unwrap();
         all.extend_from_slice(&more);
         assert_eq!(std::fs::read(&path).unwrap(), all);
         let digests = core.finish().unwrap();
@@ -982,7 +1125,7 @@ pub(crate) mod tests {
             let (path, file) = temp_pack(&format!("test-{seed}"));
             let mut core = PackCore::new(file, chunk, seed % 3 != 0);
             if seed % 2 == 1 {
-                core.begin_layer(); // small content gathered, the rest as Python appends
+                core.begin_layer(None); // small content gathered, the rest as Python appends
             }
             let mut contents: Vec<Vec<u8>> = Vec::new();
             let mut layer: Option<(Mark, usize)> = None;
@@ -1010,7 +1153,7 @@ pub(crate) mod tests {
                 let put = match rng.below(4) {
                     0 | 1 => {
                         let spans = spans_of(&data, &mut rng);
-                        core.put(&spans, crc(&data), true).unwrap()
+                        core.put(&spans, crc(&data), true, None).unwrap()
                     }
                     2 => {
                         let mark = core.begin_stream();
@@ -1047,6 +1190,123 @@ pub(crate) mod tests {
         }
     }
 
+    /// Several contents under one key are candidates in the order remembered; a rollback
+    /// forgets those remembered since its mark, back to one.
+    #[test]
+    fn several_contents_per_key_through_rollbacks() {
+        let (path, file) = temp_pack("index");
+        let mut core = PackCore::new(file, 1 << 20, false);
+        core.remember(7, (0, 10));
+        for more in [vec![(0, 20)], vec![(0, 20), (1, 30)]] {
+            let mark = core.mark();
+            for &loc in &more {
+                core.remember(7, loc);
+            }
+            core.remember(8, (0, 40));
+            assert_eq!(core.candidates(7), [vec![(0, 10)], more].concat());
+            core.rollback(mark).unwrap();
+            assert_eq!(core.candidates(7), vec![(0, 10)]);
+            assert!(core.candidates(8).is_empty());
+        }
+        core.finish().unwrap();
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// Content of a layer read from an uncompressed file, whatever its size, goes through
+    /// the O_DIRECT blocks (not where they are refused: gathered and written buffered) and
+    /// its duplicates are found by comparing the file's bytes (the staged block stays, the
+    /// pack is not read), also after the layer; a remembered place whose source bytes
+    /// differ is no match, one whose source is shorter now is compared in the pack. A
+    /// stream that starts inside a staged block and is rolled back keeps the bytes before
+    /// it; the file holds every byte kept, its last partial block included, and the chunk
+    /// digests match.
+    #[test]
+    fn layer_content_compared_in_its_source() {
+        for refuse in [false, true] {
+            let mut rng = Rng(if refuse { 23 } else { 29 });
+            // the source: contents one after another (as a tar's members, without headers)
+            let contents: Vec<Vec<u8>> = (0..400)
+                .map(|i| {
+                    let most = [100u64, 5000, 70_000][i % 3];
+                    let len = 1 + rng.below(most) as usize;
+                    rng.bytes(len)
+                })
+                .collect();
+            let lead = 777u64; // the stream starts here in the file
+            let mut source = vec![0u8; lead as usize];
+            let mut at = Vec::new();
+            for c in &contents {
+                at.push(source.len() as u64 - lead);
+                source.extend_from_slice(c);
+            }
+            let (src_path, src) = temp_pack(&format!("source-{refuse}"));
+            src.write_all_at(&source, 0).unwrap();
+            let (path, file) = temp_pack(&format!("sourced-{refuse}"));
+            let mut core = PackCore::new(file, 1 << 20, true);
+            if refuse {
+                core.direct = Some(Direct::refusing(&core.file));
+            }
+            core.begin_layer(Some((src.as_raw_fd(), lead)));
+            let mut all: Vec<u8> = Vec::new();
+            let mut placed: Vec<Loc> = Vec::new();
+            for (i, c) in contents.iter().enumerate() {
+                let put = core.put(&spans_of(c, &mut rng), crc(c), true, Some(at[i])).unwrap();
+                assert!(matches!(put, Put::New((0, o)) if o == all.len() as u64));
+                placed.push((0, all.len() as u64));
+                all.extend_from_slice(c);
+            }
+            assert!(refuse || core.staged.is_some());
+            // duplicates, their first copies mostly on disk: compared in the source
+            for i in (0..contents.len()).step_by(7) {
+                let c = &contents[i];
+                let put = core.put(&[shared(c)], crc(c), true, Some(at[i])).unwrap();
+                assert!(matches!(put, Put::Dup(l) if l == placed[i]));
+            }
+            assert!(refuse || core.staged.is_some(), "no read of the pack");
+            // streams begun inside the staged block, failed and rolled back (within the
+            // block, and past it)
+            for n in [100, BLOCK + 99] {
+                let mark = core.begin_stream();
+                core.write_span(shared(&rng.bytes(n))).unwrap();
+                core.rollback(mark).unwrap();
+            }
+            let last = rng.bytes(10_000);
+            let put = core.put(&[shared(&last)], crc(&last), true, Some(0)).unwrap();
+            assert!(matches!(put, Put::New((0, o)) if o == all.len() as u64));
+            all.extend_from_slice(&last);
+            core.end_layer().unwrap();
+            // after the layer: a duplicate (Python's append) is compared in the source
+            let c = &contents[3];
+            let put = core.put(&[shared(c)], crc(c), true, None).unwrap();
+            assert!(matches!(put, Put::Dup(l) if l == placed[3]));
+            // `last` was remembered at the stream's offset 0, where the source holds other
+            // bytes: no match there, so it is written again (refused: it was gathered,
+            // remembered without its source, and compared in the pack)
+            let put = core.put(&[shared(&last)], crc(&last), true, None).unwrap();
+            assert_eq!(matches!(put, Put::New(_)), !refuse);
+            if !refuse {
+                all.extend_from_slice(&last);
+            }
+            // the source cut short: compared in the pack
+            src.set_len(lead + at[5]).unwrap();
+            let c = &contents[6];
+            let put = core.put(&[shared(c)], crc(c), true, None).unwrap();
+            assert!(matches!(put, Put::Dup(l) if l == placed[6]));
+            // refused: the blocks queued before the writer met the refusal went through the
+            // buffered fd, the rest was gathered
+            let d = core.direct.as_ref().unwrap();
+            assert_eq!(d.refused(), refuse);
+            assert!(refuse || d.queued + core.spilled >= 2 * BLOCK as u64, "{}", d.queued);
+            let digests = core.finish().unwrap();
+            let written = std::fs::read(&path).unwrap();
+            std::fs::remove_file(&path).unwrap();
+            std::fs::remove_file(&src_path).unwrap();
+            assert!(written == all, "refuse {refuse}: the file differs");
+            let expect: Vec<[u8; 32]> = all.chunks(1 << 20).map(|c| Sha256::digest(c).into()).collect();
+            assert_eq!(digests, expect);
+        }
+    }
+
     /// Streamed content through the O_DIRECT blocks (as the filesystem takes them, and
     /// where the writes are refused): the file holds every byte appended, in order, through
     /// streams that span blocks, duplicates found after they went to disk (rolled back,
@@ -1065,7 +1325,7 @@ pub(crate) mod tests {
                 d.depth = 0; // the writer always behind: every full block to the page cache
             }
             assert!(core.direct.is_some(), "this test's filesystem takes O_DIRECT");
-            core.begin_layer();
+            core.begin_layer(None);
             let mut all: Vec<u8> = Vec::new();
             let stream = |core: &mut PackCore, data: &[u8], rng: &mut Rng| {
                 let mark = core.begin_stream();
@@ -1083,7 +1343,7 @@ pub(crate) mod tests {
                 let put = if data.len() > 1000 {
                     stream(&mut core, data, &mut rng)
                 } else {
-                    core.put(&[shared(data)], crc(data), true).unwrap()
+                    core.put(&[shared(data)], crc(data), true, None).unwrap()
                 };
                 if let Put::New(_) = put {
                     all.extend_from_slice(data);

@@ -254,7 +254,7 @@ fn ahead_from(fd: i32, start: u64, frontier: u64) -> (u64, u64) {
 
 /// Bytes of `fd`'s pages in the page cache among the `len` bytes at `off` (`cachestat`,
 /// Linux 6.5; None without it).
-fn cached_bytes(fd: i32, off: u64, len: u64) -> Option<u64> {
+pub(crate) fn cached_bytes(fd: i32, off: u64, len: u64) -> Option<u64> {
     #[repr(C)]
     struct Range {
         off: u64,

@@ -635,12 +635,13 @@ impl<'a> Parser<'a> {
         if size <= MEM_MAX {
             // by reference to the blocks it lies in: written and hashed from them
             let mut spans = std::mem::take(&mut self.spans);
+            let origin = self.src.offset;
             if !self.src.spans(size as usize, &mut spans) {
                 return Err(self.upstream("truncated member data"));
             }
             let crc = spans.iter().fold(0, |c, s| crc32c::crc32c_append(c, s.bytes()));
             let t = std::time::Instant::now();
-            let put = match self.pack.put(&spans, crc, true) {
+            let put = match self.pack.put(&spans, crc, true, Some(origin)) {
                 Ok(put) => put,
                 Err(e) => return Err(self.pack_failed(e)),
             };
