@@ -24,7 +24,8 @@ One run measures, side by side on each input, each of:
   both uncompressed; and ``mksquashfs -tar`` straight from the tarball.
 
 Each repeat drops the page cache (when root) before ours, ``umoci unpack`` and
-``tar -x``, so each reads its input cold; the steps after them find the unpacked tree
+``tar -x``, so each reads its input cold; ours and the builder at the baseline commit take
+turns going first (``in_turn``); the steps after them find the unpacked tree
 warm in the page cache, as a shell pipeline would. Every command is followed by an
 untimed ``sync``. Outputs, umoci's bundle and the extracted tree are deleted untimed.
 
@@ -377,6 +378,26 @@ def _runnable(
     return steps, skipped
 
 
+# ours and the builder at the baseline commit take turns going first, each with its warm
+# run after its cold one: in a fixed order the one right after the floors' writes ran
+# slower on this VM (bench/results/issue23-log.md, "Session 18 together")
+_TURNS = {
+    "ours": "ours_baseline",
+    "ours_warm": "ours_baseline_warm",
+    "ours_baseline": "ours",
+    "ours_baseline_warm": "ours_warm",
+}
+
+
+def in_turn(steps: list[Step], repeat: int) -> list[Step]:
+    """The steps of repeat number ``repeat`` (from 0) in the order they run: on odd
+    repeats the baseline builder's two steps run where ours do, and ours where its did."""
+    by_name = {s.name: s for s in steps}
+    if repeat % 2 == 0 or not _TURNS.keys() <= by_name.keys():
+        return steps
+    return [by_name[_TURNS.get(s.name, s.name)] for s in steps]
+
+
 PIPELINES = (  # (steps, name, label): sums per repeat
     (("umoci_unpack", "mkfs_btrfs_umoci"), UMOCI_BASELINE,
      "**baseline: umoci unpack + mkfs.btrfs --rootdir**"),
@@ -409,7 +430,7 @@ def run_build(
     try:
         for i in range(bi.repeats):
             _log(f"{bi.name}: repeat {i + 1}/{bi.repeats}")
-            for s in steps:
+            for s in in_turn(steps, i):
                 res = results[s.name]
                 if res.error:
                     continue

@@ -19,7 +19,7 @@ if str(ROOT) not in sys.path:  # bench/ is not an installed package
     sys.path.insert(0, str(ROOT))
 
 from bench import inputs  # noqa: E402
-from bench.build import Job, _read_and_write_floor  # noqa: E402
+from bench.build import Job, _read_and_write_floor, _steps, in_turn  # noqa: E402
 from bench.build import main as bench_main  # noqa: E402
 from bench.measure import Result, Sample, pipeline, run_measured, tree_size  # noqa: E402
 from bench.pairs import build_command, disk_bytes  # noqa: E402
@@ -95,6 +95,19 @@ def test_generator_makes_the_same_tarball_bytes_twice(tmp_path: Path) -> None:
         for d in ("a", "b")
     ]
     assert digests[0] == digests[1]
+
+
+def test_ours_and_the_baseline_builder_take_turns_going_first() -> None:
+    steps = [s for s in _steps() if s.name.startswith(("sha256", "ours"))]
+    names = [s.name for s in steps]
+    assert [s.name for s in in_turn(steps, 0)] == names
+    odd = [s.name for s in in_turn(steps, 1)]
+    assert sorted(odd) == sorted(names)
+    assert odd.index("ours_baseline") < odd.index("ours_baseline_warm") < odd.index("ours")
+    assert odd.index("ours") < odd.index("ours_warm")
+    assert odd[: odd.index("ours_baseline")] == names[: names.index("ours")]  # floors first
+    alone = [s for s in steps if not s.name.startswith("ours_baseline")]
+    assert in_turn(alone, 1) == alone  # no baseline builder: nothing to swap
 
 
 def test_run_measured_and_tree_size(tmp_path: Path) -> None:
