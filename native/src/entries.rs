@@ -40,12 +40,23 @@ fn hash(name: &[u8]) -> u64 {
     HASHER.get_or_init(std::hash::RandomState::new).hash_one(name)
 }
 
+fn entries_type(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    ENTRIES_TYPE.import(py, "btrfs_ublk_image.tree", "Entries")
+}
+
 /// A new, empty `tree.Entries`.
 pub(crate) fn entries_new(py: Python<'_>) -> PyResult<Bound<'_, Entries>> {
-    Ok(ENTRIES_TYPE
-        .import(py, "btrfs_ublk_image.tree", "Entries")?
-        .call0()?
-        .cast_into::<Entries>()?)
+    Ok(entries_type(py)?.call0()?.cast_into::<Entries>()?)
+}
+
+/// A new `tree.Entries` of the name -> Inode pairs of `mapping` (`Entries(mapping)`).
+pub(crate) fn entries_of<'py>(mapping: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Entries>> {
+    Ok(entries_type(mapping.py())?.call1((mapping,))?.cast_into::<Entries>()?)
+}
+
+/// A slot's name in `names`.
+fn slot_name<'a>(names: &'a [u8], s: &Slot) -> &'a [u8] {
+    &names[s.at as usize..(s.at + s.len) as usize]
 }
 
 impl Entries {
@@ -58,17 +69,10 @@ impl Entries {
         }
     }
 
-    fn name_of(&self, s: &Slot) -> &[u8] {
-        &self.names[s.at as usize..(s.at + s.len) as usize]
-    }
-
     fn find(&self, name: &[u8]) -> Option<u32> {
         let (names, slots) = (&self.names, &self.slots);
         self.index
-            .find(hash(name), |&i| {
-                let s = &slots[i as usize];
-                &names[s.at as usize..(s.at + s.len) as usize] == name
-            })
+            .find(hash(name), |&i| slot_name(names, &slots[i as usize]) == name)
             .copied()
     }
 
@@ -102,10 +106,8 @@ impl Entries {
             child: Some(child),
         });
         let (names, slots) = (&self.names, &self.slots);
-        self.index.insert_unique(hash(name), slot, |&i| {
-            let s = &slots[i as usize];
-            hash(&names[s.at as usize..(s.at + s.len) as usize])
-        });
+        self.index
+            .insert_unique(hash(name), slot, |&i| hash(slot_name(names, &slots[i as usize])));
         self.live += 1;
         Ok(())
     }
@@ -115,10 +117,7 @@ impl Entries {
         let (names, slots) = (&self.names, &self.slots);
         let found = self
             .index
-            .find_entry(hash(name), |&i| {
-                let s = &slots[i as usize];
-                &names[s.at as usize..(s.at + s.len) as usize] == name
-            })
+            .find_entry(hash(name), |&i| slot_name(names, &slots[i as usize]) == name)
             .ok()?;
         let (i, _) = found.remove();
         let child = self.slots[i as usize].child.take();
@@ -135,10 +134,10 @@ impl Entries {
         let old_slots = std::mem::take(&mut self.slots);
         self.index.clear();
         self.live = 0;
-        for s in old_slots {
-            if let Some(child) = s.child {
-                let name = &old_names[s.at as usize..(s.at + s.len) as usize];
-                self.insert(name, child).expect("smaller than before");
+        for mut s in old_slots {
+            if let Some(child) = s.child.take() {
+                self.insert(slot_name(&old_names, &s), child)
+                    .expect("smaller than before");
             }
         }
     }
@@ -147,7 +146,7 @@ impl Entries {
     pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], &Py<Inode>)> {
         self.slots
             .iter()
-            .filter_map(|s| s.child.as_ref().map(|c| (self.name_of(s), c)))
+            .filter_map(|s| s.child.as_ref().map(|c| (slot_name(&self.names, s), c)))
     }
 
     /// (name, child) sorted by name (bytewise, as `sorted` sorts bytes).

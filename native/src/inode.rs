@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyTuple, PyType};
 
-use crate::entries::{entries_new, Entries};
+use crate::entries::{entries_new, entries_of, Entries};
 use pyo3::{intern, PyTraverseError};
 
 pub(crate) const S_IFMT: u32 = 0o170000;
@@ -176,12 +176,7 @@ fn entries_payload(value: &Bound<'_, PyAny>) -> PyResult<Payload> {
     if value.cast::<Entries>().is_ok() {
         return Ok(Payload::Obj(value.clone().unbind()));
     }
-    let e = entries_new(value.py())?;
-    for item in value.call_method0(intern!(value.py(), "items"))?.try_iter()? {
-        let (name, child): (Bound<'_, PyBytes>, Bound<'_, Inode>) = item?.extract()?;
-        e.borrow_mut().insert(name.as_bytes(), child.unbind())?;
-    }
-    Ok(Payload::Obj(e.into_any().unbind()))
+    Ok(Payload::Obj(entries_of(value)?.into_any().unbind()))
 }
 
 /// S_IFMT >> 12 of a FileType value.
