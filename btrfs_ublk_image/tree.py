@@ -13,8 +13,9 @@ extension even with ``BUI_NATIVE=0``), its type, mode, owner and times held as
 machine integers, one payload for whatever its type carries (content, symlink
 target, directory entries or device number; a Blob as its four fields), no xattr
 mapping when it has none; a ``Blob`` is one int. A directory's ``Entries`` keep their
-names in the extension too, not as a ``bytes`` object and a dict slot each. Sources set small files' content
-aside in a file (``Tree.set_content_aside``) rather than keep it in memory.
+names in the extension too, not as a ``bytes`` object and a dict slot each. Sources set
+small files' content aside in a file (``Tree.set_content_aside``) rather than keep it in
+memory.
 """
 
 from __future__ import annotations

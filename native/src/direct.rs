@@ -1,8 +1,8 @@
 //! O_DIRECT writes of pack 0's content in a layer's native read: streamed content (members
 //! larger than `pack::MEM_MAX`) and all content of an uncompressed layer the page cache
-//! holds (whose dedup compares read the layer's file, not the pack: `PackCore::put`). The bytes are copied
-//! into page-aligned blocks and each full block is written from there by a thread of its
-//! own, with `O_DIRECT` on a second open of the pack. A buffered write's kernel side
+//! holds (whose dedup compares read the layer's file, not the pack: `PackCore::put`). The
+//! bytes are copied into page-aligned blocks and each full block is written from there by a
+//! thread of its own, with `O_DIRECT` on a second open of the pack. A buffered write's kernel side
 //! (page-cache folios allocated and copied into, ext4's delayed allocation, the write-back
 //! later) cost the synthetic set's build more CPU than the copy into a block that is reused
 //! while it is still in the CPU's caches (bench/results/issue23-log.md, "Pack writes
