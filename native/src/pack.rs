@@ -1307,6 +1307,82 @@ pub(crate) mod tests {
         }
     }
 
+    /// A layer whose file the page cache holds (just written) is compared in that file and
+    /// its small content staged for the O_DIRECT blocks; the same file synced and dropped
+    /// from the page cache (a cold read) is neither: its small content is gathered and
+    /// written buffered, and its duplicates are compared in the pack.
+    #[test]
+    fn a_cold_layer_file_takes_the_buffered_path() {
+        let mut rng = Rng(31);
+        let contents: Vec<Vec<u8>> = (0..64)
+            .map(|_| {
+                let len = 1 + rng.below(30_000) as usize;
+                rng.bytes(len)
+            })
+            .collect();
+        // on disk (a tmpfs /tmp keeps its pages: nothing would be cold there)
+        let src_path = std::path::Path::new("/var/tmp").join(format!("pack-coldsource-{}", std::process::id()));
+        let src = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&src_path)
+            .unwrap();
+        let mut at = Vec::new();
+        let mut size = 0u64;
+        for c in &contents {
+            src.write_all_at(c, size).unwrap();
+            at.push(size);
+            size += c.len() as u64;
+        }
+        let fd = src.as_raw_fd();
+        if crate::stream::cached_bytes(fd, 0, size).is_none() {
+            std::fs::remove_file(&src_path).unwrap();
+            panic!("this test needs cachestat (Linux 6.5): the build's warm/cold choice uses it");
+        }
+        assert!(warm(fd, 0), "a file just written is in the page cache");
+        src.sync_all().unwrap();
+        // SAFETY: a plain syscall on an open fd
+        assert_eq!(unsafe { libc::posix_fadvise(fd, 0, 0, libc::POSIX_FADV_DONTNEED) }, 0);
+        assert!(
+            !warm(fd, 0),
+            "{}: the page cache kept a synced file after DONTNEED",
+            src_path.display()
+        );
+        for layer_warm in [true, false] {
+            if !layer_warm {
+                // SAFETY: as above
+                unsafe { libc::posix_fadvise(fd, 0, 0, libc::POSIX_FADV_DONTNEED) };
+            } else {
+                let mut back = vec![0u8; size as usize];
+                src.read_exact_at(&mut back, 0).unwrap(); // in the page cache again
+            }
+            assert_eq!(warm(fd, 0), layer_warm);
+            let (path, file) = temp_pack(&format!("coldlayer-{layer_warm}"));
+            let mut core = PackCore::new(file, 1 << 20, true);
+            core.begin_layer(Some((fd, 0)));
+            assert_eq!(core.source.is_some(), layer_warm);
+            let mut all: Vec<u8> = Vec::new();
+            for (i, c) in contents.iter().enumerate() {
+                let put = core.put(&[shared(c)], crc(c), true, Some(at[i])).unwrap();
+                assert!(matches!(put, Put::New((0, o)) if o == all.len() as u64));
+                all.extend_from_slice(c);
+            }
+            assert_eq!(core.staged.is_some(), layer_warm, "staged for O_DIRECT");
+            assert_eq!(core.gathered.is_empty(), layer_warm, "gathered for a buffered write");
+            let c = &contents[9];
+            let put = core.put(&[shared(c)], crc(c), true, Some(at[9])).unwrap();
+            assert!(matches!(put, Put::Dup((0, o)) if o == at[9]));
+            core.end_layer().unwrap();
+            core.finish().unwrap();
+            let written = std::fs::read(&path).unwrap();
+            std::fs::remove_file(&path).unwrap();
+            assert!(written == all, "warm {layer_warm}: the file differs");
+        }
+        std::fs::remove_file(&src_path).unwrap();
+    }
+
     /// Streamed content through the O_DIRECT blocks (as the filesystem takes them, and
     /// where the writes are refused): the file holds every byte appended, in order, through
     /// streams that span blocks, duplicates found after they went to disk (rolled back,
