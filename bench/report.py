@@ -149,7 +149,29 @@ def build_summary(results: Sequence[Result], entries: int) -> list[str]:
         parts.append(f"{rss:,.0f} B peak RSS per entry")
         label = ours.label.replace("*", "")
         lines.append(f"{label}: " + "; ".join(parts))
+    for what, num, den in FLOOR_ROWS:
+        if num in by and den in by:
+            lines.append(f"{what}: {_in_turn_ratios(by[num], by[den])}")
     return lines
+
+
+FLOOR_ROWS = (  # issue 23's ratios: (what, numerator row, denominator row)
+    ("ours cold / the floor cold (`openssl dgst -sha256`)", "ours", "sha256_floor"),
+    ("ours warm / the floor warm", "ours_warm", "sha256_floor_warm"),
+    ("ours cold / the floor beside the pack's write (io_floor)", "ours", "io_floor"),
+    ("tar -x + mkfs.btrfs / ours warm", TAR_BASELINE, "ours_warm"),
+)
+
+
+def _in_turn_ratios(num: Result, den: Result) -> str:
+    """The ratio of the median walls, then the median (and range) of each repeat's own
+    ratio: a repeat's two runs are minutes apart at most, so a host that slows down for a
+    part of the run moves both (the cold floor's own medians here differ by up to 1.5x)."""
+    each = sorted(x.wall_s / y.wall_s for x, y in zip(num.samples, den.samples, strict=False))
+    return (
+        f"{num.wall_median / den.wall_median:.2f}x of the medians, per repeat"
+        f" {statistics.median(each):.2f}x ({each[0]:.2f}-{each[-1]:.2f}x, {len(each)} repeats)"
+    )
 
 
 def build_inputs(b: dict[str, Any]) -> dict[str, dict[str, Any]]:

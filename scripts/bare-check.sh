@@ -21,6 +21,7 @@ WORK=${BARE_WORKDIR:-/var/tmp/btrfs-ublk-image-bare}
 MIRROR=${DEBIAN_MIRROR:-$("$ROOT/scripts/host-mirror.sh")}
 [ -n "$MIRROR" ] || { echo "bare-check: no Debian mirror in apt's sources: set DEBIAN_MIRROR" >&2; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "bare-check: run as root" >&2; exit 2; }
+command -v debootstrap >/dev/null || apt-get install -y -q debootstrap >/dev/null
 [ $# -gt 0 ] || set -- -m 'not vm and not slow' -k 'not bwrap and not containerd' \
   --ignore tests/test_vm.py --ignore tests/test_podman.py
 log() { printf '[bare-check] %s\n' "$*" >&2; }

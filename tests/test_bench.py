@@ -110,6 +110,26 @@ def test_ours_and_the_baseline_builder_take_turns_going_first() -> None:
     assert in_turn(alone, 1) == alone  # no baseline builder: nothing to swap
 
 
+def test_the_summary_gives_each_repeats_own_ratio_to_the_floor() -> None:
+    def result(name: str, walls: list[float]) -> Result:
+        return Result(name, name, [], [Sample(w, 1000, 0) for w in walls])
+
+    # the floor's disk is slow in the second repeat: ours too, in the same repeat
+    results = [
+        result("sha256_floor", [4.0, 6.0, 4.2]),
+        result("ours", [5.0, 7.2, 5.46]),
+        result("sha256_floor_warm", [2.0, 2.0, 2.0]),
+        result("ours_warm", [3.0, 3.6, 4.0]),
+    ]
+    lines = build_summary(results, 1000)
+    cold = next(x for x in lines if x.startswith("ours cold / the floor cold"))
+    # medians 5.46 / 4.2 = 1.30x; repeats 1.25, 1.20, 1.30
+    assert "1.30x of the medians, per repeat 1.25x (1.20-1.30x, 3 repeats)" in cold
+    warm = next(x for x in lines if x.startswith("ours warm / the floor warm"))
+    assert "1.80x of the medians, per repeat 1.80x (1.50-2.00x, 3 repeats)" in warm
+    assert not any("io_floor" in x or "tar -x" in x for x in lines)  # rows not run
+
+
 def test_run_measured_and_tree_size(tmp_path: Path) -> None:
     log = tmp_path / "log"
     s = run_measured([sys.executable, "-c", "print('hi')"], log)
