@@ -171,7 +171,9 @@ class _Numbering:
 
     def __init__(self, root: Inode, once: object) -> None:
         self.once = once  # this numbering's mark of an inode with one name
-        self.inodes = Rows([root])  # row -> inode
+        # row -> inode: the natively numbered rows name a directory's entries and a slot
+        # (no object for a child held inline there); reading a row from Python promotes it
+        self.inodes = Rows([root])
         self.inos: array[int] | None = None  # row -> inode number, with a base
         # with a base: dir ino -> its entries' dir indexes in name order (else 2, 3, ...)
         self.dir_indexes: dict[int, array[int]] = {}

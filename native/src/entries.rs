@@ -266,12 +266,10 @@ impl Entries {
     /// (name, child) in insertion order, the children to change.
     pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (&[u8], &mut Child)> {
         let names = &self.names;
-        self.slots
-            .iter_mut()
-            .filter_map(move |s| {
-                let name = slot_name(names, s);
-                s.child.as_deref_mut().map(|c| (name, c))
-            })
+        self.slots.iter_mut().filter_map(move |s| {
+            let name = slot_name(names, s);
+            s.child.as_deref_mut().map(|c| (name, c))
+        })
     }
 
     /// The slots of the live entries, sorted by name (bytewise, as `sorted` sorts bytes).
@@ -381,5 +379,18 @@ impl Entries {
 
     fn __clear__(&mut self) {
         *self = Entries::empty();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_inline_child_costs_its_fields_and_a_slot_two_words() {
+        // the enum's tag fits in a niche of the fields: a child held inline is one
+        // allocation of the fields' size
+        assert_eq!(std::mem::size_of::<Child>(), std::mem::size_of::<InodeData>());
+        assert_eq!(std::mem::size_of::<Slot>(), 16);
     }
 }

@@ -227,7 +227,12 @@ impl Placer {
         for comp in dir {
             let entries = node.borrow().entries(py)?;
             // a child held inline is never a directory (`fast` makes directories objects)
-            let Some(child) = entries.borrow().get(comp).and_then(|c| c.object()).map(|o| o.bind(py).clone()) else {
+            let Some(child) = entries
+                .borrow()
+                .get(comp)
+                .and_then(|c| c.object())
+                .map(|o| o.bind(py).clone())
+            else {
                 return Ok(false);
             };
             if !child.borrow().is_dir() {
