@@ -274,13 +274,15 @@ impl Entries {
 
     /// The slots of the live entries, sorted by name (bytewise, as `sorted` sorts bytes).
     pub(crate) fn sorted_slots(&self) -> Vec<u32> {
-        let mut v: Vec<u32> = (0..self.slots.len() as u32)
-            .filter(|&i| self.slots[i as usize].child.is_some())
+        // sorted as (name, slot) pairs: a comparison reads the names without going
+        // through the slots
+        let mut v: Vec<(&[u8], u32)> = (0u32..)
+            .zip(&self.slots)
+            .filter(|(_, s)| s.child.is_some())
+            .map(|(i, s)| (slot_name(&self.names, s), i))
             .collect();
-        v.sort_unstable_by(|&a, &b| {
-            slot_name(&self.names, &self.slots[a as usize]).cmp(slot_name(&self.names, &self.slots[b as usize]))
-        });
-        v
+        v.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        v.into_iter().map(|(_, i)| i).collect()
     }
 
     /// (name, child) sorted by name.
