@@ -410,7 +410,7 @@ impl Placer {
                 }
             }
         }
-        entries.borrow_mut().insert(name, child)?;
+        entries.borrow_mut().insert(py, name, child)?;
         self.placed += 1;
         Ok(true)
     }
