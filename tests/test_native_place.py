@@ -6,9 +6,11 @@ same image id, or the same error."""
 
 from __future__ import annotations
 
+import gc
 import io
 import itertools
 import tarfile
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from btrfs_ublk_image.bundle import build_spec
 from btrfs_ublk_image.errors import ImageError, SourceError
 from btrfs_ublk_image.sources import tar as tar_source
 from btrfs_ublk_image.spec import load_spec
-from btrfs_ublk_image.tree import Blob, FileType, Tree
+from btrfs_ublk_image.tree import Blob, FileType, Inode, Tree
 
 pytestmark = [
     pytest.mark.unit,
@@ -305,3 +307,151 @@ def test_oci_layers_with_whiteouts(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     names = [entry[0] for entry in tree]
     assert b"/a/x" not in names and b"/a/y" not in names and b"/o/in" not in names
     assert {b"/o/new", b"/o/n2", b"/a/w", b"/a/z"} <= set(names)
+
+
+def _placed_tree(
+    tmp: Path, spec_text: str, monkeypatch: pytest.MonkeyPatch, touch: bool = False
+) -> tuple[str, Tree]:
+    """(image id, tree) of the spec built natively; the tree as the writer read it (its
+    files held inline in their directories' entries), or, with ``touch``, after Python
+    code read every other directory's children (promoted: a tree mixing both kinds)."""
+    tag = f"placed{next(_serial)}"
+    spec_path = tmp / f"spec-{tag}.yaml"
+    spec_path.write_text(spec_text)
+    trees: list[Tree] = []
+    real_sources = sources.build_sources
+
+    def build_sources(*args: Any, **kw: Any) -> Any:
+        built = real_sources(*args, **kw)
+        trees.append(built.tree)
+        if touch:
+            for n, (_, node) in enumerate(list(built.tree.walk())):
+                if node.type is FileType.DIR and n % 2:
+                    list(node.entries.values())
+        return built
+
+    with monkeypatch.context() as m:
+        m.setenv(native.ENV, "1")
+        m.setattr(sources, "build_sources", build_sources)
+        result = build_spec(load_spec(spec_path), spec_path, str(tmp / f"out-{tag}"), None)
+    return result.image_id, trees[0]
+
+
+def _python_id(tmp: Path, spec_text: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The image id of the spec built by the Python reader and writer (BUI_NATIVE=0)."""
+    image_id, _, _ = _build(tmp, spec_text, "python", monkeypatch)
+    assert isinstance(image_id, str) and image_id.startswith("sha256:"), image_id
+    return image_id
+
+
+def _inode_objects() -> int:
+    return sum(1 for o in gc.get_objects() if type(o) is Inode)
+
+
+def test_inline_children_promoted_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files placed natively are no objects until Python code reads them; then each is one
+    object, the same on every access and under every name of a hardlink."""
+    members = [_e("d", kind=tarfile.DIRTYPE)]
+    members += [_e(f"d/f{i}", data=bytes([65 + i % 26]) * (i * 7)) for i in range(60)]
+    members += [
+        _e("d/l", kind=tarfile.SYMTYPE, link="f1"),
+        _e("d/h", kind=tarfile.LNKTYPE, link="d/f3"),
+    ]
+    (tmp_path / "l.tar").write_bytes(_tar(members))
+    spec = _spec("tar: {path: l.tar}")
+    image_id, tree = _placed_tree(tmp_path, spec, monkeypatch)
+    assert image_id == _python_id(tmp_path, spec, monkeypatch)
+    entries = tree.root.entries[b"d"].entries
+    before = _inode_objects()
+    f5 = entries[b"f5"]
+    assert _inode_objects() == before + 1
+    assert entries[b"f5"] is f5 and entries.get(b"f5") is f5 and dict(entries.items())[b"f5"] is f5
+    assert f5.content == b"F" * 35 and entries[b"f59"].content == b"H" * 413  # set aside
+    assert entries[b"l"].target == b"f1"
+    assert entries[b"h"] is entries[b"f3"]  # the hardlink's target was promoted to link it
+    children = list(entries.values())
+    assert list(entries.values()) == children and len({id(c) for c in children}) == 61
+    assert _inode_objects() <= before + 60  # one object per inode held inline, made once
+    assert [n for n, _ in entries.items()] == list(entries)
+    assert entries.pop(b"f7") is not None and b"f7" not in entries
+
+
+def test_inline_children_in_a_mixed_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree whose directories hold some children inline and some as objects writes the
+    same image as the Python path's."""
+    members = []
+    for d in range(6):
+        members.append(_e(f"d{d}", kind=tarfile.DIRTYPE))
+        members += [_e(f"d{d}/f{i}", data=b"%d" % (d * i) * 30) for i in range(40)]
+        if d:
+            members.append(_e(f"d{d}/h", kind=tarfile.LNKTYPE, link=f"d{d - 1}/f1"))
+    (tmp_path / "l.tar").write_bytes(_tar(members))
+    spec = _spec("tar: {path: l.tar}")
+    mixed, _ = _placed_tree(tmp_path, spec, monkeypatch, touch=True)
+    inline, _ = _placed_tree(tmp_path, spec, monkeypatch)
+    assert mixed == inline == _python_id(tmp_path, spec, monkeypatch)
+
+
+def test_inline_children_survive_undo_and_whiteouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer placed natively then undone (its archive handed back to the Python reader)
+    leaves the earlier layer's inline children as they were; OCI whiteouts remove inline
+    children. Both written as the Python path writes them."""
+    from ocitools import Layout, entry
+
+    (tmp_path / "a.tar").write_bytes(
+        _tar([_e("d", kind=tarfile.DIRTYPE)] + [_e(f"d/a{i}", data=b"a" * i) for i in range(200)])
+    )
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as t:
+        for i in range(3000):
+            info = tarfile.TarInfo(f"d/b{i}")
+            info.size = i % 150
+            t.addfile(info, io.BytesIO(b"b" * info.size))
+    data = buf.getvalue()[: -2 * 512].rstrip(b"\0")  # no end-of-archive marker
+    (tmp_path / "b.tar").write_bytes(data + b"\0" * (-len(data) % 512))
+    spec = _spec("tar: {path: a.tar}", "tar: {path: b.tar}")
+    del native.fallbacks[:]
+    image_id, tree = _placed_tree(tmp_path, spec, monkeypatch)
+    assert native.fallbacks
+    assert image_id == _python_id(tmp_path, spec, monkeypatch)
+    assert tree.root.entries[b"d"].entries[b"a150"].content == b"a" * 150
+
+    layout = Layout(tmp_path / "oci")
+    lower = [entry(f"a/x{i}", data=b"x" * i) for i in range(120)] + [entry("o/in", data=b"i" * 9)]
+    upper = [entry("a/.wh.x3"), entry("a/.wh.x100"), entry("o/.wh..wh..opq")]
+    upper += [entry("o/new", data=b"n" * 96), entry("a/x5", data=b"5")]
+    layout.tag(layout.image([lower, upper], compression="gzip"), "latest")
+    spec = _spec(f"oci: {{path: {tmp_path / 'oci'}, ref: latest}}")
+    image_id, tree = _placed_tree(tmp_path, spec, monkeypatch)
+    assert image_id == _python_id(tmp_path, spec, monkeypatch)
+    a = tree.root.entries[b"a"].entries
+    assert b"x3" not in a and b"x100" not in a and a[b"x5"].content == b"5"
+    assert list(tree.root.entries[b"o"].entries) == [b"new"]
+
+
+def test_inline_children_cycles_are_collected(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Objects held by inline children (here the numbering's marks, made to refer back to
+    the tree) are visited by their entries' GC traversal: the cycle is collected."""
+    from btrfs_ublk_image.btrfs import writer
+
+    (tmp_path / "l.tar").write_bytes(
+        _tar([_e("d", kind=tarfile.DIRTYPE)] + [_e(f"d/f{i}", data=b"f") for i in range(10)])
+    )
+    _, tree = _placed_tree(tmp_path, _spec("tar: {path: l.tar}"), monkeypatch)
+
+    class Mark:
+        tree: object
+
+    once, more = Mark(), Mark()
+    once.tree = tree  # tree -> entries -> an inline child's ino -> once -> tree
+    num = writer._Numbering(tree.root, once)
+    native.module().number_inodes(tree.root, num, more)
+    assert len(num.inodes) == 12
+    gone = weakref.ref(once)
+    del once, more, num, tree
+    gc.collect()
+    assert gone() is None

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import IO
 
-from btrfs_ublk_native import Names
+from btrfs_ublk_native import Names, Rows
 
 from btrfs_ublk_image import native
 from btrfs_ublk_image.blockmap import Ranges
@@ -171,7 +171,9 @@ class _Numbering:
 
     def __init__(self, root: Inode, once: object) -> None:
         self.once = once  # this numbering's mark of an inode with one name
-        self.inodes: list[Inode] = [root]  # row -> inode
+        # row -> inode: the natively numbered rows name a directory's entries and a slot
+        # (no object for a child held inline there); reading a row from Python promotes it
+        self.inodes = Rows([root])
         self.inos: array[int] | None = None  # row -> inode number, with a base
         # with a base: dir ino -> its entries' dir indexes in name order (else 2, 3, ...)
         self.dir_indexes: dict[int, array[int]] = {}
@@ -348,7 +350,7 @@ def _number_on_base(num: _Numbering, base: BaseLayout, more: object) -> _Numberi
         dirs.extend(reversed(pending))
     # rows in number order: the fs tree's items are made in that order
     order = sorted(range(len(inos)), key=inos.__getitem__)
-    num.inodes = [inodes[i] for i in order]
+    num.inodes = Rows(inodes[i] for i in order)
     num.inos = array("Q", [inos[i] for i in order])
     num.parent = array("Q", [parents[i] for i in order])
     num.index = array("Q", [indexes[i] for i in order])

@@ -6,23 +6,168 @@
 //! entries of that class (`entries_new`).
 
 use std::hash::BuildHasher;
+use std::ptr::NonNull;
 use std::sync::OnceLock;
 
 use hashbrown::HashTable;
-use pyo3::exceptions::{PyKeyError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyKeyError, PyValueError};
 use pyo3::gc::PyVisit;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PyType};
 use pyo3::PyTraverseError;
 
-use crate::inode::Inode;
+use crate::inode::{Inode, InodeData};
 
-/// One entry: its name's place in `names`; None once it is removed.
+/// A slot's child: an `Inode` object, or an inode's fields held here until Python code asks
+/// for it (then they move into a new `Inode` that the slot holds from then on, so every
+/// access gives the same object).
+pub(crate) enum Child {
+    Inline(InodeData),
+    Object(Py<Inode>),
+}
+
+/// An inode's fields read through either kind of child.
+pub(crate) enum DataRef<'a, 'py> {
+    Inline(&'a InodeData),
+    Object(PyRef<'py, Inode>),
+}
+
+/// An inode's fields changed through either kind of child.
+pub(crate) enum DataMut<'a, 'py> {
+    Inline(&'a mut InodeData),
+    Object(PyRefMut<'py, Inode>),
+}
+
+impl std::ops::Deref for DataRef<'_, '_> {
+    type Target = InodeData;
+    fn deref(&self) -> &InodeData {
+        match self {
+            DataRef::Inline(d) => d,
+            DataRef::Object(o) => o,
+        }
+    }
+}
+
+impl std::ops::Deref for DataMut<'_, '_> {
+    type Target = InodeData;
+    fn deref(&self) -> &InodeData {
+        match self {
+            DataMut::Inline(d) => d,
+            DataMut::Object(o) => o,
+        }
+    }
+}
+
+impl std::ops::DerefMut for DataMut<'_, '_> {
+    fn deref_mut(&mut self) -> &mut InodeData {
+        match self {
+            DataMut::Inline(d) => d,
+            DataMut::Object(o) => &mut *o,
+        }
+    }
+}
+
+impl Child {
+    /// The fields (an object's borrowed: an error while it is borrowed mutably).
+    pub(crate) fn data<'py>(&self, py: Python<'py>) -> PyResult<DataRef<'_, 'py>> {
+        Ok(match self {
+            Child::Inline(d) => DataRef::Inline(d),
+            Child::Object(o) => DataRef::Object(o.bind(py).try_borrow()?),
+        })
+    }
+
+    pub(crate) fn data_mut<'py>(&mut self, py: Python<'py>) -> PyResult<DataMut<'_, 'py>> {
+        Ok(match self {
+            Child::Inline(d) => DataMut::Inline(d),
+            Child::Object(o) => DataMut::Object(o.bind(py).try_borrow_mut()?),
+        })
+    }
+
+    /// The object, when the child is one.
+    pub(crate) fn object(&self) -> Option<&Py<Inode>> {
+        match self {
+            Child::Object(o) => Some(o),
+            Child::Inline(_) => None,
+        }
+    }
+
+    /// The child as an `Inode` object, made of its fields when it is held inline.
+    fn promote(&mut self, py: Python<'_>) -> PyResult<Py<Inode>> {
+        if let Child::Inline(d) = self {
+            // the fields move out; an empty inode stands in until the object holds them
+            let data = std::mem::replace(d, InodeData::placeholder());
+            *self = Child::Object(Py::new(py, Inode::from(data))?);
+        }
+        match self {
+            Child::Object(o) => Ok(o.clone_ref(py)),
+            Child::Inline(_) => unreachable!("promoted above"),
+        }
+    }
+
+    fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        match self {
+            Child::Inline(d) => d.traverse(visit),
+            Child::Object(o) => visit.call(o),
+        }
+    }
+}
+
+/// A child's box, from Python's small-object allocator: a build makes one per file, and
+/// malloc's slower path for so many small blocks cost more CPU than the `Inode` objects
+/// did (pymalloc: no header either, 88 bytes take 96). Freed only with the GIL held: it
+/// lives in an `Entries` (freed by its dealloc or its methods) or in code holding the GIL.
+pub(crate) struct ChildBox(NonNull<Child>);
+
+// SAFETY: it owns its `Child` as a Box would (a `Child` is Send)
+unsafe impl Send for ChildBox {}
+unsafe impl Sync for ChildBox {}
+
+impl ChildBox {
+    fn new(_py: Python<'_>, child: Child) -> ChildBox {
+        let layout = std::alloc::Layout::new::<Child>();
+        // SAFETY: the GIL is held (`_py`); pymalloc's blocks are 16-byte aligned
+        let p = unsafe { pyo3::ffi::PyMem_Malloc(layout.size()) }.cast::<Child>();
+        let Some(p) = NonNull::new(p) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        // SAFETY: fresh memory of `Child`'s size and alignment
+        unsafe { p.as_ptr().write(child) };
+        ChildBox(p)
+    }
+}
+
+impl std::ops::Deref for ChildBox {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        // SAFETY: owned and initialised since `new`
+        unsafe { self.0.as_ref() }
+    }
+}
+
+impl std::ops::DerefMut for ChildBox {
+    fn deref_mut(&mut self) -> &mut Child {
+        // SAFETY: owned and initialised since `new`
+        unsafe { self.0.as_mut() }
+    }
+}
+
+impl Drop for ChildBox {
+    fn drop(&mut self) {
+        // SAFETY: owned; dropped with the GIL held (see the type's doc)
+        unsafe {
+            std::ptr::drop_in_place(self.0.as_ptr());
+            pyo3::ffi::PyMem_Free(self.0.as_ptr().cast());
+        }
+    }
+}
+
+/// One entry: its name's place in `names`; None once it is removed. A child is boxed: a
+/// slot stays 16 bytes, and an inline child's fields one allocation.
 struct Slot {
     at: u32,
     len: u32,
-    child: Option<Py<Inode>>,
+    child: Option<ChildBox>,
 }
 
 #[pyclass(module = "btrfs_ublk_native", subclass)]
@@ -80,16 +225,39 @@ impl Entries {
         self.live
     }
 
-    pub(crate) fn get(&self, name: &[u8]) -> Option<&Py<Inode>> {
-        self.find(name).and_then(|i| self.slots[i as usize].child.as_ref())
+    pub(crate) fn get(&self, name: &[u8]) -> Option<&Child> {
+        self.find(name).and_then(|i| self.slots[i as usize].child.as_deref())
     }
 
     pub(crate) fn contains(&self, name: &[u8]) -> bool {
         self.find(name).is_some()
     }
 
+    /// Slot `slot`'s name and child (None: no such slot, or removed).
+    pub(crate) fn at(&self, slot: u32) -> Option<(&[u8], &Child)> {
+        let s = self.slots.get(slot as usize)?;
+        Some((slot_name(&self.names, s), s.child.as_deref()?))
+    }
+
+    pub(crate) fn at_mut(&mut self, slot: u32) -> Option<(&[u8], &mut Child)> {
+        let s = self.slots.get_mut(slot as usize)?;
+        Some((slot_name(&self.names, s), s.child.as_deref_mut()?))
+    }
+
+    /// Slot `slot`'s child as an `Inode` object (promoted when it is held inline).
+    pub(crate) fn object_at(&mut self, py: Python<'_>, slot: u32) -> PyResult<Py<Inode>> {
+        match self.slots.get_mut(slot as usize).and_then(|s| s.child.as_deref_mut()) {
+            Some(c) => c.promote(py),
+            None => Err(PyIndexError::new_err("no entry in this slot")),
+        }
+    }
+
     /// Set `name`'s child: a name already there keeps its place, a new one goes last.
-    pub(crate) fn insert(&mut self, name: &[u8], child: Py<Inode>) -> PyResult<()> {
+    pub(crate) fn insert(&mut self, py: Python<'_>, name: &[u8], child: Child) -> PyResult<()> {
+        self.insert_box(name, ChildBox::new(py, child))
+    }
+
+    fn insert_box(&mut self, name: &[u8], child: ChildBox) -> PyResult<()> {
         if let Some(i) = self.find(name) {
             self.slots[i as usize].child = Some(child);
             return Ok(());
@@ -113,7 +281,7 @@ impl Entries {
     }
 
     /// Remove `name`; its child, if it was there.
-    pub(crate) fn remove(&mut self, name: &[u8]) -> Option<Py<Inode>> {
+    pub(crate) fn remove(&mut self, name: &[u8]) -> Option<ChildBox> {
         let (names, slots) = (&self.names, &self.slots);
         let found = self
             .index
@@ -136,21 +304,43 @@ impl Entries {
         self.live = 0;
         for mut s in old_slots {
             if let Some(child) = s.child.take() {
-                self.insert(slot_name(&old_names, &s), child)
+                self.insert_box(slot_name(&old_names, &s), child)
                     .expect("smaller than before");
             }
         }
     }
 
     /// (name, child) in insertion order.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], &Py<Inode>)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], &Child)> {
         self.slots
             .iter()
-            .filter_map(|s| s.child.as_ref().map(|c| (slot_name(&self.names, s), c)))
+            .filter_map(|s| s.child.as_deref().map(|c| (slot_name(&self.names, s), c)))
     }
 
-    /// (name, child) sorted by name (bytewise, as `sorted` sorts bytes).
-    pub(crate) fn sorted(&self) -> Vec<(&[u8], &Py<Inode>)> {
+    /// (name, child) in insertion order, the children to change.
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (&[u8], &mut Child)> {
+        let names = &self.names;
+        self.slots.iter_mut().filter_map(move |s| {
+            let name = slot_name(names, s);
+            s.child.as_deref_mut().map(|c| (name, c))
+        })
+    }
+
+    /// The slots of the live entries, sorted by name (bytewise, as `sorted` sorts bytes).
+    pub(crate) fn sorted_slots(&self) -> Vec<u32> {
+        // sorted as (name, slot) pairs: a comparison reads the names without going
+        // through the slots
+        let mut v: Vec<(&[u8], u32)> = (0u32..)
+            .zip(&self.slots)
+            .filter(|(_, s)| s.child.is_some())
+            .map(|(i, s)| (slot_name(&self.names, s), i))
+            .collect();
+        v.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        v.into_iter().map(|(_, i)| i).collect()
+    }
+
+    /// (name, child) sorted by name.
+    pub(crate) fn sorted(&self) -> Vec<(&[u8], &Child)> {
         let mut v: Vec<_> = self.iter().collect();
         v.sort_unstable_by(|a, b| a.0.cmp(b.0));
         v
@@ -171,12 +361,12 @@ impl Entries {
     /// Empty, or the name -> Inode pairs of `entries` (a mapping).
     #[new]
     #[pyo3(signature = (entries=None))]
-    fn new(entries: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+    fn new(py: Python<'_>, entries: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         let mut me = Entries::empty();
         if let Some(m) = entries.filter(|m| !m.is_none()) {
             for item in m.call_method0("items")?.try_iter()? {
                 let (name, child): (Bound<'_, PyBytes>, Bound<'_, Inode>) = item?.extract()?;
-                me.insert(name.as_bytes(), child.unbind())?;
+                me.insert(py, name.as_bytes(), Child::Object(child.unbind()))?;
             }
         }
         Ok(me)
@@ -190,17 +380,16 @@ impl Entries {
         name.cast::<PyBytes>().is_ok_and(|n| self.contains(n.as_bytes()))
     }
 
-    fn __getitem__<'py>(&self, name: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Inode>> {
+    fn __getitem__<'py>(&mut self, name: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Inode>> {
         let py = name.py();
-        let found = name.cast::<PyBytes>().ok().and_then(|n| self.get(n.as_bytes()));
-        match found {
-            Some(c) => Ok(c.bind(py).clone()),
+        match name.cast::<PyBytes>().ok().and_then(|n| self.find(n.as_bytes())) {
+            Some(i) => Ok(self.object_at(py, i)?.into_bound(py)),
             None => Err(PyKeyError::new_err(name.clone().unbind())),
         }
     }
 
     fn __setitem__(&mut self, name: &Bound<'_, PyBytes>, child: &Bound<'_, Inode>) -> PyResult<()> {
-        self.insert(name.as_bytes(), child.clone().unbind())
+        self.insert(name.py(), name.as_bytes(), Child::Object(child.clone().unbind()))
     }
 
     fn __delitem__(&mut self, name: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -217,30 +406,47 @@ impl Entries {
     }
 
     #[pyo3(name = "get", signature = (name, default=None))]
-    fn py_get<'py>(&self, name: &Bound<'py, PyAny>, default: Option<Bound<'py, PyAny>>) -> Bound<'py, PyAny> {
+    fn py_get<'py>(
+        &mut self,
+        name: &Bound<'py, PyAny>,
+        default: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let py = name.py();
-        match name.cast::<PyBytes>().ok().and_then(|n| self.get(n.as_bytes())) {
-            Some(c) => c.bind(py).clone().into_any(),
-            None => default.unwrap_or_else(|| py.None().into_bound(py)),
+        match name.cast::<PyBytes>().ok().and_then(|n| self.find(n.as_bytes())) {
+            Some(i) => Ok(self.object_at(py, i)?.into_bound(py).into_any()),
+            None => Ok(default.unwrap_or_else(|| py.None().into_bound(py))),
         }
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let mut parts = Vec::with_capacity(self.live);
         for (n, c) in self.iter() {
-            parts.push(format!("{}: {}", PyBytes::new(py, n).repr()?, c.bind(py).repr()?));
+            parts.push(format!("{}: {}", PyBytes::new(py, n).repr()?, c.data(py)?.repr(py)?));
         }
         Ok(format!("Entries({{{}}})", parts.join(", ")))
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        for s in &self.slots {
-            visit.call(&s.child)?;
+        for (_, c) in self.iter() {
+            c.traverse(&visit)?;
         }
         Ok(())
     }
 
     fn __clear__(&mut self) {
         *self = Entries::empty();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_inline_child_costs_its_fields_and_a_slot_two_words() {
+        // the enum's tag fits in a niche of the fields: a child held inline is one
+        // allocation of the fields' size
+        assert_eq!(std::mem::size_of::<Child>(), std::mem::size_of::<InodeData>());
+        assert_eq!(std::mem::size_of::<Slot>(), 16);
     }
 }

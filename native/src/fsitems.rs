@@ -12,12 +12,12 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyAssertionError, PyOSError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyRange};
+use pyo3::types::{PyBytes, PyDict, PyRange};
 
 use crate::entries::Entries;
-use crate::inode::{self, BlobFields, Inode, Payload, Times, S_IFBLK, S_IFCHR, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
+use crate::inode::{self, BlobFields, Payload, Times, S_IFBLK, S_IFCHR, S_IFDIR, S_IFLNK, S_IFMT, S_IFREG};
 use crate::leaves::{self, InodeFields, Packer};
-use crate::numbering::Names;
+use crate::numbering::{Names, Rows};
 
 const S_IFIFO: u32 = 0o010000;
 const S_IFSOCK: u32 = 0o140000;
@@ -525,7 +525,7 @@ pub fn fs_tree_items<'py>(
     let p: &mut Packer = &mut packer.inner;
     let gen = generation;
     let inodes = num.getattr("inodes")?;
-    let inodes = inodes.cast::<PyList>()?;
+    let inodes = inodes.cast::<Rows>()?.borrow();
     let names = num.getattr("name")?;
     let names = names.cast::<Names>()?.borrow();
     let parent_col = Column::new(&num.getattr("parent")?)?;
@@ -585,14 +585,12 @@ pub fn fs_tree_items<'py>(
     let first_ino = FIRST_FREE_OBJECTID;
 
     for n in 0..n_inodes {
-        let node = inodes.get_item(n)?;
         let ino = match inos {
             None => first_ino + n as u64,
             Some(i) => i[n],
         };
         // the fields copied out: no borrow is held while Python code (a Python placer) runs
-        let (mode_type, perm, (uid, gid), xattrs, payload, (mtime, atime, ctime)) = {
-            let i = node.cast::<Inode>()?.borrow();
+        let (mode_type, perm, (uid, gid), xattrs, payload, (mtime, atime, ctime)) = inodes.with_data(py, n, |i| {
             let payload = match i.payload() {
                 Payload::Obj(o) => Held::Obj(o.bind(py).clone()),
                 Payload::Blob(b) => Held::Blob(*b),
@@ -600,8 +598,8 @@ pub fn fs_tree_items<'py>(
                 Payload::Cleared => Held::Cleared,
             };
             let xattrs = i.xattrs_obj().map(|x| x.bind(py).clone());
-            (i.kind(), i.perm(), i.owner(), xattrs, payload, times(i.times(), py)?)
-        };
+            Ok((i.kind(), i.perm(), i.owner(), xattrs, payload, times(i.times(), py)?))
+        })?;
         let more = more_refs.get(&ino);
         let nlink = 1 + more.map_or(0, |m| m.len());
         let (mut size, mut nbytes, mut flags, mut rdev) = (0u64, 0u64, 0u64, 0u64);
@@ -813,7 +811,7 @@ pub fn fs_tree_items<'py>(
                     .ok_or_else(|| PyAssertionError::new_err(format!("directory {ino} has no child_base")))?
             };
             for (_, child) in &children {
-                let child = child.bind(py).borrow();
+                let child = child.data(py)?;
                 let c = if inos.is_some() {
                     child.ino_obj(py).extract::<u64>()?
                 } else if child.ino_is(&once) {

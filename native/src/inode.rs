@@ -61,23 +61,45 @@ struct Extra {
     times: Option<Py<PyTuple>>, // (mtime, atime or None, ctime or None) outside i64
 }
 
-/// One file object; a hardlink is the same object under several names.
-#[pyclass(module = "btrfs_ublk_native")]
-pub struct Inode {
+/// One file's fields: an `Inode` object's, or a directory's child held inline in its
+/// `Entries` until Python code asks for it (entries.rs).
+pub struct InodeData {
     mtime: i64,
     atime: i64,
     ctime: i64,
     extra: Option<Box<Extra>>,
     payload: Payload,
     ino: Option<Py<PyAny>>, // None: 0
-    #[pyo3(get, set)]
     mode: u32,
-    #[pyo3(get, set)]
     uid: u32,
-    #[pyo3(get, set)]
     gid: u32,
     kind: u8, // S_IFMT >> 12
     flags: u8,
+}
+
+/// One file object; a hardlink is the same object under several names.
+#[pyclass(module = "btrfs_ublk_native")]
+pub struct Inode {
+    data: InodeData,
+}
+
+impl std::ops::Deref for Inode {
+    type Target = InodeData;
+    fn deref(&self) -> &InodeData {
+        &self.data
+    }
+}
+
+impl std::ops::DerefMut for Inode {
+    fn deref_mut(&mut self) -> &mut InodeData {
+        &mut self.data
+    }
+}
+
+impl From<InodeData> for Inode {
+    fn from(data: InodeData) -> Self {
+        Inode { data }
+    }
 }
 
 /// The three timestamps as stored.
@@ -197,7 +219,7 @@ fn small_time(t: &Bound<'_, PyAny>) -> Option<Option<i64>> {
     t.extract::<i64>().ok().map(Some)
 }
 
-impl Inode {
+impl InodeData {
     /// An inode as the tar placer makes it (no xattrs, `ino` 0).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn placed(
@@ -209,8 +231,8 @@ impl Inode {
         atime: Option<i64>,
         ctime: Option<i64>,
         payload: Payload,
-    ) -> Inode {
-        let mut i = Inode {
+    ) -> InodeData {
+        let mut i = InodeData {
             mtime: 0,
             atime: 0,
             ctime: 0,
@@ -225,6 +247,50 @@ impl Inode {
         };
         i.set_small_times(mtime, atime, ctime);
         i
+    }
+
+    /// Visit the Python objects held (an `Inode`'s or its `Entries`' `__traverse__`).
+    pub(crate) fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(e) = &self.extra {
+            visit.call(&e.xattrs)?;
+            visit.call(&e.times)?;
+        }
+        match &self.payload {
+            Payload::Obj(o) => visit.call(o)?,
+            Payload::Aside { store, .. } => visit.call(store)?,
+            Payload::Blob(_) | Payload::Cleared => {}
+        }
+        visit.call(&self.ino)
+    }
+
+    /// Drop the Python objects held (the cyclic GC's `__clear__`).
+    pub(crate) fn clear(&mut self) {
+        if let Some(e) = self.extra.as_mut() {
+            e.xattrs = None;
+            if e.times.take().is_some() {
+                self.flags = 0; // times of 0
+                self.mtime = 0;
+            }
+        }
+        self.extra = None;
+        self.payload = Payload::Cleared;
+        self.ino = None;
+    }
+
+    /// What stands in for fields moved out (never read: the slot holds their object next).
+    pub(crate) fn placeholder() -> InodeData {
+        InodeData::placed(0, 0, 0, 0, 0, None, None, Payload::Cleared)
+    }
+
+    /// `Inode.__repr__`.
+    pub(crate) fn repr(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!(
+            "Inode({}, mode={:#o}, uid={}, gid={})",
+            self.type_name(py)?,
+            self.mode,
+            self.uid,
+            self.gid
+        ))
     }
 
     /// The type's S_IFMT bits.
@@ -454,7 +520,7 @@ impl Inode {
             },
             _ => default_payload(py, k)?,
         };
-        let mut inode = Inode::placed(k, mode, uid, gid, 0, None, None, payload);
+        let mut inode = InodeData::placed(k, mode, uid, gid, 0, None, None, payload);
         let none = py.None().into_bound(py);
         let zero = 0i64.into_pyobject(py)?.into_any();
         inode.set_times(
@@ -463,43 +529,49 @@ impl Inode {
             ctime_ns.unwrap_or(&none),
         )?;
         inode.set_xattrs(xattrs)?;
-        Ok(inode)
+        Ok(inode.into())
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        Ok(format!(
-            "Inode({}, mode={:#o}, uid={}, gid={})",
-            self.type_name(py)?,
-            self.mode,
-            self.uid,
-            self.gid
-        ))
+        self.data.repr(py)
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
-        if let Some(e) = &self.extra {
-            visit.call(&e.xattrs)?;
-            visit.call(&e.times)?;
-        }
-        match &self.payload {
-            Payload::Obj(o) => visit.call(o)?,
-            Payload::Aside { store, .. } => visit.call(store)?,
-            Payload::Blob(_) | Payload::Cleared => {}
-        }
-        visit.call(&self.ino)
+        self.data.traverse(&visit)
     }
 
     fn __clear__(&mut self) {
-        if let Some(e) = self.extra.as_mut() {
-            e.xattrs = None;
-            if e.times.take().is_some() {
-                self.flags = 0; // times of 0
-                self.mtime = 0;
-            }
-        }
-        self.extra = None;
-        self.payload = Payload::Cleared;
-        self.ino = None;
+        self.data.clear();
+    }
+
+    #[getter]
+    fn get_mode(&self) -> u32 {
+        self.mode
+    }
+
+    #[setter]
+    fn set_mode(&mut self, value: u32) {
+        self.mode = value;
+    }
+
+    #[getter]
+    fn get_uid(&self) -> u32 {
+        self.uid
+    }
+
+    #[setter]
+    fn set_uid(&mut self, value: u32) {
+        self.uid = value;
+    }
+
+    #[getter]
+    fn get_gid(&self) -> u32 {
+        self.gid
+    }
+
+    #[setter]
+    fn set_gid(&mut self, value: u32) {
+        self.gid = value;
     }
 
     #[getter(r#type)]
@@ -769,25 +841,21 @@ pub fn clamp_tree_times(root: &Bound<'_, Inode>, limit_ns: &Bound<'_, PyAny>) ->
     let limit = limit_ns.extract::<i64>().ok();
     clamp(&mut root.borrow_mut(), limit, limit_ns)?;
     let mut todo = if root.borrow().is_dir() {
-        vec![root.clone()]
+        vec![root.borrow().entries(py)?]
     } else {
         vec![]
     };
     let mut seen = std::collections::HashSet::new();
-    while let Some(node) = todo.pop() {
-        if !seen.insert(node.as_ptr() as usize) {
+    while let Some(dir) = todo.pop() {
+        if !seen.insert(dir.as_ptr() as usize) {
             continue;
         }
-        let entries = node.borrow().entries(py)?;
-        let children: Vec<Bound<'_, Inode>> = entries.borrow().iter().map(|(_, c)| c.bind(py).clone()).collect();
-        for child in children {
-            let is_dir = {
-                let mut c = child.borrow_mut();
-                clamp(&mut c, limit, limit_ns)?;
-                c.is_dir()
-            };
-            if is_dir {
-                todo.push(child);
+        let mut entries = dir.borrow_mut();
+        for (_, child) in entries.iter_mut() {
+            let mut c = child.data_mut(py)?;
+            clamp(&mut c, limit, limit_ns)?;
+            if c.is_dir() {
+                todo.push(c.entries(py)?);
             }
         }
     }
@@ -795,7 +863,7 @@ pub fn clamp_tree_times(root: &Bound<'_, Inode>, limit_ns: &Bound<'_, PyAny>) ->
 }
 
 /// One inode's times clamped to the limit (`limit`: the limit when it fits in i64).
-fn clamp(node: &mut Inode, limit: Option<i64>, limit_ns: &Bound<'_, PyAny>) -> PyResult<()> {
+fn clamp(node: &mut InodeData, limit: Option<i64>, limit_ns: &Bound<'_, PyAny>) -> PyResult<()> {
     if let (Times::Small(m, a, c), Some(l)) = (node.times(), limit) {
         if m > l || a.is_some_and(|a| a > l) || c.is_some_and(|c| c > l) {
             node.set_small_times(m.min(l), a.map(|a| a.min(l)), c.map(|c| c.min(l)));

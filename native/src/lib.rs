@@ -703,6 +703,7 @@ fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fsitems::fs_tree_items, m)?)?;
     m.add_function(wrap_pyfunction!(numbering::number_inodes, m)?)?;
     m.add_class::<numbering::Names>()?;
+    m.add_class::<numbering::Rows>()?;
     m.add_class::<extents::DataExtents>()?;
     m.add_function(wrap_pyfunction!(extents::data_free_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(blocks::write_spilled_leaves, m)?)?;

@@ -11,19 +11,15 @@ use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::entries::Entries;
 use crate::fsitems::{image_error, ColumnSink};
-use crate::inode::Inode;
+use crate::inode::{Inode, InodeData};
 
 const FIRST_FREE_OBJECTID: u64 = 256;
-
-/// A directory's entries (name -> Inode).
-fn entries<'py>(node: &Bound<'py, Inode>) -> PyResult<Bound<'py, Entries>> {
-    node.borrow().entries(node.py())
-}
 
 /// `_number(tree)` for a build without a base: `root` is the tree's root directory, `num`
 /// a fresh `_Numbering(root, once)` whose columns are filled; `more` marks (in `Inode.ino`)
 /// an inode reached under more than one name. Errors as `_number`'s (a hardlinked
-/// directory names the name it was found under the second time).
+/// directory names the name it was found under the second time). Children held inline in
+/// their directory's entries stay there: a row names their directory and slot.
 #[pyfunction]
 pub fn number_inodes(
     py: Python<'_>,
@@ -35,13 +31,11 @@ pub fn number_inodes(
     // pass 1: which inodes have more than one name (marks of this run: whatever `ino` held
     // before is overwritten); the same walk as the Python pass, so the same name is reported
     root.borrow_mut().set_ino(once.clone().unbind());
-    let mut stack = vec![root.clone()];
+    let mut stack = vec![root.borrow().entries(py)?];
     while let Some(dir) = stack.pop() {
-        let entries = entries(&dir)?;
-        let entries = entries.borrow();
-        for (name, child) in entries.iter() {
-            let child = child.bind(py);
-            let mut c = child.borrow_mut();
+        let mut entries = dir.borrow_mut();
+        for (name, child) in entries.iter_mut() {
+            let mut c = child.data_mut(py)?;
             if c.ino_is(&once) {
                 if c.is_dir() {
                     let shown = PyBytes::new(py, name).repr()?;
@@ -54,8 +48,7 @@ pub fn number_inodes(
             } else if !c.ino_is(more) {
                 c.set_ino(once.clone().unbind());
                 if c.is_dir() {
-                    drop(c);
-                    stack.push(child.clone());
+                    stack.push(c.entries(py)?);
                 }
             }
         }
@@ -63,8 +56,8 @@ pub fn number_inodes(
     // pass 2: numbers
     let first = FIRST_FREE_OBJECTID;
     root.borrow_mut().set_ino(first.into_pyobject(py)?.into_any().unbind());
-    let inodes = num.getattr("inodes")?;
-    let inodes = inodes.cast::<PyList>()?;
+    let rows = num.getattr("inodes")?;
+    let mut rows = rows.cast::<Rows>()?.borrow_mut();
     let names = num.getattr("name")?;
     let mut names = names.cast::<Names>()?.borrow_mut();
     let more_refs = num.getattr("more_refs")?;
@@ -73,18 +66,16 @@ pub fn number_inodes(
     let child_base = child_base.cast::<PyDict>()?;
     let mut parents = ColumnSink::new(num.getattr("parent")?)?;
     let mut indexes = ColumnSink::new(num.getattr("index")?)?;
-    let mut count = inodes.len() as u64; // rows so far (the root's)
-    let mut dirs = vec![(root.clone(), first)];
+    let mut count = rows.len() as u64; // rows so far (the root's)
+    let mut dirs = vec![(root.borrow().entries(py)?, first)];
     let mut pending = Vec::new();
     while let Some((dir, pino)) = dirs.pop() {
         child_base.set_item(pino, first + count)?;
-        let entries = entries(&dir)?;
-        let entries = entries.borrow();
-        let children = entries.sorted();
+        let mut entries = dir.borrow_mut();
         pending.clear();
-        for (index, &(name, child)) in (2u64..).zip(&children) {
-            let child = child.bind(py);
-            let mut c = child.borrow_mut();
+        for (index, slot) in (2u64..).zip(entries.sorted_slots()) {
+            let (name, child) = entries.at_mut(slot).expect("a live slot");
+            let mut c = child.data_mut(py)?;
             if !c.ino_is(&once) && !c.ino_is(more) {
                 let mark = c.ino_obj(py);
                 drop(c);
@@ -103,22 +94,163 @@ pub fn number_inodes(
             let ino = first + count;
             if c.is_dir() {
                 c.set_ino(ino.into_pyobject(py)?.into_any().unbind());
-                pending.push((child.clone(), ino));
+                pending.push((c.entries(py)?, ino));
             } else if c.ino_is(more) {
                 c.set_ino(ino.into_pyobject(py)?.into_any().unbind());
             }
             drop(c);
-            inodes.append(child)?;
+            rows.push_slot(&dir, slot)?;
             parents.push(pino)?;
             indexes.push(index)?;
             names.push(name)?;
             count += 1;
         }
+        drop(entries);
         dirs.extend(pending.drain(..).rev());
     }
     parents.flush()?;
     indexes.flush()?;
     Ok(())
+}
+
+/// Where a run of rows' inodes are.
+enum Holder {
+    /// slots of a directory's entries (children held inline or objects)
+    Dir(Py<Entries>),
+    /// one row: this object
+    Object(Py<Inode>),
+}
+
+/// `_Numbering.inodes`: row -> inode without an object per inode. A directory's children
+/// numbered together are one run (the directory's entries, and each row's slot in them);
+/// an inode appended from Python is a run of its own. Python code reading a row gets the
+/// `Inode` object (a child held inline is promoted); the extension reads the fields in
+/// place. The tree must not change between numbering and writing (slots would move).
+#[pyclass(module = "btrfs_ublk_native")]
+#[derive(Default)]
+pub struct Rows {
+    runs: Vec<(u32, Holder)>, // (first row, holder), by first row
+    slots: Vec<u32>,          // row -> its slot in its run's entries (0 for an object)
+}
+
+impl Rows {
+    pub(crate) fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    fn next_row(&self) -> PyResult<u32> {
+        u32::try_from(self.slots.len()).map_err(|_| PyValueError::new_err("more than 2**32 inodes"))
+    }
+
+    /// One more row: slot `slot` of `dir`.
+    pub(crate) fn push_slot(&mut self, dir: &Bound<'_, Entries>, slot: u32) -> PyResult<()> {
+        let row = self.next_row()?;
+        let same = matches!(self.runs.last(), Some((_, Holder::Dir(d))) if d.as_ptr() == dir.as_ptr());
+        if !same {
+            self.runs.push((row, Holder::Dir(dir.clone().unbind())));
+        }
+        self.slots.push(slot);
+        Ok(())
+    }
+
+    fn push_object(&mut self, inode: Py<Inode>) -> PyResult<()> {
+        let row = self.next_row()?;
+        self.runs.push((row, Holder::Object(inode)));
+        self.slots.push(0);
+        Ok(())
+    }
+
+    fn holder(&self, row: usize) -> PyResult<(&Holder, u32)> {
+        if row >= self.slots.len() {
+            return Err(PyIndexError::new_err("inode row out of range"));
+        }
+        let run = self.runs.partition_point(|(first, _)| *first as usize <= row) - 1;
+        Ok((&self.runs[run].1, self.slots[row]))
+    }
+
+    /// `f` of row `row`'s fields, read in place.
+    pub(crate) fn with_data<R>(
+        &self,
+        py: Python<'_>,
+        row: usize,
+        f: impl FnOnce(&InodeData) -> PyResult<R>,
+    ) -> PyResult<R> {
+        match self.holder(row)? {
+            (Holder::Object(o), _) => {
+                let inode = o.bind(py).try_borrow()?;
+                f(&inode)
+            }
+            (Holder::Dir(d), slot) => {
+                let entries = d.bind(py).try_borrow()?;
+                let (_, child) = entries
+                    .at(slot)
+                    .ok_or_else(|| PyIndexError::new_err("a numbered entry is gone"))?;
+                let data = child.data(py)?;
+                f(&data)
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl Rows {
+    /// Empty, or the given inodes' rows.
+    #[new]
+    #[pyo3(signature = (inodes=None))]
+    fn new(inodes: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let mut me = Rows::default();
+        if let Some(inodes) = inodes {
+            for inode in inodes.try_iter()? {
+                me.push_object(inode?.cast_into::<Inode>()?.unbind())?;
+            }
+        }
+        Ok(me)
+    }
+
+    fn __len__(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Row `row`'s `Inode` (promoted when held inline: the same object every time).
+    fn __getitem__<'py>(&self, py: Python<'py>, row: isize) -> PyResult<Bound<'py, Inode>> {
+        let n = self.slots.len() as isize;
+        let at = if row < 0 { row + n } else { row };
+        if !(0..n).contains(&at) {
+            return Err(PyIndexError::new_err("inode row out of range"));
+        }
+        match self.holder(at as usize)? {
+            (Holder::Object(o), _) => Ok(o.bind(py).clone()),
+            (Holder::Dir(d), slot) => Ok(d.bind(py).try_borrow_mut()?.object_at(py, slot)?.into_bound(py)),
+        }
+    }
+
+    fn __iter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let me = slf.borrow();
+        let inodes = PyList::empty(py);
+        for row in 0..me.slots.len() as isize {
+            inodes.append(me.__getitem__(py, row)?)?;
+        }
+        inodes.try_iter().map(|i| i.into_any())
+    }
+
+    fn append(&mut self, inode: &Bound<'_, Inode>) -> PyResult<()> {
+        self.push_object(inode.clone().unbind())
+    }
+
+    fn __traverse__(&self, visit: pyo3::gc::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        for (_, h) in &self.runs {
+            match h {
+                Holder::Dir(d) => visit.call(d)?,
+                Holder::Object(o) => visit.call(o)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        *self = Rows::default();
+    }
 }
 
 /// `_Numbering.name`: the first name of each inode, row by row, in one buffer (a `bytes`

@@ -15,8 +15,8 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PySet, PyTuple};
 
-use crate::entries::{entries_new, Entries};
-use crate::inode::{BlobFields, Inode, Payload, ASIDE_MIN, PACK_BITS, S_IFDIR, S_IFLNK, S_IFREG};
+use crate::entries::{entries_new, Child, Entries};
+use crate::inode::{BlobFields, Inode, InodeData, Payload, ASIDE_MIN, PACK_BITS, S_IFDIR, S_IFLNK, S_IFREG};
 use crate::numbering::Names;
 use crate::tar::{is_regular, Content, Rec, Records};
 use crate::Members;
@@ -226,7 +226,13 @@ impl Placer {
         let names = PyList::empty(py);
         for comp in dir {
             let entries = node.borrow().entries(py)?;
-            let Some(child) = entries.borrow().get(comp).map(|c| c.bind(py).clone()) else {
+            // a child held inline is never a directory (`fast` makes directories objects)
+            let Some(child) = entries
+                .borrow()
+                .get(comp)
+                .and_then(|c| c.object())
+                .map(|o| o.bind(py).clone())
+            else {
                 return Ok(false);
             };
             if !child.borrow().is_dir() {
@@ -365,8 +371,14 @@ impl Placer {
             S_IFDIR => Payload::Obj(entries_new(py)?.into_any().unbind()),
             _ => Payload::Obj(PyBytes::new(py, link).into_any().unbind()),
         };
-        let inode = Inode::placed(kind, mode, uid, gid, r.mtime_ns, r.atime_ns, r.ctime_ns, payload);
-        let inode = Bound::new(py, inode)?;
+        let inode = InodeData::placed(kind, mode, uid, gid, r.mtime_ns, r.atime_ns, r.ctime_ns, payload);
+        // a directory is an object (the placer and Python code resolve paths through it);
+        // anything else stays in its directory's entries until Python code asks for it
+        let child = if kind == S_IFDIR {
+            Child::Object(Py::new(py, Inode::from(inode))?)
+        } else {
+            Child::Inline(inode)
+        };
         if let Some(upper) = &call.upper {
             // `LayerContext._mark_upper`: the path and its ancestors, as far as they are new
             let mut path = last_resolved;
@@ -398,7 +410,7 @@ impl Placer {
                 }
             }
         }
-        entries.borrow_mut().insert(name, inode.unbind())?;
+        entries.borrow_mut().insert(py, name, child)?;
         self.placed += 1;
         Ok(true)
     }
