@@ -14,10 +14,10 @@ machine integers, one payload for whatever its type carries (content, symlink
 target, directory entries or device number; a Blob as its four fields), no xattr
 mapping when it has none; a ``Blob`` is one int. A file the native tar placer places
 is no object until Python code reads its entry: its fields stay in its directory's
-``Entries``, and the ``Inode`` made then is the one every later access gives. A directory's ``Entries`` keep their
-names in the extension too, not as a ``bytes`` object and a dict slot each. Sources set
-small files' content aside in a file (``Tree.set_content_aside``) rather than keep it in
-memory.
+``Entries``, and the ``Inode`` made then is the one every later access gives. A
+directory's ``Entries`` keep their names in the extension too, not as a ``bytes``
+object and a dict slot each. Sources set small files' content aside in a file
+(``Tree.set_content_aside``) rather than keep it in memory.
 """
 
 from __future__ import annotations
