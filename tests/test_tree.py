@@ -12,7 +12,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 import pytest
-from btrfs_ublk_native import Names
+from btrfs_ublk_native import Names, Rows
 
 from btrfs_ublk_image import native
 from btrfs_ublk_image.bundle import build_spec
@@ -82,13 +82,20 @@ def test_a_cycle_through_entries_is_collected() -> None:
 
 
 @pytest.mark.unit
-def test_names_column() -> None:
+def test_names_and_rows_columns() -> None:
     names = Names([b"..", b"a"])
     names.append(b"\xffb")
     assert len(names) == 3 and names[2] == b"\xffb" and names[-1] == b"\xffb"
     assert list(names) == [b"..", b"a", b"\xffb"]
-    with pytest.raises(IndexError):
-        names[3]
+    for outside in (3, -4):
+        with pytest.raises(IndexError, match="name row out of range"):
+            names[outside]
+    root, other = new_dir(), new_dir()
+    rows = Rows([root, other])
+    assert len(rows) == 2 and rows[-1] is other and rows[0] is root and rows[-2] is root
+    for outside in (2, -3):
+        with pytest.raises(IndexError, match="inode row out of range"):
+            rows[outside]
 
 
 @pytest.mark.unit

@@ -192,6 +192,15 @@ impl Rows {
     }
 }
 
+/// A Python sequence index (negative from the end) into `len` rows; IndexError outside.
+fn sequence_index(row: isize, len: usize, what: &str) -> PyResult<usize> {
+    let at = if row < 0 { row + len as isize } else { row };
+    if !(0..len as isize).contains(&at) {
+        return Err(PyIndexError::new_err(format!("{what} out of range")));
+    }
+    Ok(at as usize)
+}
+
 #[pymethods]
 impl Rows {
     /// Empty, or the given inodes' rows.
@@ -213,12 +222,7 @@ impl Rows {
 
     /// Row `row`'s `Inode` (promoted when held inline: the same object every time).
     fn __getitem__<'py>(&self, py: Python<'py>, row: isize) -> PyResult<Bound<'py, Inode>> {
-        let n = self.slots.len() as isize;
-        let at = if row < 0 { row + n } else { row };
-        if !(0..n).contains(&at) {
-            return Err(PyIndexError::new_err("inode row out of range"));
-        }
-        match self.holder(at as usize)? {
+        match self.holder(sequence_index(row, self.slots.len(), "inode row")?)? {
             (Holder::Object(o), _) => Ok(o.bind(py).clone()),
             (Holder::Dir(d), slot) => Ok(d.bind(py).try_borrow_mut()?.object_at(py, slot)?.into_bound(py)),
         }
@@ -300,12 +304,10 @@ impl Names {
     }
 
     fn __getitem__<'py>(&self, py: Python<'py>, row: isize) -> PyResult<Bound<'py, PyBytes>> {
-        let n = self.ends.len() as isize;
-        let at = if row < 0 { row + n } else { row };
-        if !(0..n).contains(&at) {
-            return Err(PyIndexError::new_err("name row out of range"));
-        }
-        Ok(PyBytes::new(py, self.get(at as usize)))
+        Ok(PyBytes::new(
+            py,
+            self.get(sequence_index(row, self.ends.len(), "name row")?),
+        ))
     }
 
     fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
