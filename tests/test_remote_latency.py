@@ -33,7 +33,7 @@ IN_VM = os.environ.get("BUI_IN_VM") == "1"
 # the host's load (bench/run --sections latency_vm reports the 200 ms figures); the bound
 # is about waits overlapping, which 400 ms shows without the host's load deciding it. On
 # the host 50 ms: with 20 ms, 16 readers reached 7.6x one reader in a clean-clone CI run
-# beside two other builds (each request's own CPU, ~2-4 ms, is the rest).
+# beside two other builds (0.19 s, where 4 rounds of waits take 0.08 s); 13.5-14.7x at 50 ms.
 DELAY_MS = float(os.environ.get("BUI_LATENCY_MS", "400" if IN_VM else "50"))
 # fuse on the host (root), ublk inside the VM (tests/test_vm.py runs `-m vm` there)
 FRONTENDS = [
