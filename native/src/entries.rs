@@ -19,12 +19,25 @@ use pyo3::PyTraverseError;
 
 use crate::inode::{Inode, InodeData};
 
-/// A slot's child: an `Inode` object, or an inode's fields held here until Python code asks
-/// for it (then they move into a new `Inode` that the slot holds from then on, so every
-/// access gives the same object).
+/// A child to place in a slot: an `Inode` object, or an inode's fields held here until
+/// Python code asks for it (then they move into a new `Inode` that the slot holds from then
+/// on, so every access gives the same object).
 pub(crate) enum Child {
     Inline(InodeData),
     Object(Py<Inode>),
+}
+
+/// A slot's child, read.
+#[derive(Clone, Copy)]
+pub(crate) enum ChildRef<'a> {
+    Inline(&'a InodeData),
+    Object(&'a Py<Inode>),
+}
+
+/// A slot's child, its fields to change.
+pub(crate) enum ChildMut<'a> {
+    Inline(&'a mut InodeData),
+    Object(&'a Py<Inode>),
 }
 
 /// An inode's fields read through either kind of child.
@@ -68,106 +81,143 @@ impl std::ops::DerefMut for DataMut<'_, '_> {
     }
 }
 
-impl Child {
+impl<'a> ChildRef<'a> {
     /// The fields (an object's borrowed: an error while it is borrowed mutably).
-    pub(crate) fn data<'py>(&self, py: Python<'py>) -> PyResult<DataRef<'_, 'py>> {
+    pub(crate) fn data<'py>(self, py: Python<'py>) -> PyResult<DataRef<'a, 'py>> {
         Ok(match self {
-            Child::Inline(d) => DataRef::Inline(d),
-            Child::Object(o) => DataRef::Object(o.bind(py).try_borrow()?),
-        })
-    }
-
-    pub(crate) fn data_mut<'py>(&mut self, py: Python<'py>) -> PyResult<DataMut<'_, 'py>> {
-        Ok(match self {
-            Child::Inline(d) => DataMut::Inline(d),
-            Child::Object(o) => DataMut::Object(o.bind(py).try_borrow_mut()?),
+            ChildRef::Inline(d) => DataRef::Inline(d),
+            ChildRef::Object(o) => DataRef::Object(o.bind(py).try_borrow()?),
         })
     }
 
     /// The object, when the child is one.
-    pub(crate) fn object(&self) -> Option<&Py<Inode>> {
+    pub(crate) fn object(self) -> Option<&'a Py<Inode>> {
         match self {
-            Child::Object(o) => Some(o),
-            Child::Inline(_) => None,
+            ChildRef::Object(o) => Some(o),
+            ChildRef::Inline(_) => None,
+        }
+    }
+
+    fn traverse(self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
+        match self {
+            ChildRef::Inline(d) => d.traverse(visit),
+            ChildRef::Object(o) => visit.call(o),
+        }
+    }
+}
+
+impl<'a> ChildMut<'a> {
+    pub(crate) fn data_mut<'py>(self, py: Python<'py>) -> PyResult<DataMut<'a, 'py>> {
+        Ok(match self {
+            ChildMut::Inline(d) => DataMut::Inline(d),
+            ChildMut::Object(o) => DataMut::Object(o.bind(py).try_borrow_mut()?),
+        })
+    }
+}
+
+/// A slot's child in one word (the slot stays 16 bytes): an object's own pointer (a strong
+/// reference), or with the low bit set, a box from Python's small-object allocator holding
+/// an inline child's fields. A build boxes one per file, and malloc's slower path for so many
+/// small blocks cost more CPU than the `Inode` objects did (pymalloc: no header either, 88
+/// bytes take 96). Both pointers are at least 8-byte aligned, so the bit is free. Dropped
+/// only with the GIL held: it lives in an `Entries` (freed by its dealloc or its methods) or
+/// in code holding the GIL. All of its unsafe code is here.
+pub(crate) struct ChildPtr(NonNull<u8>);
+
+const INLINE: usize = 1;
+
+// SAFETY: it owns its `InodeData` or its reference as a Box or a `Py` would (both Send, Sync)
+unsafe impl Send for ChildPtr {}
+unsafe impl Sync for ChildPtr {}
+
+impl ChildPtr {
+    fn new(_py: Python<'_>, child: Child) -> ChildPtr {
+        match child {
+            Child::Object(o) => {
+                // SAFETY: an object's pointer, not null; the reference moves into the word
+                let p = unsafe { NonNull::new_unchecked(o.into_ptr().cast::<u8>()) };
+                debug_assert_eq!(p.as_ptr() as usize & INLINE, 0);
+                ChildPtr(p)
+            }
+            Child::Inline(d) => {
+                let layout = std::alloc::Layout::new::<InodeData>();
+                // SAFETY: the GIL is held (`_py`); pymalloc's blocks are 16-byte aligned
+                let p = unsafe { pyo3::ffi::PyMem_Malloc(layout.size()) }.cast::<InodeData>();
+                let Some(p) = NonNull::new(p) else {
+                    std::alloc::handle_alloc_error(layout)
+                };
+                // SAFETY: fresh memory of `InodeData`'s size and alignment
+                unsafe { p.as_ptr().write(d) };
+                ChildPtr(p.cast::<u8>().map_addr(|a| a | INLINE))
+            }
+        }
+    }
+
+    /// The inline box, when the word holds one.
+    fn inline(&self) -> Option<NonNull<InodeData>> {
+        let a = self.0.addr().get();
+        (a & INLINE != 0).then(|| {
+            self.0
+                .with_addr(std::num::NonZeroUsize::new(a & !INLINE).expect("a box's address"))
+                .cast::<InodeData>()
+        })
+    }
+
+    /// The object's reference, borrowed from the word (`Py` is one pointer, transparent).
+    fn object(&self) -> &Py<Inode> {
+        debug_assert!(self.inline().is_none());
+        // SAFETY: an untagged word is a `Py<Inode>`'s pointer, owned by this word
+        unsafe { &*(&self.0 as *const NonNull<u8>).cast::<Py<Inode>>() }
+    }
+
+    fn get(&self) -> ChildRef<'_> {
+        match self.inline() {
+            // SAFETY: owned and initialised since `new`
+            Some(p) => ChildRef::Inline(unsafe { p.as_ref() }),
+            None => ChildRef::Object(self.object()),
+        }
+    }
+
+    fn get_mut(&mut self) -> ChildMut<'_> {
+        match self.inline() {
+            // SAFETY: owned and initialised since `new`, borrowed mutably through `self`
+            Some(mut p) => ChildMut::Inline(unsafe { p.as_mut() }),
+            None => ChildMut::Object(self.object()),
         }
     }
 
     /// The child as an `Inode` object, made of its fields when it is held inline.
     fn promote(&mut self, py: Python<'_>) -> PyResult<Py<Inode>> {
-        if let Child::Inline(d) = self {
+        if let ChildMut::Inline(d) = self.get_mut() {
             // the fields move out; an empty inode stands in until the object holds them
             let data = std::mem::replace(d, InodeData::placeholder());
-            *self = Child::Object(Py::new(py, Inode::from(data))?);
+            let o = Py::new(py, Inode::from(data))?;
+            // the box (with the placeholder) goes; the word holds the object from here on
+            *self = ChildPtr::new(py, Child::Object(o));
         }
-        match self {
-            Child::Object(o) => Ok(o.clone_ref(py)),
-            Child::Inline(_) => unreachable!("promoted above"),
-        }
-    }
-
-    fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
-        match self {
-            Child::Inline(d) => d.traverse(visit),
-            Child::Object(o) => visit.call(o),
-        }
+        Ok(self.object().clone_ref(py))
     }
 }
 
-/// A child's box, from Python's small-object allocator: a build makes one per file, and
-/// malloc's slower path for so many small blocks cost more CPU than the `Inode` objects
-/// did (pymalloc: no header either, 88 bytes take 96). Freed only with the GIL held: it
-/// lives in an `Entries` (freed by its dealloc or its methods) or in code holding the GIL.
-pub(crate) struct ChildBox(NonNull<Child>);
-
-// SAFETY: it owns its `Child` as a Box would (a `Child` is Send)
-unsafe impl Send for ChildBox {}
-unsafe impl Sync for ChildBox {}
-
-impl ChildBox {
-    fn new(_py: Python<'_>, child: Child) -> ChildBox {
-        let layout = std::alloc::Layout::new::<Child>();
-        // SAFETY: the GIL is held (`_py`); pymalloc's blocks are 16-byte aligned
-        let p = unsafe { pyo3::ffi::PyMem_Malloc(layout.size()) }.cast::<Child>();
-        let Some(p) = NonNull::new(p) else {
-            std::alloc::handle_alloc_error(layout)
-        };
-        // SAFETY: fresh memory of `Child`'s size and alignment
-        unsafe { p.as_ptr().write(child) };
-        ChildBox(p)
-    }
-}
-
-impl std::ops::Deref for ChildBox {
-    type Target = Child;
-    fn deref(&self) -> &Child {
-        // SAFETY: owned and initialised since `new`
-        unsafe { self.0.as_ref() }
-    }
-}
-
-impl std::ops::DerefMut for ChildBox {
-    fn deref_mut(&mut self) -> &mut Child {
-        // SAFETY: owned and initialised since `new`
-        unsafe { self.0.as_mut() }
-    }
-}
-
-impl Drop for ChildBox {
+impl Drop for ChildPtr {
     fn drop(&mut self) {
-        // SAFETY: owned; dropped with the GIL held (see the type's doc)
-        unsafe {
-            std::ptr::drop_in_place(self.0.as_ptr());
-            pyo3::ffi::PyMem_Free(self.0.as_ptr().cast());
+        match self.inline() {
+            // SAFETY: owned; dropped with the GIL held (see the type's doc)
+            Some(p) => unsafe {
+                std::ptr::drop_in_place(p.as_ptr());
+                pyo3::ffi::PyMem_Free(p.as_ptr().cast());
+            },
+            // SAFETY: the word owns the reference; it is read out once, here
+            None => drop(unsafe { std::ptr::read(self.object()) }),
         }
     }
 }
 
-/// One entry: its name's place in `names`; None once it is removed. A child is boxed: a
-/// slot stays 16 bytes, and an inline child's fields one allocation.
+/// One entry: its name's place in `names`, its child; None once it is removed.
 struct Slot {
     at: u32,
     len: u32,
-    child: Option<ChildBox>,
+    child: Option<ChildPtr>,
 }
 
 #[pyclass(module = "btrfs_ublk_native", subclass)]
@@ -225,8 +275,9 @@ impl Entries {
         self.live
     }
 
-    pub(crate) fn get(&self, name: &[u8]) -> Option<&Child> {
-        self.find(name).and_then(|i| self.slots[i as usize].child.as_deref())
+    pub(crate) fn get(&self, name: &[u8]) -> Option<ChildRef<'_>> {
+        self.find(name)
+            .and_then(|i| self.slots[i as usize].child.as_ref().map(ChildPtr::get))
     }
 
     pub(crate) fn contains(&self, name: &[u8]) -> bool {
@@ -234,19 +285,19 @@ impl Entries {
     }
 
     /// Slot `slot`'s name and child (None: no such slot, or removed).
-    pub(crate) fn at(&self, slot: u32) -> Option<(&[u8], &Child)> {
+    pub(crate) fn at(&self, slot: u32) -> Option<(&[u8], ChildRef<'_>)> {
         let s = self.slots.get(slot as usize)?;
-        Some((slot_name(&self.names, s), s.child.as_deref()?))
+        Some((slot_name(&self.names, s), s.child.as_ref()?.get()))
     }
 
-    pub(crate) fn at_mut(&mut self, slot: u32) -> Option<(&[u8], &mut Child)> {
+    pub(crate) fn at_mut(&mut self, slot: u32) -> Option<(&[u8], ChildMut<'_>)> {
         let s = self.slots.get_mut(slot as usize)?;
-        Some((slot_name(&self.names, s), s.child.as_deref_mut()?))
+        Some((slot_name(&self.names, s), s.child.as_mut()?.get_mut()))
     }
 
     /// Slot `slot`'s child as an `Inode` object (promoted when it is held inline).
     pub(crate) fn object_at(&mut self, py: Python<'_>, slot: u32) -> PyResult<Py<Inode>> {
-        match self.slots.get_mut(slot as usize).and_then(|s| s.child.as_deref_mut()) {
+        match self.slots.get_mut(slot as usize).and_then(|s| s.child.as_mut()) {
             Some(c) => c.promote(py),
             None => Err(PyIndexError::new_err("no entry in this slot")),
         }
@@ -254,10 +305,10 @@ impl Entries {
 
     /// Set `name`'s child: a name already there keeps its place, a new one goes last.
     pub(crate) fn insert(&mut self, py: Python<'_>, name: &[u8], child: Child) -> PyResult<()> {
-        self.insert_box(name, ChildBox::new(py, child))
+        self.insert_ptr(name, ChildPtr::new(py, child))
     }
 
-    fn insert_box(&mut self, name: &[u8], child: ChildBox) -> PyResult<()> {
+    fn insert_ptr(&mut self, name: &[u8], child: ChildPtr) -> PyResult<()> {
         if let Some(i) = self.find(name) {
             self.slots[i as usize].child = Some(child);
             return Ok(());
@@ -281,7 +332,7 @@ impl Entries {
     }
 
     /// Remove `name`; its child, if it was there.
-    pub(crate) fn remove(&mut self, name: &[u8]) -> Option<ChildBox> {
+    pub(crate) fn remove(&mut self, name: &[u8]) -> Option<ChildPtr> {
         let (names, slots) = (&self.names, &self.slots);
         let found = self
             .index
@@ -304,25 +355,25 @@ impl Entries {
         self.live = 0;
         for mut s in old_slots {
             if let Some(child) = s.child.take() {
-                self.insert_box(slot_name(&old_names, &s), child)
+                self.insert_ptr(slot_name(&old_names, &s), child)
                     .expect("smaller than before");
             }
         }
     }
 
     /// (name, child) in insertion order.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], &Child)> {
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&[u8], ChildRef<'_>)> {
         self.slots
             .iter()
-            .filter_map(|s| s.child.as_deref().map(|c| (slot_name(&self.names, s), c)))
+            .filter_map(|s| s.child.as_ref().map(|c| (slot_name(&self.names, s), c.get())))
     }
 
     /// (name, child) in insertion order, the children to change.
-    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (&[u8], &mut Child)> {
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = (&[u8], ChildMut<'_>)> {
         let names = &self.names;
         self.slots.iter_mut().filter_map(move |s| {
             let name = slot_name(names, s);
-            s.child.as_deref_mut().map(|c| (name, c))
+            s.child.as_mut().map(|c| (name, c.get_mut()))
         })
     }
 
@@ -340,7 +391,7 @@ impl Entries {
     }
 
     /// (name, child) sorted by name.
-    pub(crate) fn sorted(&self) -> Vec<(&[u8], &Child)> {
+    pub(crate) fn sorted(&self) -> Vec<(&[u8], ChildRef<'_>)> {
         let mut v: Vec<_> = self.iter().collect();
         v.sort_unstable_by(|a, b| a.0.cmp(b.0));
         v
@@ -443,10 +494,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn an_inline_child_costs_its_fields_and_a_slot_two_words() {
-        // the enum's tag fits in a niche of the fields: a child held inline is one
-        // allocation of the fields' size
-        assert_eq!(std::mem::size_of::<Child>(), std::mem::size_of::<InodeData>());
+    fn a_slot_is_two_words_and_its_child_one() {
+        // an object child is its pointer in the slot, an inline child one box of its fields
+        assert_eq!(std::mem::size_of::<ChildPtr>(), 8);
         assert_eq!(std::mem::size_of::<Slot>(), 16);
     }
 }
