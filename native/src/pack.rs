@@ -1120,7 +1120,7 @@ pub(crate) mod tests {
     #[test]
     fn chunk_digests_match_the_file_through_rollbacks() {
         for seed in 1..=6u64 {
-            let mut rng = Rng(seed * 0x9e37_79b9_7f4a_7c15);
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
             let chunk = [4096u64, 1000, 1 << 20][(seed % 3) as usize];
             let (path, file) = temp_pack(&format!("test-{seed}"));
             let mut core = PackCore::new(file, chunk, seed % 3 != 0);
