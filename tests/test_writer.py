@@ -848,6 +848,22 @@ def test_native_writer_after_the_loop_writes_the_python_ones_bytes(
     packs.abort()
 
 
+def _random_tree(
+    rng: random.Random, files: int, letters: str, depth: int, shared: int, every: tuple[int, int]
+) -> Tree:
+    """``files`` files at random paths up to ``depth`` deep: every ``every[0]``-th one of
+    ``shared`` inodes (hardlinks in several directories), every ``every[1]``-th at a path
+    that later files may make a directory's (directories reached before and after their
+    siblings)."""
+    tree = Tree()
+    inodes = [Inode(FileType.REG) for _ in range(shared)]
+    for i in range(files):
+        path = "/" + "/".join(rng.choice(letters) for _ in range(rng.randint(1, depth)))
+        node = rng.choice(inodes) if i % every[0] == 0 else Inode(FileType.REG)
+        tree.put(f"{path}-{i}" if i % every[1] else path, node, "t")
+    return tree
+
+
 def _numbered(
     tree: Tree, with_native: bool, monkeypatch: pytest.MonkeyPatch, base: Any = None
 ) -> tuple[Any, ...]:
@@ -878,13 +894,7 @@ def test_native_numbering_is_the_python_ones(monkeypatch: pytest.MonkeyPatch) ->
     def numbered(tree: Tree, with_native: bool, base: Any = None) -> tuple[Any, ...]:
         return _numbered(tree, with_native, monkeypatch, base)
 
-    rng = random.Random(5)
-    tree = Tree()
-    shared = [Inode(FileType.REG) for _ in range(20)]
-    for i in range(2000):
-        path = "/" + "/".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 5)))
-        node = rng.choice(shared) if i % 9 == 0 else Inode(FileType.REG)
-        tree.put(f"{path}-{i}" if i % 5 else path, node, "t")  # some directories, files later
+    tree = _random_tree(random.Random(5), 2000, "abcdefgh", 5, 20, (9, 5))
     ours = numbered(tree, True)
     assert ours[5] and ours[6]  # hardlinks, directories
     assert ours == numbered(tree, False)
@@ -964,12 +974,7 @@ def test_native_numbering_on_a_base_is_the_python_ones(monkeypatch: pytest.Monke
     random trees, each numbered on the base its previous version made (renames, removals,
     re-added names, hardlinks split, directories replaced by files and back)."""
     rng = random.Random(7)
-    tree = Tree()
-    shared = [Inode(FileType.REG) for _ in range(30)]
-    for i in range(1500):
-        path = "/" + "/".join(rng.choice("abcdef") for _ in range(rng.randint(1, 4)))
-        node = rng.choice(shared) if i % 7 == 0 else Inode(FileType.REG)
-        tree.put(f"{path}-{i}" if i % 4 else path, node, "t")
+    tree = _random_tree(rng, 1500, "abcdef", 4, 30, (7, 4))
     base = _EMPTY_BASE
     for version in range(4):
         ours = _numbered(tree, True, monkeypatch, base)
