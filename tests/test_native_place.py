@@ -455,3 +455,56 @@ def test_inline_children_cycles_are_collected(
     del once, more, num, tree
     gc.collect()
     assert gone() is None
+
+
+def test_numbering_on_a_base_keeps_children_inline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree placed natively, numbered on a base by the extension (numbering.rs,
+    ``number_on_base``): no ``Inode`` object made for its files, the columns of the Python
+    numbering; and a build on that base makes the Python path's image."""
+    from types import SimpleNamespace
+
+    from btrfs_ublk_image.base import BaseImage
+    from btrfs_ublk_image.btrfs import writer
+
+    def layer(version: int) -> list[tuple[tarfile.TarInfo, bytes]]:
+        members = []
+        for d in range(4):
+            members.append(_e(f"d{d}", kind=tarfile.DIRTYPE))
+            for i in range(50):
+                if (i + d + version) % 9:  # some names gone, some back, some new
+                    members.append(_e(f"d{d}/f{i}-{(i * version) % 3}", data=b"%d" % i * 40))
+        for d in range(4):
+            target = f"d{(d + version) % 4}/f1-{version % 3}"
+            members.append(_e(f"d{d}/h", kind=tarfile.LNKTYPE, link=target))
+        return members
+
+    (tmp_path / "v1.tar").write_bytes(_tar(layer(0)))
+    (tmp_path / "v2.tar").write_bytes(_tar(layer(1)))
+    v1 = _spec(f"tar: {{path: {tmp_path / 'v1.tar'}}}")
+    _placed_tree(tmp_path, v1, monkeypatch)
+    (base_dir,) = tmp_path.glob("out-placed*")
+    v2 = _spec(f"tar: {{path: {tmp_path / 'v2.tar'}}}")
+    _, tree = _placed_tree(tmp_path, v2, monkeypatch)
+    with BaseImage(str(base_dir)) as base:
+        layout = base.layout()
+
+    def columns(num: Any) -> tuple[Any, ...]:
+        return (
+            bytes(num.inos), bytes(num.parent), bytes(num.index), list(num.name),
+            num.more_refs, num.dir_indexes, [id(node) for node in num.inodes],
+        )  # fmt: skip
+
+    before = _inode_objects()
+    ours = writer._number(tree, layout)
+    assert _inode_objects() == before  # its 4 directories and hardlinked files: objects already
+    ours_columns = columns(ours)  # read from Python: promoted
+    with monkeypatch.context() as m:
+        m.setattr(writer, "native", SimpleNamespace(module=lambda: None))
+        assert columns(writer._number(tree, layout)) == ours_columns
+    assert len(ours_columns[3]) > 150 and ours_columns[4]  # rows, hardlinks
+
+    on_base = v2.replace("layers:", f"base: {base_dir}\nlayers:")
+    image_id, _ = _placed_tree(tmp_path, on_base, monkeypatch)
+    assert image_id == _python_id(tmp_path, on_base, monkeypatch)

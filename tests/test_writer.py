@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import io
+import itertools
 import os
 import random
 import struct
@@ -15,7 +17,7 @@ import pytest
 
 from btrfs_ublk_image import blockmap, listing, native
 from btrfs_ublk_image.btrfs import ondisk, treeblocks
-from btrfs_ublk_image.btrfs.writer import WriterOptions
+from btrfs_ublk_image.btrfs.writer import BaseLayout, WriterOptions
 from btrfs_ublk_image.bundle import BuildResult, write_bundle
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.manifest import read_manifest
@@ -728,7 +730,9 @@ def test_native_fs_tree_loop_errors_are_the_python_loops(
 # the extension's pieces of the writer after its fs tree loop: `_number` without a base
 # (numbering.rs), the extent tree's data extent items and the DATA block groups' free
 # ranges (extents.rs), the fs tree's leaf blocks written from the spill file (blocks.rs)
-_AFTER_LOOP = ("number_inodes", "DataExtents", "data_free_ranges", "write_spilled_leaves")
+_AFTER_LOOP = (
+    "number_inodes", "number_on_base", "DataExtents", "data_free_ranges", "write_spilled_leaves",
+)  # fmt: skip
 needs_native_writer = pytest.mark.skipif(
     any(getattr(native.module(), name, None) is None for name in _AFTER_LOOP),
     reason="native extension not built",
@@ -844,35 +848,53 @@ def test_native_writer_after_the_loop_writes_the_python_ones_bytes(
     packs.abort()
 
 
+def _random_tree(
+    rng: random.Random, files: int, letters: str, depth: int, shared: int, every: tuple[int, int]
+) -> Tree:
+    """``files`` files at random paths up to ``depth`` deep: every ``every[0]``-th one of
+    ``shared`` inodes (hardlinks in several directories), every ``every[1]``-th at a path
+    that later files may make a directory's (directories reached before and after their
+    siblings)."""
+    tree = Tree()
+    inodes = [Inode(FileType.REG) for _ in range(shared)]
+    for i in range(files):
+        path = "/" + "/".join(rng.choice(letters) for _ in range(rng.randint(1, depth)))
+        node = rng.choice(inodes) if i % every[0] == 0 else Inode(FileType.REG)
+        tree.put(f"{path}-{i}" if i % every[1] else path, node, "t")
+    return tree
+
+
+def _numbered(
+    tree: Tree, with_native: bool, monkeypatch: pytest.MonkeyPatch, base: Any = None
+) -> tuple[Any, ...]:
+    """``_number``'s columns, natively or by the Python passes (rows as the inodes' ids)."""
+    from types import SimpleNamespace
+
+    from btrfs_ublk_image.btrfs import writer
+
+    with monkeypatch.context() as m:
+        if not with_native:
+            m.setattr(writer, "native", SimpleNamespace(module=lambda: None))
+        num = writer._number(tree, base)
+    rows = [id(node) for node in num.inodes]
+    inos = [node.ino if isinstance(node.ino, int) else None for node in num.inodes]
+    return (
+        rows, inos, bytes(num.parent), bytes(num.index), list(num.name),
+        num.more_refs, num.child_base, num.dir_indexes, num.inos,
+    )  # fmt: skip
+
+
 @pytest.mark.unit
 @needs_native_writer
 def test_native_numbering_is_the_python_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """numbering.rs against ``_number``'s Python passes: the same columns (hardlinks in
     several directories, directories reached before and after their siblings), and the
     same error for a hardlinked directory."""
-    from types import SimpleNamespace
 
-    from btrfs_ublk_image.btrfs import writer
+    def numbered(tree: Tree, with_native: bool, base: Any = None) -> tuple[Any, ...]:
+        return _numbered(tree, with_native, monkeypatch, base)
 
-    def numbered(tree: Tree, with_native: bool) -> tuple[Any, ...]:
-        with monkeypatch.context() as m:
-            if not with_native:
-                m.setattr(writer, "native", SimpleNamespace(module=lambda: None))
-            num = writer._number(tree)
-        rows = [id(node) for node in num.inodes]
-        inos = [node.ino if isinstance(node.ino, int) else None for node in num.inodes]
-        return (
-            rows, inos, bytes(num.parent), bytes(num.index), list(num.name),
-            num.more_refs, num.child_base, num.dir_indexes, num.inos,
-        )  # fmt: skip
-
-    rng = random.Random(5)
-    tree = Tree()
-    shared = [Inode(FileType.REG) for _ in range(20)]
-    for i in range(2000):
-        path = "/" + "/".join(rng.choice("abcdefgh") for _ in range(rng.randint(1, 5)))
-        node = rng.choice(shared) if i % 9 == 0 else Inode(FileType.REG)
-        tree.put(f"{path}-{i}" if i % 5 else path, node, "t")  # some directories, files later
+    tree = _random_tree(random.Random(5), 2000, "abcdefgh", 5, 20, (9, 5))
     ours = numbered(tree, True)
     assert ours[5] and ours[6]  # hardlinks, directories
     assert ours == numbered(tree, False)
@@ -882,8 +904,82 @@ def test_native_numbering_is_the_python_ones(monkeypatch: pytest.MonkeyPatch) ->
     looped.put("/a/sub", sub, "t")
     looped.put("/b/again", sub, "t")
     messages = []
-    for with_native in (True, False):
+    for with_native, base in itertools.product((True, False), (None, _EMPTY_BASE)):
         with pytest.raises(ImageError) as err:
-            numbered(looped, with_native)
+            numbered(looped, with_native, base)
         messages.append(str(err.value))
-    assert messages == ["directory b'sub' appears twice in the tree (hardlinked dir)"] * 2
+    assert messages == ["directory b'sub' appears twice in the tree (hardlinked dir)"] * 4
+
+
+_EMPTY_BASE = BaseLayout(
+    dirs={}, max_ino=0, extents={}, data_chunks=(), data_size=0, meta_start=0, breaks={},
+    offsets={},
+)  # fmt: skip
+
+
+def _as_base(tree: Tree, base: BaseLayout) -> BaseLayout:
+    """``base`` with the numbers and dir indexes ``tree`` gets on it (as base.py reads an
+    image's back), for the next version of the tree."""
+    from btrfs_ublk_image.btrfs import writer
+
+    num = writer._number(tree, base)
+    assert num.inos is not None
+    dirs: dict[int, dict[bytes, tuple[int, int]]] = {}
+    for node, ino in zip(num.inodes, num.inos, strict=True):
+        if node.type is FileType.DIR:
+            entries = node.entries
+            names = sorted(entries)
+            dirs[ino] = {
+                n: (entries[n].ino, i) for n, i in zip(names, num.dir_indexes[ino], strict=True)
+            }
+    return dataclasses.replace(base, dirs=dirs, max_ino=max(num.inos))
+
+
+def _changed(tree: Tree, rng: random.Random) -> None:
+    """Renames, removals, re-added names, hardlinks split and made, directories replaced by
+    files and back, new files."""
+    for i in range(300):
+        paths = [p for p, _ in tree.walk()][1:]
+        path = rng.choice(paths)
+        parent_path, _, name = path.rpartition(b"/")
+        parent = tree.lookup(parent_path or b"/")
+        assert parent is not None
+        node = parent.entries[name]
+        what = rng.randrange(7)
+        if what == 0:  # renamed, maybe into another directory
+            del parent.entries[name]
+            tree.put(rng.choice(paths).rpartition(b"/")[0] + b"/r%d" % i, node, "t")
+        elif what == 1:
+            del parent.entries[name]
+        elif what == 2:  # removed, then a new inode under the same name
+            parent.entries[name] = Inode(FileType.SYMLINK, target=b"x")
+        elif what == 3:  # another name of the same inode (a hardlink) or of a new one
+            if node.type is not FileType.DIR:
+                tree.put(path + b"-h%d" % i, node, "t")
+        elif what == 4:  # a directory replaced by a file, a file by a directory
+            if node.type is FileType.DIR:
+                parent.entries[name] = Inode(FileType.REG)
+            else:
+                tree.put(path + b"/f%d" % i, Inode(FileType.REG), "t")
+        elif what == 5:  # a hardlink split: this name gets an inode of its own
+            parent.entries[name] = Inode(node.type) if node.type is not FileType.DIR else node
+        else:
+            tree.put(path.rpartition(b"/")[0] + b"/n%d" % i, Inode(FileType.FIFO), "t")
+
+
+@pytest.mark.unit
+@needs_native_writer
+def test_native_numbering_on_a_base_is_the_python_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numbering.rs's ``number_on_base`` against ``_number_on_base``: the same columns on
+    random trees, each numbered on the base its previous version made (renames, removals,
+    re-added names, hardlinks split, directories replaced by files and back)."""
+    rng = random.Random(7)
+    tree = _random_tree(rng, 1500, "abcdef", 4, 30, (7, 4))
+    base = _EMPTY_BASE
+    for version in range(4):
+        ours = _numbered(tree, True, monkeypatch, base)
+        assert ours == _numbered(tree, False, monkeypatch, base), version
+        assert ours[5] and len(ours[7]) > 20  # hardlinks, directories
+        base = _as_base(tree, base)
+        _changed(tree, rng)
+        assert _numbered(tree, True, monkeypatch, base)[8] != ours[8]

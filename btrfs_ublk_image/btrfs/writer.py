@@ -2,7 +2,7 @@
 
 Order of work (each step decides the bytes named):
 1. ``_number``: inode numbers (DFS, sorted names; a hardlink reuses its inode),
-   dir indexes, nlink (one native call without a base, native/src/numbering.rs). With a
+   dir indexes, nlink (one native call, native/src/numbering.rs). With a
    base (``BaseLayout``): a path the base has keeps its inode number and dir index, new
    ones come after the base's highest.
 2. ``_DataPlacer``: every distinct ``Blob`` gets extents (<= 128 MiB) at device-2
@@ -227,10 +227,14 @@ def _number(tree: Tree, base: BaseLayout | None = None) -> _Numbering:
     once, more = object(), object()
     root = tree.root
     nat = native.module()
-    if base is None and nat is not None and hasattr(nat, "number_inodes"):
-        # both passes in the extension (native/src/numbering.rs): the same columns and errors
+    # both passes in the extension (native/src/numbering.rs): the same columns and errors
+    if nat is not None and base is None and hasattr(nat, "number_inodes"):
         num = _Numbering(root, once)
         nat.number_inodes(root, num, more)
+        return num
+    if nat is not None and base is not None and hasattr(nat, "number_on_base"):
+        num = _Numbering(root, once)
+        nat.number_on_base(root, num, more, base.dirs, base.max_ino)
         return num
     root.ino = once
     stack = [root]
@@ -289,7 +293,8 @@ def _number_on_base(num: _Numbering, base: BaseLayout, more: object) -> _Numberi
     names, in name order; only numbers the base gave one name), so a renamed or re-added
     file's items stay where the base had them in the fs tree instead of moving to its end;
     other new names get dir indexes after the highest of their directory in the base,
-    their inodes numbers after the base's highest. Same DFS as without a base."""
+    their inodes numbers after the base's highest. Same DFS as without a base. The
+    reference (and ``BUI_NATIVE=0``'s path) for numbering.rs's ``number_on_base``."""
     once, first = num.once, d.FIRST_FREE_OBJECTID
     inodes, parents, indexes, names = num.inodes, num.parent, num.index, num.name
     inos = array("Q", [first])

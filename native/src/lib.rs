@@ -702,6 +702,7 @@ fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(read_tar, m)?)?;
     m.add_function(wrap_pyfunction!(fsitems::fs_tree_items, m)?)?;
     m.add_function(wrap_pyfunction!(numbering::number_inodes, m)?)?;
+    m.add_function(wrap_pyfunction!(numbering::number_on_base, m)?)?;
     m.add_class::<numbering::Names>()?;
     m.add_class::<numbering::Rows>()?;
     m.add_class::<extents::DataExtents>()?;

@@ -1,13 +1,17 @@
-//! `writer._number` without a base (kept as the reference and for `BUI_NATIVE=0`) in one
-//! call: which inodes have more than one name, then inode numbers (DFS, sorted names; a
-//! directory's new children take consecutive numbers when it is reached; a hardlink
-//! reuses its inode's number), dir indexes from 2 in name order, and the first name of
-//! each inode, into a `_Numbering`'s columns. The inodes (inode.rs) are read and marked
-//! through a borrow: no Python code runs per inode.
+//! `writer._number` (kept as the reference and for `BUI_NATIVE=0`) in one call: which
+//! inodes have more than one name, then inode numbers (DFS, sorted names; a directory's new
+//! children take consecutive numbers when it is reached; a hardlink reuses its inode's
+//! number), dir indexes from 2 in name order, and the first name of each inode, into a
+//! `_Numbering`'s columns; on a base (`number_on_base`), `_number_on_base`'s numbers and
+//! dir indexes. The inodes (inode.rs) are read and marked through a borrow: no Python code
+//! runs per inode, and children held inline in their directory's entries stay there.
+
+use std::collections::{HashMap, HashSet};
 
 use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::entries::Entries;
 use crate::fsitems::{image_error, ColumnSink};
@@ -15,28 +19,22 @@ use crate::inode::{Inode, InodeData};
 
 const FIRST_FREE_OBJECTID: u64 = 256;
 
-/// `_number(tree)` for a build without a base: `root` is the tree's root directory, `num`
-/// a fresh `_Numbering(root, once)` whose columns are filled; `more` marks (in `Inode.ino`)
-/// an inode reached under more than one name. Errors as `_number`'s (a hardlinked
-/// directory names the name it was found under the second time). Children held inline in
-/// their directory's entries stay there: a row names their directory and slot.
-#[pyfunction]
-pub fn number_inodes(
+/// Pass 1 of `_number`: which inodes have more than one name (marks of this run: whatever
+/// `ino` held before is overwritten); the same walk as the Python pass, so the same name is
+/// reported for a hardlinked directory.
+fn mark_names(
     py: Python<'_>,
     root: &Bound<'_, Inode>,
-    num: &Bound<'_, PyAny>,
+    once: &Bound<'_, PyAny>,
     more: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
-    let once = num.getattr("once")?;
-    // pass 1: which inodes have more than one name (marks of this run: whatever `ino` held
-    // before is overwritten); the same walk as the Python pass, so the same name is reported
     root.borrow_mut().set_ino(once.clone().unbind());
     let mut stack = vec![root.borrow().entries(py)?];
     while let Some(dir) = stack.pop() {
         let mut entries = dir.borrow_mut();
         for (name, child) in entries.iter_mut() {
             let mut c = child.data_mut(py)?;
-            if c.ino_is(&once) {
+            if c.ino_is(once) {
                 if c.is_dir() {
                     let shown = PyBytes::new(py, name).repr()?;
                     return Err(image_error(
@@ -53,6 +51,43 @@ pub fn number_inodes(
             }
         }
     }
+    Ok(())
+}
+
+/// Another name `(pino, index, name)` of the inode numbered `mark` (`more_refs[mark]`).
+fn add_more_ref(
+    more_refs: &Bound<'_, PyDict>,
+    mark: &Bound<'_, PyAny>,
+    pino: u64,
+    index: u64,
+    name: &[u8],
+) -> PyResult<()> {
+    let py = more_refs.py();
+    let refs = match more_refs.get_item(mark)? {
+        Some(r) => r.cast_into::<PyList>()?,
+        None => {
+            let r = PyList::empty(py);
+            more_refs.set_item(mark, &r)?;
+            r
+        }
+    };
+    refs.append((pino, index, PyBytes::new(py, name)))
+}
+
+/// `_number(tree)` for a build without a base: `root` is the tree's root directory, `num`
+/// a fresh `_Numbering(root, once)` whose columns are filled; `more` marks (in `Inode.ino`)
+/// an inode reached under more than one name. Errors as `_number`'s (a hardlinked
+/// directory names the name it was found under the second time). Children held inline in
+/// their directory's entries stay there: a row names their directory and slot.
+#[pyfunction]
+pub fn number_inodes(
+    py: Python<'_>,
+    root: &Bound<'_, Inode>,
+    num: &Bound<'_, PyAny>,
+    more: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let once = num.getattr("once")?;
+    mark_names(py, root, &once, more)?;
     // pass 2: numbers
     let first = FIRST_FREE_OBJECTID;
     root.borrow_mut().set_ino(first.into_pyobject(py)?.into_any().unbind());
@@ -80,15 +115,7 @@ pub fn number_inodes(
                 let mark = c.ino_obj(py);
                 drop(c);
                 // numbered already: another name of a hardlinked inode
-                let refs = match more_refs.get_item(&mark)? {
-                    Some(r) => r.cast_into::<PyList>()?,
-                    None => {
-                        let r = PyList::empty(py);
-                        more_refs.set_item(&mark, &r)?;
-                        r
-                    }
-                };
-                refs.append((pino, index, PyBytes::new(py, name)))?;
+                add_more_ref(more_refs, &mark, pino, index, name)?;
                 continue;
             }
             let ino = first + count;
@@ -108,6 +135,169 @@ pub fn number_inodes(
         drop(entries);
         dirs.extend(pending.drain(..).rev());
     }
+    parents.flush()?;
+    indexes.flush()?;
+    Ok(())
+}
+
+/// A base directory's entries (name, inode number, dir index), sorted by name.
+fn base_dir(entries: &Bound<'_, PyAny>) -> PyResult<Vec<(Vec<u8>, u64, u64)>> {
+    let mut out = Vec::with_capacity(entries.len()?);
+    for item in entries.call_method0(intern!(entries.py(), "items"))?.try_iter()? {
+        let item = item?;
+        let item = item.cast::<PyTuple>()?;
+        let name = item.get_item(0)?;
+        let (ino, index): (u64, u64) = item.get_item(1)?.extract()?;
+        out.push((name.cast::<PyBytes>()?.as_bytes().to_vec(), ino, index));
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+/// One row of a numbering on a base before the rows are put in number order.
+struct BaseRow {
+    ino: u64,
+    dir: u32,  // the directory's place in `held`
+    slot: u32, // the child's slot in its entries
+    parent: u64,
+    index: u64,
+    name: (usize, usize), // its place in the names' buffer
+}
+
+/// `_number_on_base(num, base, more)` with pass 1 of `_number` before it: `base_dirs` is
+/// `BaseLayout.dirs` (base directory inode -> name -> (inode number, dir index)), `max_ino`
+/// `BaseLayout.max_ino`. The same numbers, dir indexes (`num.dir_indexes`), `more_refs`,
+/// rows in number order (`num.inos`) and errors as the Python function's; every inode's
+/// `ino` holds its number, as there.
+#[pyfunction]
+pub fn number_on_base(
+    py: Python<'_>,
+    root: &Bound<'_, Inode>,
+    num: &Bound<'_, PyAny>,
+    more: &Bound<'_, PyAny>,
+    base_dirs: &Bound<'_, PyAny>,
+    max_ino: u64,
+) -> PyResult<()> {
+    let once = num.getattr("once")?;
+    mark_names(py, root, &once, more)?;
+    let first = FIRST_FREE_OBJECTID;
+    root.borrow_mut().set_ino(first.into_pyobject(py)?.into_any().unbind());
+    // how many names each base inode had: only a number with one is given to a new name
+    let mut named: HashMap<u64, u32> = HashMap::new();
+    for entries in base_dirs.call_method0("values")?.try_iter()? {
+        for was in entries?.call_method0("values")?.try_iter()? {
+            let (ino, _): (u64, u64) = was?.extract()?;
+            *named.entry(ino).or_default() += 1;
+        }
+    }
+    let mut taken: HashSet<u64> = HashSet::from([first]);
+    let mut next_ino = max_ino.max(first) + 1;
+    let more_refs = num.getattr("more_refs")?;
+    let more_refs = more_refs.cast::<PyDict>()?;
+    let dir_indexes = num.getattr("dir_indexes")?;
+    let dir_indexes = dir_indexes.cast::<PyDict>()?;
+    let array = py.import("array")?.getattr("array")?;
+    let mut held: Vec<Bound<'_, Entries>> = Vec::new();
+    let mut rows: Vec<BaseRow> = Vec::new();
+    let mut name_buf: Vec<u8> = Vec::new();
+    let mut dirs = vec![(root.borrow().entries(py)?, first)];
+    let mut pending = Vec::new();
+    let mut dir_index_col: Vec<u8> = Vec::new();
+    while let Some((dir, pino)) = dirs.pop() {
+        let dir_at = u32::try_from(held.len()).map_err(|_| PyValueError::new_err("more than 2**32 directories"))?;
+        held.push(dir.clone());
+        let old_obj = base_dirs.call_method1(intern!(py, "get"), (pino,))?;
+        let old = if old_obj.is_none() {
+            Vec::new()
+        } else {
+            base_dir(&old_obj)?
+        };
+        let mut next_index = old.iter().map(|o| o.2).max().map_or(2, |m| m + 1);
+        let mut entries = dir.borrow_mut();
+        // (number, dir index) of the names this directory lost, popped from the end
+        let mut freed: Vec<(u64, u64)> = old
+            .iter()
+            .filter(|(n, ino, _)| !entries.contains(n) && named.get(ino) == Some(&1))
+            .map(|&(_, ino, index)| (ino, index))
+            .rev()
+            .collect();
+        pending.clear();
+        dir_index_col.clear();
+        for slot in entries.sorted_slots() {
+            let (name, child) = entries.at_mut(slot).expect("a live slot");
+            let was = old
+                .binary_search_by(|o| o.0.as_slice().cmp(name))
+                .ok()
+                .map(|i| (old[i].1, old[i].2));
+            let mut c = child.data_mut(py)?;
+            let numbered = !c.ino_is(&once) && !c.ino_is(more); // another name's inode
+            let mut lost = None;
+            if was.is_none() && !numbered {
+                while freed.last().is_some_and(|f| taken.contains(&f.0)) {
+                    freed.pop();
+                }
+                lost = freed.pop();
+            }
+            let index = match (was, lost) {
+                (Some((_, index)), _) | (None, Some((_, index))) => index,
+                (None, None) => {
+                    next_index += 1;
+                    next_index - 1
+                }
+            };
+            dir_index_col.extend_from_slice(&index.to_ne_bytes());
+            if numbered {
+                let mark = c.ino_obj(py);
+                drop(c);
+                add_more_ref(more_refs, &mark, pino, index, name)?;
+                continue;
+            }
+            let ino = match (was, lost) {
+                (Some((ino, _)), _) if !taken.contains(&ino) => ino,
+                (_, Some((ino, _))) => ino,
+                _ => {
+                    next_ino += 1;
+                    next_ino - 1
+                }
+            };
+            taken.insert(ino);
+            c.set_ino(ino.into_pyobject(py)?.into_any().unbind());
+            if c.is_dir() {
+                pending.push((c.entries(py)?, ino));
+            }
+            drop(c);
+            rows.push(BaseRow {
+                ino,
+                dir: dir_at,
+                slot,
+                parent: pino,
+                index,
+                name: (name_buf.len(), name.len()),
+            });
+            name_buf.extend_from_slice(name);
+        }
+        drop(entries);
+        dir_indexes.set_item(pino, array.call1(("Q", PyBytes::new(py, &dir_index_col)))?)?;
+        dirs.extend(pending.drain(..).rev());
+    }
+    // rows in number order: the fs tree's items are made in that order
+    rows.sort_unstable_by_key(|r| r.ino);
+    num.setattr("inos", array.call1(("Q", PyBytes::new(py, &first.to_ne_bytes())))?)?;
+    let inodes = num.getattr("inodes")?;
+    let mut inodes = inodes.cast::<Rows>()?.borrow_mut();
+    let names = num.getattr("name")?;
+    let mut names = names.cast::<Names>()?.borrow_mut();
+    let mut inos = ColumnSink::new(num.getattr("inos")?)?;
+    let mut parents = ColumnSink::new(num.getattr("parent")?)?;
+    let mut indexes = ColumnSink::new(num.getattr("index")?)?;
+    for r in &rows {
+        inodes.push_slot(&held[r.dir as usize], r.slot)?;
+        inos.push(r.ino)?;
+        parents.push(r.parent)?;
+        indexes.push(r.index)?;
+        names.push(&name_buf[r.name.0..r.name.0 + r.name.1])?;
+    }
+    inos.flush()?;
     parents.flush()?;
     indexes.flush()?;
     Ok(())
