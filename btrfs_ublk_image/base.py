@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 import stat
 from dataclasses import dataclass
+from typing import Any
 
 from btrfs_ublk_image import blockmap as bmap
-from btrfs_ublk_image import patch
+from btrfs_ublk_image import native, patch
 from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.btrfs.layout import Chunk
 from btrfs_ublk_image.btrfs.treeblocks import Breaks
@@ -85,6 +86,8 @@ class BaseImage:
                     bm.packs, fs.dev2.pack_paths, fs.manifest["packs"], strict=True
                 )
             ]
+            # the extension's reader of the packs (None: compressed packs, or no extension)
+            self.native_packs: Any = _native_packs(self.packs, self.chunk_size, first)
             self.blobs, self.extents = self._index()
         except BaseException:
             self.reader.close()
@@ -174,24 +177,21 @@ class BaseImage:
     def _index(self) -> tuple[tuple[Blob, ...], dict[Blob, Extents]]:
         """One pass over the base's files (it reads every byte): ``blobs`` and ``extents``."""
         inodes: set[int] = set()
-        seen: set[Blob] = set()
-        out: list[Blob] = []
-        placed: dict[Blob, Extents] = {}
+        runs: list[tuple[Inode, int, int]] = []  # a file, its pack (new numbering), offset
         for _path, node in self.reader.walk():
             if not stat.S_ISREG(node.item.mode) or node.item.ino in inodes:
                 continue
             inodes.add(node.item.ino)
             where = self._run(node)
-            if where is None:
-                continue
-            pack, offset = where
-            crc = 0
-            try:
-                for piece in self.reader.read_chunks(node):
-                    crc = crc32c(piece, crc, _KEEP_GIL)
-            except ImageError:
+            if where is not None:
+                runs.append((node, where[0] + self.first, where[1]))
+        seen: set[Blob] = set()
+        out: list[Blob] = []
+        placed: dict[Blob, Extents] = {}
+        for (node, pack, offset), crc in zip(runs, self._crcs(runs), strict=True):
+            if crc is None:
                 continue  # a chunk fails its digest: that content is written anew
-            blob = Blob(crc, node.item.size, pack + self.first, offset)
+            blob = Blob(crc, node.item.size, pack, offset)
             if blob not in seen:  # hard links and reflinked copies: one blob
                 seen.add(blob)
                 out.append(blob)
@@ -199,6 +199,26 @@ class BaseImage:
                 if extents is not None:
                     placed[blob] = extents
         return tuple(out), placed
+
+    def _crcs(self, runs: list[tuple[Inode, int, int]]) -> list[int | None]:
+        """Each file's CRC-32C, read through the base's verified chunks (None: a chunk
+        fails its digest)."""
+        if self.native_packs is not None:
+            crcs: list[int | None] = self.native_packs.crcs(
+                [(pack, offset, node.item.size) for node, pack, offset in runs]
+            )
+            return crcs
+        out: list[int | None] = []
+        for node, _pack, _offset in runs:
+            crc = 0
+            try:
+                for piece in self.reader.read_chunks(node):
+                    crc = crc32c(piece, crc, _KEEP_GIL)
+            except ImageError:
+                out.append(None)
+                continue
+            out.append(crc)
+        return out
 
     def _placed(self, node: Inode) -> Extents | None:
         """The file's extents as the writer places a blob: (file offset, logical, disk
@@ -278,6 +298,30 @@ class BaseImage:
         if pos != size or start is None or size == 0:
             return None
         return start
+
+
+def _native_packs(packs: list[BasePack], chunk_size: int, first: int) -> Any:
+    """The extension's reader of the base's packs (native/src/basepacks.rs), numbered from
+    ``first``; None without the extension or where a pack is not stored raw."""
+    nat = native.module()
+    if nat is None:
+        return None
+    for p in packs:
+        stored = p.entry.stored
+        if stored is not None and any(
+            c.zstd
+            or c.offset != i * chunk_size
+            or c.length != min(chunk_size, p.entry.size - c.offset)
+            for i, c in enumerate(stored)
+        ):
+            return None
+    return nat.BasePacks(
+        [p.path for p in packs],
+        [p.entry.size for p in packs],
+        [b"".join(p.entry.chunk_digests) for p in packs],
+        chunk_size,
+        first,
+    )
 
 
 @dataclass(frozen=True, slots=True)

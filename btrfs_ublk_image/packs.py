@@ -164,14 +164,20 @@ class PackWriter:
         # digests in Rust, shared by the native tar reader and every other source
         self.core: Any = None
         self._interned: dict[Blob, Blob] = {}
-        # not with a base image (a base pack's bytes are compared through its verified
-        # chunks, BaseImage.read) nor with btrfs-zstd (pack 0 holds encoded extents, written
-        # by _ExtentSink): the native pack does neither
-        if nat is not None and base is None and compression != "btrfs-zstd":
+        # not with btrfs-zstd (pack 0 holds encoded extents, written by _ExtentSink), nor
+        # with a base whose packs the extension cannot read (compressed chunks: compared
+        # through BaseImage.read)
+        if (
+            nat is not None
+            and compression != "btrfs-zstd"
+            and (base is None or base.native_packs is not None)
+        ):
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
             # streamed content with O_DIRECT (pack.rs), not where the pack is read back
             # whole right after (zstd rewrites every chunk: from the page cache)
             self.core = nat.Pack(fd, chunk_size, compression == "none")
+            if base is not None:
+                self.core.set_base(base.native_packs)
         # read back only with pread on its fd (hashing, dedup): a BufferedWriter on an O_RDWR
         # fd, as a BufferedRandom would lseek(2) (and release the GIL) after every flush
         if self.core is None:
@@ -464,6 +470,7 @@ class PackWriter:
             self._size = core.size
             self._bytes_in += core.bytes_in
             self._bytes_deduped += core.bytes_deduped
+            self.bytes_reused += core.bytes_reused
             self.core = None  # its counters are ours now
             digests = core.finish()
             self._file.close()

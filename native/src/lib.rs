@@ -4,6 +4,7 @@
 //! CRC-32C, deduplication, pack writes, pack chunk digests on their own threads) and hands
 //! back compact member records.
 
+mod basepacks;
 mod blocks;
 mod direct;
 mod entries;
@@ -93,6 +94,17 @@ impl Pack {
     #[getter]
     fn bytes_deduped(&mut self) -> PyResult<u64> {
         Ok(self.core()?.bytes_deduped)
+    }
+
+    #[getter]
+    fn bytes_reused(&mut self) -> PyResult<u64> {
+        Ok(self.core()?.bytes_reused)
+    }
+
+    /// A base image's packs, for byte comparisons of candidates in them.
+    fn set_base(&mut self, base: &basepacks::BasePacks) -> PyResult<()> {
+        self.core()?.set_base(Arc::clone(&base.set));
+        Ok(())
     }
 
     /// An in-place pack's fd, for byte comparisons of candidates in it.
@@ -692,6 +704,7 @@ impl LeafPacker {
 #[pymodule]
 fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pack>()?;
+    m.add_class::<basepacks::BasePacks>()?;
     m.add_class::<Members>()?;
     m.add_class::<place::Placer>()?;
     m.add_class::<inode::Inode>()?;

@@ -20,6 +20,7 @@ use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use crate::basepacks::BasePackSet;
 use crate::direct::{copy_streaming, fence, Aligned, Direct, ALIGN, BLOCK};
 use crate::sha256x4::{self, Lane, LANES};
 use crate::stream::{Buf, Pool, Span};
@@ -344,7 +345,7 @@ fn same_as_read(
     Ok(true)
 }
 
-fn pread_exact(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<()> {
+pub(crate) fn pread_exact(fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<()> {
     let mut done = 0;
     while done < buf.len() {
         // SAFETY: buf is valid for its length
@@ -377,6 +378,7 @@ pub struct Mark {
     remembered: usize,
     bytes_in: u64,
     bytes_deduped: u64,
+    bytes_reused: u64,
     depth: usize, // the hasher's snapshot
 }
 
@@ -385,6 +387,8 @@ pub struct PackCore {
     pub size: u64,
     index: HashMap<u64, Locs>,
     fds: HashMap<u32, RawFd>, // in-place packs (their fds are the Python side's)
+    /// a base image's packs (`build --base`): compared only where their chunks are verified
+    base: Option<Arc<BasePackSet>>,
     /// the uncompressed files of the layers read natively (`begin_layer`), open until the
     /// pack is finished: remembered content is compared where it lies in them
     sources: Vec<File>,
@@ -402,6 +406,8 @@ pub struct PackCore {
     flushed: u64, // write-back started up to here
     pub bytes_in: u64,
     pub bytes_deduped: u64,
+    /// content found in the base image's packs (not written)
+    pub bytes_reused: u64,
     /// keys remembered since the oldest open mark, in order (for a rollback)
     journal: Option<Vec<u64>>,
     scratch: Vec<u8>,
@@ -444,6 +450,7 @@ impl PackCore {
             size: 0,
             index: HashMap::new(),
             fds: HashMap::new(),
+            base: None,
             sources: Vec::new(),
             source: None,
             hasher,
@@ -456,6 +463,7 @@ impl PackCore {
             flushed: 0,
             bytes_in: 0,
             bytes_deduped: 0,
+            bytes_reused: 0,
             journal: None,
             scratch: Vec::new(),
             scratch2: Vec::new(),
@@ -478,9 +486,17 @@ impl PackCore {
         self.fds.insert(pack, fd);
     }
 
+    /// The base image's packs; their content is remembered by the caller (`remember`).
+    pub fn set_base(&mut self, base: Arc<BasePackSet>) {
+        self.base = Some(base);
+    }
+
     fn pack_fd(&self, pack: u32) -> io::Result<RawFd> {
         if pack == 0 {
             return Ok(self.fd());
+        }
+        if let Some(fd) = self.base.as_ref().and_then(|b| b.fd(pack)) {
+            return Ok(fd);
         }
         self.fds
             .get(&pack)
@@ -694,8 +710,31 @@ impl PackCore {
         tail
     }
 
+    /// Whether `size` bytes at `loc` may be compared: not in a base pack, or in chunks that
+    /// match their digests (a corrupt base chunk: not the same bytes, written anew).
+    fn comparable(&self, loc: Loc, size: u64) -> io::Result<bool> {
+        match &self.base {
+            Some(base) if base.holds(loc.0) => base.verified(loc, size),
+            _ => Ok(true),
+        }
+    }
+
+    /// A duplicate of the content at `loc` was found: counted as reused (in the base's
+    /// packs) or deduplicated.
+    fn count_match(&mut self, loc: Loc, size: u64) {
+        if self.base.as_ref().is_some_and(|b| b.holds(loc.0)) {
+            self.bytes_reused += size;
+        } else {
+            self.bytes_deduped += size;
+        }
+    }
+
     /// Are the bytes of `spans` equal to as many bytes at `loc`?
     fn same_as_spans(&mut self, loc: Loc, spans: &[Span]) -> io::Result<bool> {
+        let size: u64 = spans.iter().map(|s| (s.end - s.start) as u64).sum();
+        if !self.comparable(loc, size)? {
+            return Ok(false);
+        }
         self.unstage()?;
         let mut scratch = std::mem::take(&mut self.scratch);
         let same = same_as_read(spans, loc.1, &mut scratch, |buf, at| self.read_at(loc.0, buf, at));
@@ -721,6 +760,9 @@ impl PackCore {
 
     /// Are two ranges of packs equal?
     pub fn same_ranges(&mut self, a: Loc, b: Loc, size: u64) -> io::Result<bool> {
+        if !(self.comparable(a, size)? && self.comparable(b, size)?) {
+            return Ok(false);
+        }
         self.unstage()?;
         let (mut sa, mut sb) = (std::mem::take(&mut self.scratch), std::mem::take(&mut self.scratch2));
         let mut done = 0u64;
@@ -756,7 +798,7 @@ impl PackCore {
         if dedupe {
             for known in self.known(key) {
                 if self.same_as_known(&known, spans)? {
-                    self.bytes_deduped += size;
+                    self.count_match(known.loc(), size);
                     return Ok(Put::Dup(known.loc()));
                 }
             }
@@ -887,7 +929,7 @@ impl PackCore {
                 if self.same_ranges(loc, (0, start), size)? {
                     self.rollback(mark)?;
                     self.bytes_in += size;
-                    self.bytes_deduped += size;
+                    self.count_match(loc, size);
                     return Ok(Put::Dup(loc));
                 }
             }
@@ -932,6 +974,7 @@ impl PackCore {
             remembered,
             bytes_in: self.bytes_in,
             bytes_deduped: self.bytes_deduped,
+            bytes_reused: self.bytes_reused,
             depth,
         }
     }
@@ -980,6 +1023,7 @@ impl PackCore {
         self.flushed = self.flushed.min(mark.size);
         self.bytes_in = mark.bytes_in;
         self.bytes_deduped = mark.bytes_deduped;
+        self.bytes_reused = mark.bytes_reused;
         Ok(())
     }
 
@@ -1029,7 +1073,7 @@ pub(crate) mod tests {
             self.next() % n
         }
 
-        fn bytes(&mut self, n: usize) -> Vec<u8> {
+        pub(crate) fn bytes(&mut self, n: usize) -> Vec<u8> {
             (0..n).map(|_| self.next() as u8).collect()
         }
     }
