@@ -174,8 +174,11 @@ class PackWriter:
         ):
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
             # streamed content with O_DIRECT (pack.rs), not where the pack is read back
-            # whole right after (zstd rewrites every chunk: from the page cache)
-            self.core = nat.Pack(fd, chunk_size, compression == "none")
+            # whole right after (zstd rewrites every chunk: from the page cache), nor on a
+            # base: most content is the base's, found so only after it streamed into the
+            # pack, then compared there and rolled back (through the page cache, it never
+            # reaches the disk)
+            self.core = nat.Pack(fd, chunk_size, compression == "none" and base is None)
             if base is not None:
                 self.core.set_base(base.native_packs)
         # read back only with pread on its fd (hashing, dedup): a BufferedWriter on an O_RDWR
