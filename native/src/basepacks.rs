@@ -25,6 +25,9 @@ use sha2::{Digest, Sha256};
 use crate::os_err;
 use crate::pack::{pread_exact, Loc};
 
+/// What `BasePackSet::visit` hands a range's bytes to, in order.
+type Piece<'a> = dyn FnMut(&[u8]) + 'a;
+
 const UNCHECKED: u8 = 0;
 const GOOD: u8 = 1;
 const BAD: u8 = 2;
@@ -60,50 +63,66 @@ impl BasePackSet {
     /// Whether every chunk holding `len` bytes at `loc` matches its digest (false too when
     /// the range passes the pack's end). Read errors are errors.
     pub fn verified(&self, loc: Loc, len: u64) -> io::Result<bool> {
-        let Some(p) = self.pack(loc.0) else {
-            return Ok(false);
-        };
-        let (offset, cs) = (loc.1, self.chunk_size);
-        if len == 0 || offset.checked_add(len).is_none_or(|end| end > p.size) {
-            return Ok(len == 0);
-        }
-        let mut buf = Vec::new();
-        for index in offset / cs..=(offset + len - 1) / cs {
-            let state = &p.state[index as usize];
-            let known = state.load(Ordering::Relaxed);
-            if known == GOOD {
-                continue;
-            }
-            if known == BAD {
-                return Ok(false);
-            }
-            let start = index * cs;
-            buf.resize(cs.min(p.size - start) as usize, 0);
-            pread_exact(p.file.as_raw_fd(), &mut buf, start)?;
-            let good = <[u8; 32]>::from(Sha256::digest(&buf)) == p.digests[index as usize];
-            state.store(if good { GOOD } else { BAD }, Ordering::Relaxed);
-            if !good {
-                return Ok(false);
-            }
-        }
-        Ok(true)
+        Ok(self.visit(loc, len, &mut Vec::new(), None)?.is_some())
     }
 
     /// The CRC-32C of `len` bytes at `loc`, None where a chunk of them fails its digest.
     fn crc(&self, loc: Loc, len: u64, buf: &mut Vec<u8>) -> io::Result<Option<u32>> {
-        if !self.verified(loc, len)? {
+        let mut crc = 0u32;
+        Ok(self
+            .visit(
+                loc,
+                len,
+                buf,
+                Some(&mut |piece| crc = crc32c::crc32c_append(crc, piece)),
+            )?
+            .map(|()| crc))
+    }
+
+    /// Checks the chunks holding `len` bytes at `loc` (each read once, whole, for its
+    /// digest), and hands `piece` (where there is one) those bytes in order;
+    /// None where a chunk fails its digest or the range passes the pack's end.
+    fn visit(&self, loc: Loc, len: u64, buf: &mut Vec<u8>, mut piece: Option<&mut Piece>) -> io::Result<Option<()>> {
+        let Some(p) = self.pack(loc.0) else {
+            return Ok(None);
+        };
+        let (offset, cs) = (loc.1, self.chunk_size);
+        if len == 0 {
+            return Ok(Some(()));
+        }
+        if offset.checked_add(len).is_none_or(|end| end > p.size) {
             return Ok(None);
         }
-        let fd = self.fd(loc.0).expect("verified: a base pack");
-        let (mut crc, mut done) = (0u32, 0u64);
-        while done < len {
-            let n = (len - done).min(1 << 20) as usize;
-            buf.resize(n, 0);
-            pread_exact(fd, buf, loc.1 + done)?;
-            crc = crc32c::crc32c_append(crc, buf);
-            done += n as u64;
+        let fd = p.file.as_raw_fd();
+        let end = offset + len;
+        for index in offset / cs..=(end - 1) / cs {
+            let start = index * cs;
+            let (from, to) = (offset.max(start), end.min(start + cs));
+            let state = &p.state[index as usize];
+            match state.load(Ordering::Relaxed) {
+                GOOD => {
+                    if let Some(piece) = piece.as_mut() {
+                        buf.resize((to - from) as usize, 0);
+                        pread_exact(fd, buf, from)?;
+                        piece(buf);
+                    }
+                }
+                BAD => return Ok(None),
+                _ => {
+                    buf.resize(cs.min(p.size - start) as usize, 0);
+                    pread_exact(fd, buf, start)?;
+                    let good = <[u8; 32]>::from(Sha256::digest(&buf[..])) == p.digests[index as usize];
+                    state.store(if good { GOOD } else { BAD }, Ordering::Relaxed);
+                    if !good {
+                        return Ok(None);
+                    }
+                    if let Some(piece) = piece.as_mut() {
+                        piece(&buf[(from - start) as usize..(to - start) as usize]);
+                    }
+                }
+            }
         }
-        Ok(Some(crc))
+        Ok(Some(()))
     }
 }
 
@@ -156,11 +175,37 @@ impl BasePacks {
     /// fails its digest (that content is not indexed: it is written anew).
     fn crcs(&self, py: Python<'_>, runs: Vec<(u32, u64, u64)>) -> PyResult<Vec<Option<u32>>> {
         let set = &self.set;
+        // on as many threads as there are CPUs (up to 4), each taking the next file (files in
+        // walk order: a chunk's small files are mostly taken one after another)
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(4));
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let runs = &runs;
         py.detach(|| {
-            let mut buf = Vec::new();
-            runs.iter()
-                .map(|&(pack, offset, size)| set.crc((pack, offset), size, &mut buf))
-                .collect::<io::Result<Vec<_>>>()
+            let mut out = vec![None; runs.len()];
+            std::thread::scope(|scope| -> io::Result<()> {
+                let workers: Vec<_> = (0..threads)
+                    .map(|_| {
+                        scope.spawn(|| {
+                            let (mut buf, mut done) = (Vec::new(), Vec::new());
+                            loop {
+                                let i = next.fetch_add(1, Ordering::Relaxed);
+                                let Some(&(pack, offset, size)) = runs.get(i) else {
+                                    return Ok(done);
+                                };
+                                done.push((i, set.crc((pack, offset), size, &mut buf)?));
+                            }
+                        })
+                    })
+                    .collect();
+                for worker in workers {
+                    let done: io::Result<Vec<_>> = worker.join().expect("a CRC thread panicked");
+                    for (i, crc) in done? {
+                        out[i] = crc;
+                    }
+                }
+                Ok(())
+            })?;
+            Ok(out)
         })
         .map_err(os_err)
     }
