@@ -68,9 +68,11 @@ class BaseImage:
         self.bundle = os.path.abspath(bundle)
         if not os.path.isdir(self.bundle):
             raise ImageError(f"{bundle}: base is not a bundle directory")
-        self.reader = BundleReader(self.bundle)
+        # the reader's objects (one per base inode) live while the base is indexed; the
+        # build keeps the filesystem (its packs' verified chunks) and the index
+        reader = BundleReader(self.bundle)
+        self.fs = fs = reader.fs
         try:
-            fs = self.reader.fs
             self.image_id = fs.image_id
             self.first = first
             bm = fs.dev2.bm
@@ -88,13 +90,14 @@ class BaseImage:
             ]
             # the extension's reader of the packs (None: compressed packs, or no extension)
             self.native_packs: Any = _native_packs(self.packs, self.chunk_size, first)
-            self.blobs, self.extents = self._index()
+            self.blobs, self.extents = self._index(reader)
+            self._layout = self._make_layout(reader)
         except BaseException:
-            self.reader.close()
+            fs.close()
             raise
 
     def close(self) -> None:
-        self.reader.close()
+        self.fs.close()
 
     def __enter__(self) -> BaseImage:
         return self
@@ -104,14 +107,14 @@ class BaseImage:
 
     def read(self, pack: int, offset: int, length: int) -> bytes:
         """Bytes of base pack ``pack`` (numbered in the new bundle), from verified chunks."""
-        return self.reader.fs.dev2.pack_bytes(pack - self.first, offset, length)
+        return self.fs.dev2.pack_bytes(pack - self.first, offset, length)
 
     def _trees(
         self, meta_start: int
     ) -> tuple[dict[int, Breaks], dict[tuple[int, int, d.Key], int]]:
         """Per tree, the first keys of its blocks level by level; per block (tree id,
         level, first key), its address - ``meta_start`` where the writer could keep it."""
-        fs = self.reader.fs
+        fs = self.fs
         meta_size = os.path.getsize(fs.meta_path)
         breaks: dict[int, Breaks] = {}
         offsets: dict[tuple[int, int, d.Key], int] = {}
@@ -129,7 +132,7 @@ class BaseImage:
         METADATA chunk, in meta.img, a whole block after the start of metadata (a base made
         otherwise lends its breaks, not such an address)."""
         try:
-            chunk, devid, physical = self.reader.fs.map_logical(bytenr, d.NODESIZE)
+            chunk, devid, physical = self.fs.map_logical(bytenr, d.NODESIZE)
         except ImageError:
             return False
         return (
@@ -144,12 +147,15 @@ class BaseImage:
         """What the writer keeps of the base (``writer.BaseLayout``): inode numbers and dir
         indexes by path, ``extents``, the DATA chunks, where metadata starts, and where each
         tree's blocks begin and their addresses."""
-        fs = self.reader.fs
+        return self._layout
+
+    def _make_layout(self, reader: BundleReader) -> BaseLayout:
+        fs = self.fs
         if fs.root_dirid != d.FIRST_FREE_OBJECTID:
             raise ImageError(f"{fs.meta_path}: root directory is inode {fs.root_dirid}, not 256")
         dirs = {
             ino: {e.name: (e.ino, e.index) for e in node.entries}
-            for ino, node in self.reader.inodes.items()
+            for ino, node in reader.inodes.items()
             if node.is_dir
         }
         data = [
@@ -165,7 +171,7 @@ class BaseImage:
         breaks, offsets = self._trees(meta_start)
         return BaseLayout(
             dirs=dirs,
-            max_ino=max(self.reader.inodes),
+            max_ino=max(reader.inodes),
             extents=self.extents,
             data_chunks=data,
             data_size=fs.dev2.bm.device_size,
@@ -174,11 +180,11 @@ class BaseImage:
             offsets=offsets,
         )
 
-    def _index(self) -> tuple[tuple[Blob, ...], dict[Blob, Extents]]:
+    def _index(self, reader: BundleReader) -> tuple[tuple[Blob, ...], dict[Blob, Extents]]:
         """One pass over the base's files (it reads every byte): ``blobs`` and ``extents``."""
         inodes: set[int] = set()
         runs: list[tuple[Inode, int, int]] = []  # a file, its pack (new numbering), offset
-        for _path, node in self.reader.walk():
+        for _path, node in reader.walk():
             if not stat.S_ISREG(node.item.mode) or node.item.ino in inodes:
                 continue
             inodes.add(node.item.ino)
@@ -188,7 +194,7 @@ class BaseImage:
         seen: set[Blob] = set()
         out: list[Blob] = []
         placed: dict[Blob, Extents] = {}
-        for (node, pack, offset), crc in zip(runs, self._crcs(runs), strict=True):
+        for (node, pack, offset), crc in zip(runs, self._crcs(reader, runs), strict=True):
             if crc is None:
                 continue  # a chunk fails its digest: that content is written anew
             blob = Blob(crc, node.item.size, pack, offset)
@@ -200,7 +206,7 @@ class BaseImage:
                     placed[blob] = extents
         return tuple(out), placed
 
-    def _crcs(self, runs: list[tuple[Inode, int, int]]) -> list[int | None]:
+    def _crcs(self, reader: BundleReader, runs: list[tuple[Inode, int, int]]) -> list[int | None]:
         """Each file's CRC-32C, read through the base's verified chunks (None: a chunk
         fails its digest)."""
         if self.native_packs is not None:
@@ -212,7 +218,7 @@ class BaseImage:
         for node, _pack, _offset in runs:
             crc = 0
             try:
-                for piece in self.reader.read_chunks(node):
+                for piece in reader.read_chunks(node):
                     crc = crc32c(piece, crc, _KEEP_GIL)
             except ImageError:
                 out.append(None)
@@ -240,7 +246,7 @@ class BaseImage:
             ):
                 return None
             try:
-                _chunk, devid, physical = self.reader.fs.map_logical(ext.disk_bytenr, disk)
+                _chunk, devid, physical = self.fs.map_logical(ext.disk_bytenr, disk)
             except ImageError:
                 return None
             if devid != 2:
@@ -254,7 +260,7 @@ class BaseImage:
     def _run(self, node: Inode) -> tuple[int, int] | None:
         """(base pack, offset) when the file's bytes are one run of one pack, else None."""
         size = node.item.size
-        fs = self.reader.fs
+        fs = self.fs
         bm = fs.dev2.bm
         pos = 0
         at: tuple[int, int] | None = None  # the pack and offset of file byte `pos`

@@ -442,7 +442,12 @@ def _write_patches(
         if not isinstance(want, dict) or got != {k: want.get(k) for k in got}:
             raise ImageError(f"{src_path}: differs from {base_where} (a corrupt base)")
         new = read_bundle_file(os.path.join(tmp, name))
-        data = patch.make(ref, new, block_forms=patch.in_block_form(manifest, name))
+        if patch.in_block_form(manifest, name):
+            # the files' own bytes (2 x 64 MiB for the synthetic set) freed before zstd's
+            # tables are made
+            ref, new = patch.block_form(ref), patch.block_form(new)
+        data = patch.make(ref, new)
+        del ref, new
         with open(os.path.join(tmp, patch.patch_path(name)), "wb") as f:
             f.write(data)
         syncer.start(os.path.join(tmp, patch.patch_path(name)))
