@@ -97,6 +97,7 @@ class BaseImage:
             raise
 
     def close(self) -> None:
+        self.native_packs = None  # its files close with the pack's reference too
         self.fs.close()
 
     def __enter__(self) -> BaseImage:

@@ -8,6 +8,8 @@
 //! A chunk is checked and then read again by `pread`. A pack file that changes in between
 //! cannot make a wrong image: the new bundle holds the same file (a hard link, else a copy
 //! made later), with the base's digests, so a changed chunk fails its digest at every read.
+//! A read of a base pack that fails (the file cut short since) counts as a chunk that fails
+//! its digest: its content is not the base's, and is written anew.
 //!
 //! Only packs stored raw (chunk `i` at `i * chunk_size`) are opened here; a base with a
 //! compressed pack keeps the Python path (base.py, packs.py).
@@ -61,37 +63,35 @@ impl BasePackSet {
     }
 
     /// Whether every chunk holding `len` bytes at `loc` matches its digest (false too when
-    /// the range passes the pack's end). Read errors are errors.
-    pub fn verified(&self, loc: Loc, len: u64) -> io::Result<bool> {
-        Ok(self.visit(loc, len, &mut Vec::new(), None)?.is_some())
+    /// the range passes the pack's end or cannot be read).
+    pub fn verified(&self, loc: Loc, len: u64) -> bool {
+        self.visit(loc, len, &mut Vec::new(), None).is_some()
     }
 
     /// The CRC-32C of `len` bytes at `loc`, None where a chunk of them fails its digest.
-    fn crc(&self, loc: Loc, len: u64, buf: &mut Vec<u8>) -> io::Result<Option<u32>> {
+    fn crc(&self, loc: Loc, len: u64, buf: &mut Vec<u8>) -> Option<u32> {
         let mut crc = 0u32;
-        Ok(self
-            .visit(
-                loc,
-                len,
-                buf,
-                Some(&mut |piece| crc = crc32c::crc32c_append(crc, piece)),
-            )?
-            .map(|()| crc))
+        self.visit(
+            loc,
+            len,
+            buf,
+            Some(&mut |piece| crc = crc32c::crc32c_append(crc, piece)),
+        )?;
+        Some(crc)
     }
 
     /// Checks the chunks holding `len` bytes at `loc` (each read once, whole, for its
     /// digest), and hands `piece` (where there is one) those bytes in order;
-    /// None where a chunk fails its digest or the range passes the pack's end.
-    fn visit(&self, loc: Loc, len: u64, buf: &mut Vec<u8>, mut piece: Option<&mut Piece>) -> io::Result<Option<()>> {
-        let Some(p) = self.pack(loc.0) else {
-            return Ok(None);
-        };
+    /// None where a chunk fails its digest, cannot be read (the file changed since it was
+    /// opened: not the base's bytes, as a failed digest) or the range passes the pack's end.
+    fn visit(&self, loc: Loc, len: u64, buf: &mut Vec<u8>, mut piece: Option<&mut Piece>) -> Option<()> {
+        let p = self.pack(loc.0)?;
         let (offset, cs) = (loc.1, self.chunk_size);
         if len == 0 {
-            return Ok(Some(()));
+            return Some(());
         }
         if offset.checked_add(len).is_none_or(|end| end > p.size) {
-            return Ok(None);
+            return None;
         }
         let fd = p.file.as_raw_fd();
         let end = offset + len;
@@ -103,18 +103,20 @@ impl BasePackSet {
                 GOOD => {
                     if let Some(piece) = piece.as_mut() {
                         buf.resize((to - from) as usize, 0);
-                        pread_exact(fd, buf, from)?;
+                        if pread_exact(fd, buf, from).is_err() {
+                            return None;
+                        }
                         piece(buf);
                     }
                 }
-                BAD => return Ok(None),
+                BAD => return None,
                 _ => {
                     buf.resize(cs.min(p.size - start) as usize, 0);
-                    pread_exact(fd, buf, start)?;
-                    let good = <[u8; 32]>::from(Sha256::digest(&buf[..])) == p.digests[index as usize];
+                    let good = pread_exact(fd, buf, start).is_ok()
+                        && <[u8; 32]>::from(Sha256::digest(&buf[..])) == p.digests[index as usize];
                     state.store(if good { GOOD } else { BAD }, Ordering::Relaxed);
                     if !good {
-                        return Ok(None);
+                        return None;
                     }
                     if let Some(piece) = piece.as_mut() {
                         piece(&buf[(from - start) as usize..(to - start) as usize]);
@@ -122,7 +124,7 @@ impl BasePackSet {
                 }
             }
         }
-        Ok(Some(()))
+        Some(())
     }
 }
 
@@ -172,8 +174,8 @@ impl BasePacks {
     }
 
     /// Per run (pack, offset, size): the CRC-32C of its bytes, None where a chunk of them
-    /// fails its digest (that content is not indexed: it is written anew).
-    fn crcs(&self, py: Python<'_>, runs: Vec<(u32, u64, u64)>) -> PyResult<Vec<Option<u32>>> {
+    /// fails its digest or cannot be read (that content is not indexed: it is written anew).
+    fn crcs(&self, py: Python<'_>, runs: Vec<(u32, u64, u64)>) -> Vec<Option<u32>> {
         let set = &self.set;
         // on as many threads as there are CPUs (up to 4), each taking the next file (files in
         // walk order: a chunk's small files are mostly taken one after another)
@@ -182,7 +184,7 @@ impl BasePacks {
         let runs = &runs;
         py.detach(|| {
             let mut out = vec![None; runs.len()];
-            std::thread::scope(|scope| -> io::Result<()> {
+            std::thread::scope(|scope| {
                 let workers: Vec<_> = (0..threads)
                     .map(|_| {
                         scope.spawn(|| {
@@ -190,24 +192,21 @@ impl BasePacks {
                             loop {
                                 let i = next.fetch_add(1, Ordering::Relaxed);
                                 let Some(&(pack, offset, size)) = runs.get(i) else {
-                                    return Ok(done);
+                                    return done;
                                 };
-                                done.push((i, set.crc((pack, offset), size, &mut buf)?));
+                                done.push((i, set.crc((pack, offset), size, &mut buf)));
                             }
                         })
                     })
                     .collect();
                 for worker in workers {
-                    let done: io::Result<Vec<_>> = worker.join().expect("a CRC thread panicked");
-                    for (i, crc) in done? {
+                    for (i, crc) in worker.join().expect("a CRC thread panicked") {
                         out[i] = crc;
                     }
                 }
-                Ok(())
-            })?;
-            Ok(out)
+            });
+            out
         })
-        .map_err(os_err)
     }
 }
 
@@ -247,20 +246,27 @@ mod tests {
         let data = rng.bytes(10 * 4096 + 100);
         let (path, set) = pack_set(&data, 4096, 3, "base-verify");
         assert!(set.holds(3) && !set.holds(2) && !set.holds(4));
-        assert!(!set.verified((2, 0), 1).unwrap()); // not a base pack
-        assert!(set.verified((3, 4000), 200).unwrap()); // chunks 0 and 1
-        assert!(!set.verified((3, data.len() as u64 - 10), 11).unwrap()); // past the end
-        assert!(set.verified((3, 40960), 100).unwrap()); // the short last chunk
-                                                         // chunk 5 changed on disk: unchecked chunks read it as it is now
+        assert!(!set.verified((2, 0), 1)); // not a base pack
+        assert!(set.verified((3, 4000), 200)); // chunks 0 and 1
+        assert!(!set.verified((3, data.len() as u64 - 10), 11)); // past the end
+        assert!(set.verified((3, 40960), 100)); // the short last chunk
+
+        // chunk 5 changed on disk: unchecked chunks read it as it is now
         let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         file.write_all_at(b"x", 5 * 4096 + 17).unwrap();
-        assert!(!set.verified((3, 5 * 4096 - 1), 2).unwrap());
-        assert!(!set.verified((3, 6 * 4096 - 1), 1).unwrap()); // checked once: still bad
-        assert!(set.verified((3, 6 * 4096), 4096).unwrap());
+        assert!(!set.verified((3, 5 * 4096 - 1), 2));
+        assert!(!set.verified((3, 6 * 4096 - 1), 1)); // checked once: still bad
+        assert!(set.verified((3, 6 * 4096), 4096));
         let mut buf = Vec::new();
         let whole = crc32c::crc32c(&data[4096..3 * 4096]);
-        assert_eq!(set.crc((3, 4096), 2 * 4096, &mut buf).unwrap(), Some(whole));
-        assert_eq!(set.crc((3, 4 * 4096), 2 * 4096, &mut buf).unwrap(), None);
+        assert_eq!(set.crc((3, 4096), 2 * 4096, &mut buf), Some(whole));
+        assert_eq!(set.crc((3, 4 * 4096), 2 * 4096, &mut buf), None);
+        // the file cut short since it was opened: unchecked chunks past its end fail, a
+        // checked one's bytes cannot be read (not the base's bytes either), neither errs
+        file.set_len(7 * 4096).unwrap();
+        assert!(!set.verified((3, 8 * 4096), 10));
+        assert!(set.verified((3, 6 * 4096), 10)); // checked before: no read
+        assert_eq!(set.crc((3, 6 * 4096 + 10), 4096, &mut buf), None);
         std::fs::remove_file(&path).unwrap();
     }
 }

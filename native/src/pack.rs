@@ -712,10 +712,20 @@ impl PackCore {
 
     /// Whether `size` bytes at `loc` may be compared: not in a base pack, or in chunks that
     /// match their digests (a corrupt base chunk: not the same bytes, written anew).
-    fn comparable(&self, loc: Loc, size: u64) -> io::Result<bool> {
+    fn comparable(&self, loc: Loc, size: u64) -> bool {
         match &self.base {
             Some(base) if base.holds(loc.0) => base.verified(loc, size),
-            _ => Ok(true),
+            _ => true,
+        }
+    }
+
+    /// A compare that read `pack`: where that is a base pack whose read failed, not the
+    /// same bytes (its file changed since its chunks were checked: the content is written
+    /// anew, as where a chunk fails its digest).
+    fn unless_base_unread(&self, pack: u32, same: io::Result<bool>) -> io::Result<bool> {
+        match same {
+            Err(_) if self.base.as_ref().is_some_and(|b| b.holds(pack)) => Ok(false),
+            same => same,
         }
     }
 
@@ -732,14 +742,14 @@ impl PackCore {
     /// Are the bytes of `spans` equal to as many bytes at `loc`?
     fn same_as_spans(&mut self, loc: Loc, spans: &[Span]) -> io::Result<bool> {
         let size: u64 = spans.iter().map(|s| (s.end - s.start) as u64).sum();
-        if !self.comparable(loc, size)? {
+        if !self.comparable(loc, size) {
             return Ok(false);
         }
         self.unstage()?;
         let mut scratch = std::mem::take(&mut self.scratch);
         let same = same_as_read(spans, loc.1, &mut scratch, |buf, at| self.read_at(loc.0, buf, at));
         self.scratch = scratch;
-        same
+        self.unless_base_unread(loc.0, same)
     }
 
     /// Are the bytes of `spans` equal to the remembered content's? Compared in its source
@@ -760,7 +770,7 @@ impl PackCore {
 
     /// Are two ranges of packs equal?
     pub fn same_ranges(&mut self, a: Loc, b: Loc, size: u64) -> io::Result<bool> {
-        if !(self.comparable(a, size)? && self.comparable(b, size)?) {
+        if !(self.comparable(a, size) && self.comparable(b, size)) {
             return Ok(false);
         }
         self.unstage()?;
@@ -771,12 +781,17 @@ impl PackCore {
             let n = (COMPARE_STEP as u64).min(size - done) as usize;
             sa.resize(n, 0);
             sb.resize(n, 0);
-            if let Err(e) = self
-                .read_at(a.0, &mut sa[..n], a.1 + done)
-                .and_then(|()| self.read_at(b.0, &mut sb[..n], b.1 + done))
-            {
-                same = Err(e);
-                break;
+            let read = self.read_at(a.0, &mut sa[..n], a.1 + done).map(|()| true);
+            let read = match self.unless_base_unread(a.0, read) {
+                Ok(true) => self.read_at(b.0, &mut sb[..n], b.1 + done).map(|()| true),
+                other => other,
+            };
+            match self.unless_base_unread(b.0, read) {
+                Ok(true) => {}
+                other => {
+                    same = other;
+                    break;
+                }
             }
             if sa[..n] != sb[..n] {
                 same = Ok(false);
