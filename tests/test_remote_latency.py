@@ -35,6 +35,12 @@ IN_VM = os.environ.get("BUI_IN_VM") == "1"
 # the host 50 ms: with 20 ms, 16 readers reached 7.6x one reader in a clean-clone CI run
 # beside two other builds (0.19 s, where 4 rounds of waits take 0.08 s); 13.5-14.7x at 50 ms.
 DELAY_MS = float(os.environ.get("BUI_LATENCY_MS", "400" if IN_VM else "50"))
+# a timed run again (fresh chunks, a fresh cold mount) up to this many times before the
+# bound fails: under TCG the guest's CPU, and so a run's non-waiting part, varies with the
+# host's load (16 readers 7.5x one reader at 400 ms, a cached read 5.47 ms once, in a
+# clean-clone CI run that passed both before); serialised misses fail every attempt (~1x
+# and ~DELAY_MS)
+ATTEMPTS = 3
 # fuse on the host (root), ublk inside the VM (tests/test_vm.py runs `-m vm` there)
 FRONTENDS = [
     pytest.param("fuse", marks=pytest.mark.root),
@@ -118,10 +124,10 @@ def timed_readers(path: Path, readers: int) -> float:
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_sixteen_readers_overlap(remote: Remote, frontend: str, tmp_path: Path) -> None:
-    def cold(readers: int) -> float:
-        mnt = tmp_path / f"mnt{readers}"
+    def cold(readers: int, attempt: int = 0) -> float:
+        mnt = tmp_path / f"mnt{readers}-{attempt}"
         mnt.mkdir()
-        cache = tmp_path / f"cache{readers}"
+        cache = tmp_path / f"cache{readers}-{attempt}"
         subprocess.run(
             ["ublkd", "mount", remote.url, str(mnt), "--frontend", frontend,
              "--readahead", "0", "--no-prefetch", "--cache-dir", str(cache)],
@@ -134,6 +140,10 @@ def test_sixteen_readers_overlap(remote: Remote, frontend: str, tmp_path: Path) 
 
     one = cold(1)
     sixteen = cold(16)
+    for attempt in range(1, ATTEMPTS):
+        if one / sixteen >= 8:
+            break
+        sixteen = min(sixteen, cold(16, attempt))
     assert one >= CHUNKS * DELAY_MS / 1000  # one fetch at a time, each DELAY_MS late
     print(f"1 reader {one:.2f} s, 16 readers {sixteen:.2f} s: {one / sixteen:.1f}x")
     assert one / sixteen >= 8, f"1 reader {one:.2f} s, 16 readers {sixteen:.2f} s"
@@ -143,13 +153,17 @@ def test_sixteen_readers_overlap(remote: Remote, frontend: str, tmp_path: Path) 
 def test_cached_read_does_not_wait_behind_a_miss(mounted: Path, frontend: str) -> None:
     offs = offsets()
     read_direct(mounted, offs[:1])  # chunk 0 is cached now
-    # a miss in flight (DELAY_MS late), then a read of the cached chunk
-    miss = threading.Thread(target=read_direct, args=(mounted, offs[1:2]))
-    miss.start()
-    # until the miss waits in preadv (GIL released: its Python start-up would otherwise hold
-    # the GIL across a timed read, under TCG for milliseconds); a quarter of its delay
-    time.sleep(DELAY_MS / 4000)
-    latencies: list[float] = []
-    read_direct(mounted, offs[:1] * 5, latencies)
-    miss.join()
+    for attempt in range(ATTEMPTS):
+        # a miss in flight (DELAY_MS late, a chunk not read before), then reads of the
+        # cached chunk
+        miss = threading.Thread(target=read_direct, args=(mounted, [offs[1 + attempt]]))
+        miss.start()
+        # until the miss waits in preadv (GIL released: its Python start-up would otherwise
+        # hold the GIL across a timed read, under TCG for milliseconds); a quarter of its delay
+        time.sleep(DELAY_MS / 4000)
+        latencies: list[float] = []
+        read_direct(mounted, offs[:1] * 5, latencies)
+        miss.join()
+        if max(latencies) < 0.005:
+            break
     assert max(latencies) < 0.005, latencies
