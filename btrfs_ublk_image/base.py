@@ -31,7 +31,7 @@ from btrfs_ublk_image.btrfs.writer import BaseLayout
 from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.manifest import BLOCKMAP, MANIFEST, read_bundle_file, read_manifest
-from btrfs_ublk_image.reader import BundleReader, Inode
+from btrfs_ublk_image.reader import BundleReader, Filesystem, Inode
 from btrfs_ublk_image.tree import Blob
 
 # the CRC may keep the GIL (no other thread runs while the base is indexed)
@@ -53,6 +53,10 @@ class BasePack:
 
 # a blob's extents in the base: (file offset, logical, disk bytes, device-2 offset)
 Extents = tuple[tuple[int, int, int, int], ...]
+# a base file's bytes: (pack, numbered in the new image; offset; size)
+Run = tuple[int, int, int]
+# directory inode -> name -> (inode, DIR_INDEX index): ``writer.BaseLayout.dirs``
+Dirs = dict[int, dict[bytes, tuple[int, int]]]
 
 
 class BaseImage:
@@ -68,10 +72,7 @@ class BaseImage:
         self.bundle = os.path.abspath(bundle)
         if not os.path.isdir(self.bundle):
             raise ImageError(f"{bundle}: base is not a bundle directory")
-        # the reader's objects (one per base inode) live while the base is indexed; the
-        # build keeps the filesystem (its packs' verified chunks) and the index
-        reader = BundleReader(self.bundle)
-        self.fs = fs = reader.fs
+        self.fs = fs = Filesystem(self.bundle)
         try:
             self.image_id = fs.image_id
             self.first = first
@@ -90,8 +91,14 @@ class BaseImage:
             ]
             # the extension's reader of the packs (None: compressed packs, or no extension)
             self.native_packs: Any = _native_packs(self.packs, self.chunk_size, first)
-            self.blobs, self.extents = self._index(reader)
-            self._layout = self._make_layout(reader)
+            nat = native.module()
+            if self.native_packs is not None and hasattr(nat, "FsScan"):
+                runs, placed, dirs, max_ino = self._scan(nat)
+                crcs: list[int | None] = self.native_packs.crcs(runs)
+            else:
+                runs, placed, dirs, max_ino, crcs = self._read()
+            self.blobs, self.extents = _blobs(runs, crcs, placed)
+            self._layout = self._make_layout(dirs, max_ino)
         except BaseException:
             fs.close()
             raise
@@ -150,15 +157,10 @@ class BaseImage:
         tree's blocks begin and their addresses."""
         return self._layout
 
-    def _make_layout(self, reader: BundleReader) -> BaseLayout:
+    def _make_layout(self, dirs: Dirs, max_ino: int) -> BaseLayout:
         fs = self.fs
         if fs.root_dirid != d.FIRST_FREE_OBJECTID:
             raise ImageError(f"{fs.meta_path}: root directory is inode {fs.root_dirid}, not 256")
-        dirs = {
-            ino: {e.name: (e.ino, e.index) for e in node.entries}
-            for ino, node in reader.inodes.items()
-            if node.is_dir
-        }
         data = [
             Chunk(c.logical, c.length, c.type, 2, c.stripes[0].offset)
             for c in fs.chunks
@@ -172,7 +174,7 @@ class BaseImage:
         breaks, offsets = self._trees(meta_start)
         return BaseLayout(
             dirs=dirs,
-            max_ino=max(reader.inodes),
+            max_ino=max_ino,
             extents=self.extents,
             data_chunks=data,
             data_size=fs.dev2.bm.device_size,
@@ -181,51 +183,53 @@ class BaseImage:
             offsets=offsets,
         )
 
-    def _index(self, reader: BundleReader) -> tuple[tuple[Blob, ...], dict[Blob, Extents]]:
-        """One pass over the base's files (it reads every byte): ``blobs`` and ``extents``."""
-        inodes: set[int] = set()
-        runs: list[tuple[Inode, int, int]] = []  # a file, its pack (new numbering), offset
+    def _scan(self, nat: Any) -> tuple[list[Run], list[Extents | None], Dirs, int]:
+        """The base's files and directories read by the extension (native/src/basescan.rs):
+        no object per base inode. The same as ``_read``'s, which tests check."""
+        fs = self.fs
+        scan = nat.FsScan(fs.meta_path, fs.nodesize)
+        for block, bytenr, first_key in fs.leaves(fs.fs_root, fs.fs_level, d.FS_TREE_OBJECTID):
+            scan.add_leaf(block, bytenr, first_key)
+        chunks = [(c.logical, c.length, c.stripes[0].devid, c.stripes[0].offset) for c in fs.chunks]
+        r = bmap.Ranges.of(fs.dev2.bm.ranges)
+        runs, placed, dirs, max_ino = scan.index(
+            fs.root_dirid, chunks, r.dev_offset, r.length, r.pack, r.pack_offset, self.first
+        )
+        return runs, [None if p is None else tuple(p) for p in placed], dirs, max_ino
+
+    def _read(self) -> tuple[list[Run], list[Extents | None], Dirs, int, list[int | None]]:
+        """The base's files and directories through reader.py's ``BundleReader`` (an object
+        per base inode, freed once the base is indexed), each file's CRC-32C read through
+        the base's verified chunks (None: a chunk fails its digest)."""
+        reader = BundleReader(self.bundle, self.fs)
+        seen: set[int] = set()
+        files: list[Inode] = []
+        runs: list[Run] = []
         for _path, node in reader.walk():
-            if not stat.S_ISREG(node.item.mode) or node.item.ino in inodes:
+            if not stat.S_ISREG(node.item.mode) or node.item.ino in seen:
                 continue
-            inodes.add(node.item.ino)
+            seen.add(node.item.ino)
             where = self._run(node)
             if where is not None:
-                runs.append((node, where[0] + self.first, where[1]))
-        seen: set[Blob] = set()
-        out: list[Blob] = []
-        placed: dict[Blob, Extents] = {}
-        for (node, pack, offset), crc in zip(runs, self._crcs(reader, runs), strict=True):
-            if crc is None:
-                continue  # a chunk fails its digest: that content is written anew
-            blob = Blob(crc, node.item.size, pack, offset)
-            if blob not in seen:  # hard links and reflinked copies: one blob
-                seen.add(blob)
-                out.append(blob)
-                extents = self._placed(node)
-                if extents is not None:
-                    placed[blob] = extents
-        return tuple(out), placed
-
-    def _crcs(self, reader: BundleReader, runs: list[tuple[Inode, int, int]]) -> list[int | None]:
-        """Each file's CRC-32C, read through the base's verified chunks (None: a chunk
-        fails its digest)."""
-        if self.native_packs is not None:
-            crcs: list[int | None] = self.native_packs.crcs(
-                [(pack, offset, node.item.size) for node, pack, offset in runs]
-            )
-            return crcs
-        out: list[int | None] = []
-        for node, _pack, _offset in runs:
+                runs.append((where[0] + self.first, where[1], node.item.size))
+                files.append(node)
+        placed = [self._placed(node) for node in files]
+        dirs = {
+            ino: {e.name: (e.ino, e.index) for e in node.entries}
+            for ino, node in reader.inodes.items()
+            if node.is_dir
+        }
+        crcs: list[int | None] = []
+        for node in files:
             crc = 0
             try:
                 for piece in reader.read_chunks(node):
                     crc = crc32c(piece, crc, _KEEP_GIL)
             except ImageError:
-                out.append(None)
+                crcs.append(None)
                 continue
-            out.append(crc)
-        return out
+            crcs.append(crc)
+        return runs, placed, dirs, max(reader.inodes), crcs
 
     def _placed(self, node: Inode) -> Extents | None:
         """The file's extents as the writer places a blob: (file offset, logical, disk
@@ -305,6 +309,26 @@ class BaseImage:
         if pos != size or start is None or size == 0:
             return None
         return start
+
+
+def _blobs(
+    runs: list[Run], crcs: list[int | None], placed: list[Extents | None]
+) -> tuple[tuple[Blob, ...], dict[Blob, Extents]]:
+    """``BaseImage.blobs`` and ``extents`` from the base's runs in walk order, their CRCs
+    (None: not indexed, written anew) and their extents as placed (None: placed anew)."""
+    seen: set[Blob] = set()
+    out: list[Blob] = []
+    extents: dict[Blob, Extents] = {}
+    for (pack, offset, size), crc, ext in zip(runs, crcs, placed, strict=True):
+        if crc is None:
+            continue  # a chunk fails its digest: that content is written anew
+        blob = Blob(crc, size, pack, offset)
+        if blob not in seen:  # hard links and reflinked copies: one blob
+            seen.add(blob)
+            out.append(blob)
+            if ext is not None:
+                extents[blob] = ext
+    return tuple(out), extents
 
 
 def _native_packs(packs: list[BasePack], chunk_size: int, first: int) -> Any:

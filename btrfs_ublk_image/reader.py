@@ -462,39 +462,26 @@ class Filesystem:
             raise ImageError(f"{where}: owner {h_owner}, expected {owner}")
         return block
 
-    def items(
+    def leaves(
         self, bytenr: int, level: int, owner: int
-    ) -> Iterator[tuple[tuple[int, int, int], memoryview]]:
-        """Every item of a tree, in key order: ((objectid, type, offset), data)."""
-        yield from self._walk(bytenr, level, owner, None)
+    ) -> Iterator[tuple[bytes, int, tuple[int, int, int] | None]]:
+        """Every leaf of a tree, in key order: (block, bytenr, the first key its parent's
+        pointer names; None for a root leaf). Each block is checked (``read_block``) and
+        so are the pointers to it; the items are not (``items`` checks them)."""
+        yield from self._leaves(bytenr, level, owner, None)
 
-    def _walk(
+    def _leaves(
         self, bytenr: int, level: int, owner: int, first: tuple[int, int, int] | None
-    ) -> Iterator[tuple[tuple[int, int, int], memoryview]]:
-        block = memoryview(self.read_block(bytenr, level, owner))
+    ) -> Iterator[tuple[bytes, int, tuple[int, int, int] | None]]:
+        block = self.read_block(bytenr, level, owner)
+        if level == 0:
+            yield block, bytenr, first
+            return
         nritems = _HEADER.unpack_from(block, 0)[7]
         where = f"{self.meta_path}: {_TREE_NAMES.get(owner, f'tree {owner}')} block {bytenr}"
-        prev: tuple[int, int, int] | None = None
-        if level == 0:
-            if d.HEADER_SIZE + nritems * d.ITEM_SIZE > self.nodesize:
-                raise ImageError(f"{where}: {nritems} items do not fit")
-            for i in range(nritems):
-                oid, type_, off, doff, size = _ITEM.unpack_from(
-                    block, d.HEADER_SIZE + i * d.ITEM_SIZE
-                )
-                key = (oid, type_, off)
-                if prev is not None and key <= prev:
-                    raise ImageError(f"{where}: item {i}: keys out of order")
-                if i == 0 and first is not None and key != first:
-                    raise ImageError(f"{where}: first key differs from its parent's pointer")
-                start = d.HEADER_SIZE + doff
-                if start + size > self.nodesize:
-                    raise ImageError(f"{where}: item {i}: data outside the block")
-                prev = key
-                yield key, block[start : start + size]
-            return
         if nritems == 0 or d.HEADER_SIZE + nritems * d.KEY_PTR_SIZE > self.nodesize:
             raise ImageError(f"{where}: bad pointer count {nritems}")
+        prev: tuple[int, int, int] | None = None
         for i in range(nritems):
             oid, type_, off, child, _gen = _KEY_PTR.unpack_from(
                 block, d.HEADER_SIZE + i * d.KEY_PTR_SIZE
@@ -505,7 +492,33 @@ class Filesystem:
             if i == 0 and first is not None and key != first:
                 raise ImageError(f"{where}: first key differs from its parent's pointer")
             prev = key
-            yield from self._walk(child, level - 1, owner, key)
+            yield from self._leaves(child, level - 1, owner, key)
+
+    def items(
+        self, bytenr: int, level: int, owner: int
+    ) -> Iterator[tuple[tuple[int, int, int], memoryview]]:
+        """Every item of a tree, in key order: ((objectid, type, offset), data)."""
+        for raw, at, first_key in self.leaves(bytenr, level, owner):
+            block = memoryview(raw)
+            nritems = _HEADER.unpack_from(block, 0)[7]
+            where = f"{self.meta_path}: {_TREE_NAMES.get(owner, f'tree {owner}')} block {at}"
+            if d.HEADER_SIZE + nritems * d.ITEM_SIZE > self.nodesize:
+                raise ImageError(f"{where}: {nritems} items do not fit")
+            prev: tuple[int, int, int] | None = None
+            for i in range(nritems):
+                oid, type_, off, doff, size = _ITEM.unpack_from(
+                    block, d.HEADER_SIZE + i * d.ITEM_SIZE
+                )
+                key = (oid, type_, off)
+                if prev is not None and key <= prev:
+                    raise ImageError(f"{where}: item {i}: keys out of order")
+                if i == 0 and first_key is not None and key != first_key:
+                    raise ImageError(f"{where}: first key differs from its parent's pointer")
+                start = d.HEADER_SIZE + doff
+                if start + size > self.nodesize:
+                    raise ImageError(f"{where}: item {i}: data outside the block")
+                prev = key
+                yield key, block[start : start + size]
 
     def blocks(
         self, bytenr: int, level: int, owner: int
@@ -664,8 +677,9 @@ def _file_extent(file_offset: int, data: memoryview, where: str) -> FileExtent:
 class BundleReader:
     """Paths, attributes and file content of a bundle, read as described in the module docstring."""
 
-    def __init__(self, bundle: str) -> None:
-        self.fs = Filesystem(bundle)
+    def __init__(self, bundle: str, fs: Filesystem | None = None) -> None:
+        """``fs``: the bundle's filesystem, already open (it is closed with the reader)."""
+        self.fs = Filesystem(bundle) if fs is None else fs
         try:
             self.inodes = self.fs.inodes()
             root = self.inodes.get(self.fs.root_dirid)

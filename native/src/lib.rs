@@ -5,6 +5,7 @@
 //! back compact member records.
 
 mod basepacks;
+mod basescan;
 mod blocks;
 mod direct;
 mod entries;
@@ -705,6 +706,7 @@ impl LeafPacker {
 fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pack>()?;
     m.add_class::<basepacks::BasePacks>()?;
+    m.add_class::<basescan::FsScan>()?;
     m.add_class::<Members>()?;
     m.add_class::<place::Placer>()?;
     m.add_class::<inode::Inode>()?;
