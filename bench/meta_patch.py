@@ -191,14 +191,15 @@ def compare(b1: Path, b2: Path) -> dict[str, Any]:
 def level_times(b1: Path, b2: Path, levels: list[int]) -> list[dict[str, Any]]:
     from btrfs_ublk_image import patch
 
-    base, new = (b1 / "meta.img").read_bytes(), (b2 / "meta.img").read_bytes()
+    base = patch.block_form((b1 / "meta.img").read_bytes())
+    new = patch.block_form((b2 / "meta.img").read_bytes())
     out = []
     saved = patch.LEVEL
     try:
         for level in levels:
             patch.LEVEL = level
             t = time.process_time()
-            p = patch.make(base, new, block_forms=True)
+            p = patch.make(base, new)
             out.append({"level": level, "patch_bytes": len(p), "cpu_s": time.process_time() - t})
     finally:
         patch.LEVEL = saved

@@ -29,6 +29,7 @@ import struct
 from functools import cache
 from typing import Any
 
+from btrfs_ublk_image import native
 from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import ImageError
@@ -131,11 +132,21 @@ def _block_form(img: bytes, inverse: bool) -> bytes:
 
 
 def block_form(img: bytes) -> bytes:
-    return _block_form(img, inverse=False)
+    return _native_or_python(img, inverse=False)
 
 
 def from_block_form(form: bytes) -> bytes:
-    return _block_form(form, inverse=True)
+    return _native_or_python(form, inverse=True)
+
+
+def _native_or_python(img: bytes, inverse: bool) -> bytes:
+    """The extension's block form (native/src/blockform.rs: the same bytes, ~20 ms for a
+    64 MiB meta.img where ``_block_form`` takes ~0.3 s), else ``_block_form``."""
+    nat = native.module()
+    if nat is not None and hasattr(nat, "block_form"):
+        form: bytes = nat.block_form(img, inverse)
+        return form
+    return _block_form(img, inverse)
 
 
 def in_block_form(manifest: dict[str, Any], name: str) -> bool:
@@ -143,13 +154,11 @@ def in_block_form(manifest: dict[str, Any], name: str) -> bool:
     return manifest.get("format_version") == FORMAT_VERSION_BLOCK_FORM and name == BLOCK_FORM_NAME
 
 
-def make(base: bytes, new: bytes, block_forms: bool = False) -> bytes:
-    """``new`` as one zstd frame against ``base`` (raw-content dictionary); with
-    ``block_forms``, the frame of ``new``'s block form against ``base``'s."""
+def make(base: bytes, new: bytes) -> bytes:
+    """``new`` as one zstd frame against ``base`` (raw-content dictionary). A meta.img
+    patch of format_version 3 is made between block forms: the caller makes them
+    (``block_form``), so that the files' own bytes can be freed first."""
     import zstandard  # its 11 MiB library is loaded only when patches are made or applied
-
-    if block_forms:
-        base, new = block_form(base), block_form(new)
 
     window_log = _window_log(len(base), len(new))
     table_log = max(min(window_log - 2, MAX_TABLE_LOG), 12)

@@ -26,6 +26,7 @@ import pytest
 from servers import Registry, docker_registry, nginx_serving
 
 from btrfs_ublk_image import blockmap as bmap
+from btrfs_ublk_image import native
 from btrfs_ublk_image.cli import main as cli
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.listing import from_bundle, from_directory
@@ -868,6 +869,19 @@ def test_block_form_zeroes_checksums_and_packed_offsets_and_reverses(tmp_path: P
         noise[at + 32 : at + 48] = ids[i % 4]
         noise[at + 100] = 0  # a "leaf" with any item count and offsets
     assert patch.from_block_form(patch.block_form(bytes(noise))) == noise
+    # the extension's block form (when built) is the Python one's bytes both ways, also
+    # where the superblock's fsid is 0 or all ones (no fsid cycle)
+    nat = native.module()
+    if nat is not None:
+        for fsid in (None, bytes(16), b"\xff" * 16):
+            data = bytearray(noise)
+            if fsid is not None:
+                data[65536 + 32 : 65536 + 48] = fsid
+            for inverse in (False, True):
+                assert nat.block_form(bytes(data), inverse) == patch._block_form(
+                    bytes(data), inverse
+                ), (fsid, inverse)
+        assert patch._block_form(img, False) == form
 
 
 def test_format_version_2_patches_are_still_read(

@@ -6,6 +6,7 @@
 
 mod basepacks;
 mod basescan;
+mod blockform;
 mod blocks;
 mod direct;
 mod entries;
@@ -723,6 +724,7 @@ fn btrfs_ublk_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<extents::DataExtents>()?;
     m.add_function(wrap_pyfunction!(extents::data_free_ranges, m)?)?;
     m.add_function(wrap_pyfunction!(blocks::write_spilled_leaves, m)?)?;
+    m.add_function(wrap_pyfunction!(blockform::block_form, m)?)?;
     m.add("Unsupported", m.py().get_type::<Unsupported>())?;
     Ok(())
 }
