@@ -376,13 +376,13 @@ fn run(node: &Node, chunks: &[ChunkRow], ranges: &Ranges) -> Option<(u64, u64)> 
                 .min(chunk.0.saturating_add(chunk.1) - here_logical);
             let here = (
                 ranges.pack[r],
-                ranges.pack_offset[r] + (physical - ranges.dev_offset[r]),
+                ranges.pack_offset[r].checked_add(physical - ranges.dev_offset[r])?,
             );
             if at.is_some_and(|a| a != here) {
                 return None;
             }
             start.get_or_insert(here);
-            at = Some((here.0, here.1 + n));
+            at = Some((here.0, here.1.checked_add(n)?));
             done += n;
         }
         pos += length;
@@ -419,7 +419,7 @@ fn placed(node: &Node, chunks: &[ChunkRow]) -> Option<Vec<Placed>> {
         out.push((pos, ext.disk_bytenr, disk, physical));
         pos = pos.checked_add(disk)?;
     }
-    (!out.is_empty() && size <= pos && pos < size + SECTORSIZE).then_some(out)
+    (!out.is_empty() && size <= pos && pos < size.saturating_add(SECTORSIZE)).then_some(out)
 }
 
 /// What `FsScan.index` returns: the runs (pack, offset, size) and their extents as placed,
