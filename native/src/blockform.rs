@@ -115,3 +115,50 @@ pub fn block_form<'py>(py: Python<'py>, img: &[u8], inverse: bool) -> PyResult<B
         Ok(())
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pack::tests::Rng;
+
+    /// Noise in every block, with tree-block fsid fields (the fsid, 0, all ones, other ids)
+    /// and leaf levels here and there, comes back from its block form; tree blocks' checksums
+    /// of valid blocks become 0.
+    #[test]
+    fn the_inverse_gives_the_bytes_back() {
+        let ns = 16384;
+        for seed in 1..6u64 {
+            let mut rng = Rng(seed);
+            let mut img = rng.bytes(ns * 40);
+            img[NODESIZE_AT..NODESIZE_AT + 4].copy_from_slice(&(ns as u32).to_le_bytes());
+            let fsid: [u8; 16] = match seed {
+                1 => ZERO_ID,
+                2 => ONES_ID,
+                _ => img[FSID_AT..FSID_AT + 16].try_into().unwrap(),
+            };
+            img[FSID_AT..FSID_AT + 16].copy_from_slice(&fsid);
+            let ids = [fsid, ZERO_ID, ONES_ID, [7; 16]];
+            for b in (0..40).filter(|&b| b * ns != SUPER_INFO_OFFSET) {
+                let blk = &mut img[b * ns..(b + 1) * ns];
+                blk[32..48].copy_from_slice(&ids[rng.below(4) as usize]);
+                if rng.below(2) == 0 {
+                    blk[LEVEL_AT] = 0;
+                }
+                if b % 3 == 0 && blk[32..48] == fsid {
+                    // a valid checksum: 0 in the block form
+                    let csum = crc32c::crc32c(&blk[32..]);
+                    blk[..4].copy_from_slice(&csum.to_le_bytes());
+                }
+            }
+            let mut form = img.clone();
+            transform(&mut form, false);
+            assert_ne!(form, img);
+            let valid = |b: &usize| b % 3 == 0 && b * ns != SUPER_INFO_OFFSET && img[b * ns + 32..b * ns + 48] == fsid;
+            for b in (0..40).filter(valid) {
+                assert_eq!(form[b * ns..b * ns + 4], [0; 4], "block {b}");
+            }
+            transform(&mut form, true);
+            assert_eq!(form, img, "seed {seed}");
+        }
+    }
+}
