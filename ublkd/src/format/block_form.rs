@@ -7,7 +7,7 @@
 //! tree uuid is XORed with the first tree block's. Other blocks' fsid fields cycle
 //! (0 -> all ones -> fsid -> 0), so the inverse tells tree blocks (0 there) from the
 //! rest and the transform is reversible for any file. patch.py's `_block_form` is the
-//! same transform.
+//! same transform; the builder's extension compiles this file too (native/src/blockform.rs).
 
 use super::crc32c::crc32c;
 
@@ -182,5 +182,15 @@ mod tests {
         assert_ne!(back, noise);
         transform(&mut back, true);
         assert_eq!(back, noise);
+        // an fsid of 0 or all ones: no cycle, tree blocks keep the field
+        for fsid in [ZERO_ID, ONES_ID] {
+            let mut odd = noise.clone();
+            odd[SUPER_OFFSET + 0x20..SUPER_OFFSET + 0x30].copy_from_slice(&fsid);
+            let mut back = odd.clone();
+            transform(&mut back, false);
+            assert_ne!(back, odd);
+            transform(&mut back, true);
+            assert_eq!(back, odd);
+        }
     }
 }
