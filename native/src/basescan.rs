@@ -17,14 +17,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use crate::fsitems::image_error;
+use crate::leaves::{FILE_EXTENT_ITEM_SIZE, HEADER_SIZE, ITEM_SIZE};
 
-const HEADER_SIZE: usize = 101;
-const ITEM_SIZE: usize = 25;
 const NRITEMS_AT: usize = 96;
 const INODE_ITEM_SIZE: usize = 160;
 const DIR_ITEM_SIZE: usize = 30;
 const FILE_EXTENT_HEAD: usize = 21;
-const FILE_EXTENT_REG_SIZE: usize = 53;
 const FIRST_FREE_OBJECTID: u64 = 256;
 const SECTORSIZE: u64 = 4096;
 
@@ -279,7 +277,7 @@ impl FsScan {
         if kind != FILE_EXTENT_REG && kind != FILE_EXTENT_PREALLOC {
             return Err(self.tree_error(py, format!("unknown file extent type {kind}")));
         }
-        if data.len() < FILE_EXTENT_REG_SIZE {
+        if data.len() < FILE_EXTENT_ITEM_SIZE {
             return Err(self.tree_error(py, format!("file extent at {file_offset} is too short")));
         }
         if compression != 0 && compression != COMPRESS_ZSTD {
