@@ -1,7 +1,7 @@
 //! A base image's fs tree read for `build --base` (base.py): what the base's index and
 //! layout need of every inode, without a Python object per inode. reader.py's
 //! `BundleReader` (kept as the reference, and for bases whose packs are compressed) reads the
-//! same items into an `Inode` object each; base.py's tests compare the two.
+//! same items into an `Inode` object each; tests/test_basescan.py compares the two.
 //!
 //! Python reads and checks each tree block (`Filesystem.leaves`: checksum, bytenr, fsid,
 //! level, owner, the pointers' order) and hands the fs tree's leaves here in key order
