@@ -436,13 +436,16 @@ class Filesystem:
         return c, s.devid, s.offset + (logical - c.logical)
 
     # --- tree blocks -------------------------------------------------------------------
+    def _block_where(self, owner: int, bytenr: int) -> str:
+        """How errors name a tree block: meta.img, the tree, the block's address."""
+        return f"{self.meta_path}: {_TREE_NAMES.get(owner, f'tree {owner}')} block {bytenr}"
+
     def read_block(self, bytenr: int, level: int, owner: int) -> bytes:
-        tree = _TREE_NAMES.get(owner, f"tree {owner}")
         try:
             chunk, devid, physical = self.map_logical(bytenr, self.nodesize)
         except ImageError as e:
-            raise ImageError(f"{self.meta_path}: {tree} block {bytenr}: {e}") from None
-        where = f"{self.meta_path}: {tree} block {bytenr} (physical {physical})"
+            raise ImageError(f"{self._block_where(owner, bytenr)}: {e}") from None
+        where = f"{self._block_where(owner, bytenr)} (physical {physical})"
         if devid != 1 or chunk.type & d.BLOCK_GROUP_DATA:
             raise ImageError(f"{where}: not in a metadata chunk of device 1")
         block = self._read_meta(physical, self.nodesize)
@@ -478,7 +481,7 @@ class Filesystem:
             yield block, bytenr, first
             return
         nritems = _HEADER.unpack_from(block, 0)[7]
-        where = f"{self.meta_path}: {_TREE_NAMES.get(owner, f'tree {owner}')} block {bytenr}"
+        where = self._block_where(owner, bytenr)
         if nritems == 0 or d.HEADER_SIZE + nritems * d.KEY_PTR_SIZE > self.nodesize:
             raise ImageError(f"{where}: bad pointer count {nritems}")
         prev: tuple[int, int, int] | None = None
@@ -501,7 +504,7 @@ class Filesystem:
         for raw, at, first_key in self.leaves(bytenr, level, owner):
             block = memoryview(raw)
             nritems = _HEADER.unpack_from(block, 0)[7]
-            where = f"{self.meta_path}: {_TREE_NAMES.get(owner, f'tree {owner}')} block {at}"
+            where = self._block_where(owner, at)
             if d.HEADER_SIZE + nritems * d.ITEM_SIZE > self.nodesize:
                 raise ImageError(f"{where}: {nritems} items do not fit")
             prev: tuple[int, int, int] | None = None
@@ -532,8 +535,7 @@ class Filesystem:
             yield 0, first, bytenr
             return
         if nritems == 0 or d.HEADER_SIZE + nritems * d.KEY_PTR_SIZE > self.nodesize:
-            where = f"{self.meta_path}: {_TREE_NAMES.get(owner, f'tree {owner}')} block {bytenr}"
-            raise ImageError(f"{where}: bad pointer count {nritems}")
+            raise ImageError(f"{self._block_where(owner, bytenr)}: bad pointer count {nritems}")
         ptrs = [
             _KEY_PTR.unpack_from(block, d.HEADER_SIZE + i * d.KEY_PTR_SIZE) for i in range(nritems)
         ]
