@@ -195,7 +195,7 @@ class BaseImage:
         runs, placed, dirs, max_ino = scan.index(
             fs.root_dirid, chunks, r.dev_offset, r.length, r.pack, r.pack_offset, self.first
         )
-        return runs, [None if p is None else tuple(p) for p in placed], dirs, max_ino
+        return runs, placed, dirs, max_ino
 
     def _read(self) -> tuple[list[Run], list[Extents | None], Dirs, int, list[int | None]]:
         """The base's files and directories through reader.py's ``BundleReader`` (an object

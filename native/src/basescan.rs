@@ -14,7 +14,7 @@
 use std::collections::{HashMap, HashSet};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::fsitems::image_error;
 use crate::leaves::{FILE_EXTENT_ITEM_SIZE, HEADER_SIZE, ITEM_SIZE};
@@ -422,7 +422,8 @@ fn placed(node: &Node, chunks: &[ChunkRow]) -> Option<Vec<Placed>> {
 
 /// What `FsScan.index` returns: the runs (pack, offset, size) and their extents as placed,
 /// every directory's names, and the largest inode number.
-type Index = (Vec<(u32, u64, u64)>, Vec<Option<Vec<Placed>>>, Py<PyDict>, u64);
+/// (base.py's `Extents`: a tuple of rows, None where the content is placed anew)
+type Index = (Vec<(u32, u64, u64)>, Vec<Option<Py<PyTuple>>>, Py<PyDict>, u64);
 
 #[pymethods]
 impl FsScan {
@@ -520,6 +521,10 @@ impl FsScan {
             dirs.set_item(node.ino, names)?;
         }
         let max_ino = self.nodes.iter().map(|n| n.ino).max().unwrap_or(0);
+        let places = places
+            .into_iter()
+            .map(|p| p.map(|rows| PyTuple::new(py, rows).map(Bound::unbind)).transpose())
+            .collect::<PyResult<Vec<_>>>()?;
         Ok((runs, places, dirs.unbind(), max_ino))
     }
 }
