@@ -41,6 +41,10 @@ DELAY_MS = float(os.environ.get("BUI_LATENCY_MS", "400" if IN_VM else "50"))
 # clean-clone CI run that passed both before); serialised misses fail every attempt (~1x
 # and ~DELAY_MS)
 ATTEMPTS = 3
+# the bounds (issue 21): 16 cold readers at least this many times faster than one, and a
+# read of a cached chunk while a miss is in flight within this many seconds
+OVERLAP = 8
+CACHED_READ_S = 0.005
 # fuse on the host (root), ublk inside the VM (tests/test_vm.py runs `-m vm` there)
 FRONTENDS = [
     pytest.param("fuse", marks=pytest.mark.root),
@@ -141,12 +145,12 @@ def test_sixteen_readers_overlap(remote: Remote, frontend: str, tmp_path: Path) 
     one = cold(1)
     sixteen = cold(16)
     for attempt in range(1, ATTEMPTS):
-        if one / sixteen >= 8:
+        if one / sixteen >= OVERLAP:
             break
         sixteen = min(sixteen, cold(16, attempt))
     assert one >= CHUNKS * DELAY_MS / 1000  # one fetch at a time, each DELAY_MS late
     print(f"1 reader {one:.2f} s, 16 readers {sixteen:.2f} s: {one / sixteen:.1f}x")
-    assert one / sixteen >= 8, f"1 reader {one:.2f} s, 16 readers {sixteen:.2f} s"
+    assert one / sixteen >= OVERLAP, f"1 reader {one:.2f} s, 16 readers {sixteen:.2f} s"
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
@@ -164,6 +168,6 @@ def test_cached_read_does_not_wait_behind_a_miss(mounted: Path, frontend: str) -
         latencies: list[float] = []
         read_direct(mounted, offs[:1] * 5, latencies)
         miss.join()
-        if max(latencies) < 0.005:
+        if max(latencies) < CACHED_READ_S:
             break
-    assert max(latencies) < 0.005, latencies
+    assert max(latencies) < CACHED_READ_S, latencies
