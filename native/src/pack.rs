@@ -31,12 +31,25 @@ const COMPARE_STEP: usize = 1 << 20;
 pub const MEM_MAX: u64 = 4 << 20;
 /// the pack is handed to the kernel's write-back each time it grew this much (`FLUSH_STEP`)
 const FLUSH_STEP: u64 = 16 << 20;
-/// bytes go to the hasher in batches of about this many; with `HASH_DEPTH` this bounds the
-/// read blocks kept alive for it (synthetic set's peak RSS: 8 batches of 1 MiB 109 MiB,
-/// 2 of 512 KiB 92 MiB, reading the pack back as before 90 MiB)
+/// bytes go to the hasher in batches of about this many; with `hash_depth` this bounds the
+/// read blocks kept alive for it
 const BATCH_BYTES: usize = 512 << 10;
-/// batches waiting for the hasher (the blocks they reference stay allocated meanwhile)
+/// batches waiting for the hasher besides those of a lane group (`hash_depth`); the blocks
+/// they reference stay allocated meanwhile
 const HASH_DEPTH: usize = 2;
+/// a lane group's bytes that the hasher's queue takes at most (`hash_depth`)
+const GROUP_QUEUED_MAX: u64 = 4 << 20;
+
+/// Batches the hasher's queue holds for chunks of `chunk_size`: a group of `LANES` chunks'
+/// worth (up to `GROUP_QUEUED_MAX`) plus `HASH_DEPTH`. The hasher takes a group's batches
+/// quickly and then hashes the group in one go; with only `HASH_DEPTH` batches of room the
+/// parser stopped there, the reader's queue filled behind it and the reader (the source
+/// digest, the longest serial work) stopped too, while a core idled (the synthetic set
+/// warm: the parser waited ~1.1 s of 3.2 for the hasher; with a group's room ~0.2 s and
+/// the build ~8 % faster, peak RSS +2 MiB; bench/results/issue23-log.md, session 22).
+fn hash_depth(chunk_size: u64) -> usize {
+    ((LANES as u64 * chunk_size).min(GROUP_QUEUED_MAX) / BATCH_BYTES as u64) as usize + HASH_DEPTH
+}
 /// content up to this size is gathered with its neighbours and written in one `pwrite` of
 /// up to `GATHER_BYTES` where it does not go through the O_DIRECT blocks (`put`): one write
 /// per small member cost the parser a syscall and the kernel's per-page work of two
@@ -210,7 +223,7 @@ struct Hasher {
 
 impl Hasher {
     fn new(chunk_size: u64) -> Hasher {
-        let (tx, rx) = sync_channel::<Job>(HASH_DEPTH);
+        let (tx, rx) = sync_channel::<Job>(hash_depth(chunk_size));
         let thread = std::thread::Builder::new()
             .name("pack-sha256".into())
             .spawn(move || {
@@ -1072,6 +1085,15 @@ pub(crate) mod tests {
     use super::*;
     use sha2::{Digest, Sha256};
     use std::io::Read;
+
+    #[test]
+    fn hash_queue_takes_a_lane_group() {
+        // 64 KiB chunks: a group (256 KiB) is less than a batch
+        assert_eq!(hash_depth(64 << 10), HASH_DEPTH);
+        assert_eq!(hash_depth(1 << 20), 4 * 2 + HASH_DEPTH);
+        // larger chunks: the room stays that of a 4 MiB group
+        assert_eq!(hash_depth(16 << 20), hash_depth(1 << 20));
+    }
 
     /// xorshift64*: reproducible test data without a dependency
     pub(crate) struct Rng(pub u64);
