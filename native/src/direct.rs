@@ -148,6 +148,8 @@ pub struct Direct {
     failed: Option<io::Error>,
     /// bytes queued for writing (`BUI_NATIVE_TIMES`, tests)
     pub queued: u64,
+    /// time `has_room` waited for the writer (`BUI_NATIVE_TIMES`)
+    pub room_wait: std::time::Duration,
 }
 
 impl Direct {
@@ -204,6 +206,7 @@ impl Direct {
             spare: Vec::new(),
             failed: None,
             queued: 0,
+            room_wait: std::time::Duration::ZERO,
         }
     }
 
@@ -238,7 +241,12 @@ impl Direct {
         loop {
             let got = match self.back.try_recv() {
                 Ok(done) => Some(done),
-                Err(_) if self.in_flight >= self.depth => wait.take().and_then(|w| self.back.recv_timeout(w).ok()),
+                Err(_) if self.in_flight >= self.depth => wait.take().and_then(|w| {
+                    let t = std::time::Instant::now();
+                    let done = self.back.recv_timeout(w).ok();
+                    self.room_wait += t.elapsed();
+                    done
+                }),
                 Err(_) => None,
             };
             let Some((block, err)) = got else {

@@ -645,9 +645,10 @@ impl PackCore {
             d.release_memory();
             if crate::native_times() {
                 eprintln!(
-                    "native pack: {} MiB written with O_DIRECT, {} MiB of full blocks through the page cache{}",
+                    "native pack: {} MiB written with O_DIRECT, {} MiB of full blocks through the page cache, {:?} waiting for the writer{}",
                     d.queued >> 20,
                     self.spilled >> 20,
+                    d.room_wait,
                     if d.refused() { " (O_DIRECT refused)" } else { "" }
                 );
             }
