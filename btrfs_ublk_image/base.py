@@ -25,9 +25,8 @@ from typing import Any
 from btrfs_ublk_image import blockmap as bmap
 from btrfs_ublk_image import native, patch
 from btrfs_ublk_image.btrfs import ondisk as d
-from btrfs_ublk_image.btrfs.layout import Chunk
+from btrfs_ublk_image.btrfs.layout import BaseLayout, Chunk
 from btrfs_ublk_image.btrfs.treeblocks import Breaks
-from btrfs_ublk_image.btrfs.writer import BaseLayout
 from btrfs_ublk_image.crc import crc32c
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.manifest import BLOCKMAP, MANIFEST, read_bundle_file, read_manifest
@@ -55,7 +54,7 @@ class BasePack:
 Extents = tuple[tuple[int, int, int, int], ...]
 # a base file's bytes: (pack, numbered in the new image; offset; size)
 Run = tuple[int, int, int]
-# directory inode -> name -> (inode, DIR_INDEX index): ``writer.BaseLayout.dirs``
+# directory inode -> name -> (inode, DIR_INDEX index): ``layout.BaseLayout.dirs``
 Dirs = dict[int, dict[bytes, tuple[int, int]]]
 
 
@@ -152,7 +151,7 @@ class BaseImage:
         )
 
     def layout(self) -> BaseLayout:
-        """What the writer keeps of the base (``writer.BaseLayout``): inode numbers and dir
+        """What the writer keeps of the base (``layout.BaseLayout``): inode numbers and dir
         indexes by path, ``extents``, the DATA chunks, where metadata starts, and where each
         tree's blocks begin and their addresses."""
         return self._layout

@@ -436,7 +436,7 @@ def test_inline_children_cycles_are_collected(
 ) -> None:
     """Objects held by inline children (here the numbering's marks, made to refer back to
     the tree) are visited by their entries' GC traversal: the cycle is collected."""
-    from btrfs_ublk_image.btrfs import writer
+    from btrfs_ublk_image.btrfs import numbering
 
     (tmp_path / "l.tar").write_bytes(
         _tar([_e("d", kind=tarfile.DIRTYPE)] + [_e(f"d/f{i}", data=b"f") for i in range(10)])
@@ -448,7 +448,7 @@ def test_inline_children_cycles_are_collected(
 
     once, more = Mark(), Mark()
     once.tree = tree  # tree -> entries -> an inline child's ino -> once -> tree
-    num = writer._Numbering(tree.root, once)
+    num = numbering.Numbering(tree.root, once)
     native.module().number_inodes(tree.root, num, more)
     assert len(num.inodes) == 12
     gone = weakref.ref(once)
@@ -466,7 +466,7 @@ def test_numbering_on_a_base_keeps_children_inline(
     from types import SimpleNamespace
 
     from btrfs_ublk_image.base import BaseImage
-    from btrfs_ublk_image.btrfs import writer
+    from btrfs_ublk_image.btrfs import numbering
 
     def layer(version: int) -> list[tuple[tarfile.TarInfo, bytes]]:
         members = []
@@ -497,12 +497,12 @@ def test_numbering_on_a_base_keeps_children_inline(
         )  # fmt: skip
 
     before = _inode_objects()
-    ours = writer._number(tree, layout)
+    ours = numbering.number(tree, layout)
     assert _inode_objects() == before  # its 4 directories and hardlinked files: objects already
     ours_columns = columns(ours)  # read from Python: promoted
     with monkeypatch.context() as m:
-        m.setattr(writer, "native", SimpleNamespace(module=lambda: None))
-        assert columns(writer._number(tree, layout)) == ours_columns
+        m.setattr(numbering, "native", SimpleNamespace(module=lambda: None))
+        assert columns(numbering.number(tree, layout)) == ours_columns
     assert len(ours_columns[3]) > 150 and ours_columns[4]  # rows, hardlinks
 
     on_base = v2.replace("layers:", f"base: {base_dir}\nlayers:")

@@ -17,7 +17,8 @@ import pytest
 
 from btrfs_ublk_image import blockmap, listing, native
 from btrfs_ublk_image.btrfs import ondisk, treeblocks
-from btrfs_ublk_image.btrfs.writer import BaseLayout, WriterOptions
+from btrfs_ublk_image.btrfs.layout import BaseLayout
+from btrfs_ublk_image.btrfs.writer import WriterOptions
 from btrfs_ublk_image.bundle import BuildResult, write_bundle
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.manifest import read_manifest
@@ -630,20 +631,22 @@ def _fs_tree(
     placer's columns and chunks, made by the native loop or the Python one."""
     from types import SimpleNamespace
 
-    from btrfs_ublk_image.btrfs import writer
+    from btrfs_ublk_image.btrfs import fstree
     from btrfs_ublk_image.btrfs.layout import system_chunk
+    from btrfs_ublk_image.btrfs.numbering import number
+    from btrfs_ublk_image.btrfs.placement import DataPlacer
 
     calls: list[object] = []
     with monkeypatch.context() as m:
         if native_loop:
-            m.setattr(writer, "_fs_tree_items_native", _spy(writer._fs_tree_items_native, calls))
+            m.setattr(fstree, "fs_tree_items_native", _spy(fstree.fs_tree_items_native, calls))
         else:  # the native leaf packer still packs: only the loop differs
-            m.setattr(writer, "native", SimpleNamespace(module=lambda: None))
-        num = writer._number(tree, base)
-        placer = writer._DataPlacer(system_chunk().end, encoded, base if encoded is None else None)
+            m.setattr(fstree, "native", SimpleNamespace(module=lambda: None))
+        num = number(tree, base)
+        placer = DataPlacer(system_chunk().end, encoded, base if encoded is None else None)
         breaks = treeblocks.NO_KEYS if base is None else base.breaks[ondisk.FS_TREE_OBJECTID].at(0)
         with tempfile.TemporaryFile() as spill:
-            fs = writer._fs_tree_items(num, placer, 2048, spill, breaks)
+            fs = fstree.fs_tree_items(num, placer, 2048, spill, breaks)
             leaves = [
                 (x.first_key, x.nritems, x.payload) for x in treeblocks.unspill(fs.leaves, spill)
             ]
@@ -665,7 +668,7 @@ def _fs_tree(
 def test_native_fs_tree_loop_makes_the_python_loops_items(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """native/src/fsitems.rs against ``_fs_tree_items``'s Python loop: the same leaves
+    """native/src/fsitems.rs against ``fs_tree_items``'s Python loop: the same leaves
     (bytes), item digest, stats, extent refs and data placement, without a base, on a
     base (its inode numbers and dir indexes, its extents) and with btrfs-zstd extents."""
     from btrfs_ublk_image.base import BaseImage
@@ -727,7 +730,7 @@ def test_native_fs_tree_loop_errors_are_the_python_loops(
             assert str(err.value) == message
 
 
-# the extension's pieces of the writer after its fs tree loop: `_number` without a base
+# the extension's pieces of the writer after its fs tree loop: `number` without a base
 # (numbering.rs), the extent tree's data extent items and the DATA block groups' free
 # ranges (extents.rs), the fs tree's leaf blocks written from the spill file (blocks.rs)
 _AFTER_LOOP = (
@@ -762,16 +765,16 @@ def _written(
     meta = tmp / f"meta-{with_native}.img"
     with monkeypatch.context() as m:
         m.setattr(native, "module", lambda: partial)
-        pick = writer._data_extent_items
+        pick = writer.data_extent_items
 
         def picked(fs: Any) -> Any:
             items = pick(fs)
             made.append(type(items).__name__)
             return items
 
-        m.setattr(writer, "_data_extent_items", picked)
+        m.setattr(writer, "data_extent_items", picked)
         layout = writer.write_image(tree, str(meta), WriterOptions(), encoded, base)
-    assert made == ["_NativeDataExtentItems" if with_native else "_DataExtentItems"]
+    assert made == ["NativeDataExtentItems" if with_native else "DataExtentItems"]
     data = meta.read_bytes()
     meta.unlink()
     r = layout.data_ranges
@@ -867,15 +870,15 @@ def _random_tree(
 def _numbered(
     tree: Tree, with_native: bool, monkeypatch: pytest.MonkeyPatch, base: Any = None
 ) -> tuple[Any, ...]:
-    """``_number``'s columns, natively or by the Python passes (rows as the inodes' ids)."""
+    """``number``'s columns, natively or by the Python passes (rows as the inodes' ids)."""
     from types import SimpleNamespace
 
-    from btrfs_ublk_image.btrfs import writer
+    from btrfs_ublk_image.btrfs import numbering
 
     with monkeypatch.context() as m:
         if not with_native:
-            m.setattr(writer, "native", SimpleNamespace(module=lambda: None))
-        num = writer._number(tree, base)
+            m.setattr(numbering, "native", SimpleNamespace(module=lambda: None))
+        num = numbering.number(tree, base)
     rows = [id(node) for node in num.inodes]
     inos = [node.ino if isinstance(node.ino, int) else None for node in num.inodes]
     return (
@@ -887,7 +890,7 @@ def _numbered(
 @pytest.mark.unit
 @needs_native_writer
 def test_native_numbering_is_the_python_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    """numbering.rs against ``_number``'s Python passes: the same columns (hardlinks in
+    """numbering.rs against ``number``'s Python passes: the same columns (hardlinks in
     several directories, directories reached before and after their siblings), and the
     same error for a hardlinked directory."""
 
@@ -920,9 +923,9 @@ _EMPTY_BASE = BaseLayout(
 def _as_base(tree: Tree, base: BaseLayout) -> BaseLayout:
     """``base`` with the numbers and dir indexes ``tree`` gets on it (as base.py reads an
     image's back), for the next version of the tree."""
-    from btrfs_ublk_image.btrfs import writer
+    from btrfs_ublk_image.btrfs.numbering import number
 
-    num = writer._number(tree, base)
+    num = number(tree, base)
     assert num.inos is not None
     dirs: dict[int, dict[bytes, tuple[int, int]]] = {}
     for node, ino in zip(num.inodes, num.inos, strict=True):
@@ -970,7 +973,7 @@ def _changed(tree: Tree, rng: random.Random) -> None:
 @pytest.mark.unit
 @needs_native_writer
 def test_native_numbering_on_a_base_is_the_python_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    """numbering.rs's ``number_on_base`` against ``_number_on_base``: the same columns on
+    """numbering.rs's ``number_on_base`` against ``number_on_base``: the same columns on
     random trees, each numbered on the base its previous version made (renames, removals,
     re-added names, hardlinks split, directories replaced by files and back)."""
     rng = random.Random(7)

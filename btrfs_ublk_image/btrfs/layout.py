@@ -13,10 +13,15 @@ metadata, so metadata never moves for new data, and in device order across a lin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from btrfs_ublk_image.btrfs import ondisk as d
+
+if TYPE_CHECKING:
+    from btrfs_ublk_image.btrfs.treeblocks import Breaks
+    from btrfs_ublk_image.tree import Blob
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -79,3 +84,22 @@ def allocate(
 
 def system_chunk() -> Chunk:
     return Chunk(SYSTEM_LOGICAL, SYSTEM_CHUNK_SIZE, d.BLOCK_GROUP_SYSTEM, 1, DEVICE_START)
+
+
+@dataclass(frozen=True, slots=True)
+class BaseLayout:
+    """What a build with a base (``build --base``) keeps of the base's layout, read once from
+    the base's meta.img (``base.py``): its inode numbering and data extents (steps 1-2 of
+    ``writer``'s docstring) and its tree blocks (see that docstring's last paragraph)."""
+
+    # base directory inode -> name -> (inode number, dir index) of each entry
+    dirs: Mapping[int, Mapping[bytes, tuple[int, int]]]
+    max_ino: int  # new inodes are numbered after it
+    # content -> its extents in the base: (file offset, logical, disk bytes, device-2 offset)
+    extents: Mapping[Blob, Sequence[tuple[int, int, int, int]]]
+    data_chunks: Sequence[Chunk]  # the base's DATA chunks
+    data_size: int  # the base's device-2 size: new extents go after it
+    meta_start: int  # where the base's METADATA chunks start in the logical space
+    breaks: Mapping[int, Breaks]  # tree id -> its blocks' first keys, level by level
+    # (tree id, level, first key) -> the block's address - ``meta_start``
+    offsets: Mapping[tuple[int, int, d.Key], int]

@@ -32,6 +32,8 @@ DIR_ITEM_SIZE = 30  # struct btrfs_dir_item without the name
 MAX_XATTR_SIZE = LEAF_DATA_SIZE - ITEM_SIZE - DIR_ITEM_SIZE  # name + value
 FILE_EXTENT_INLINE_HEADER = 21
 FILE_EXTENT_ITEM_SIZE = 53
+# the generation of every item and tree block an image holds: all written in one transaction
+GENERATION = 1
 
 # --- tree objectids -----------------------------------------------------
 ROOT_TREE_OBJECTID = 1

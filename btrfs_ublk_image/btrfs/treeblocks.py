@@ -131,6 +131,11 @@ def plan_items(items: Iterable[tuple[d.Key, int]], breaks: Breaks | None = None)
     return plan_blocks(split_leaves(items, NO_KEYS if breaks is None else breaks.at(0)), breaks)
 
 
+def item_key(item: tuple[d.Key, object]) -> d.Key:
+    """An item's key (a sort or merge key for ``(key, data)`` and ``(key, size)`` items)."""
+    return item[0]
+
+
 @dataclass(frozen=True, slots=True)
 class Leaf:
     first_key: d.Key

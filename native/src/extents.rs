@@ -1,4 +1,4 @@
-//! The extent tree's data extent items (`writer._DataExtentItems`, kept as the reference and
+//! The extent tree's data extent items (`extenttree.DataExtentItems`, kept as the reference and
 //! for `BUI_NATIVE=0`) made and packed here: an EXTENT_ITEM per data extent with its file
 //! extent refs inline (by descending hash) while they fit, else keyed EXTENT_DATA_REF items,
 //! merged in key order with the tree's other items (block groups, tree blocks) into leaves
@@ -53,7 +53,7 @@ fn column(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u64>> {
     buf.to_vec(obj.py())
 }
 
-/// `writer._DataExtentItems` natively: the data extents (logical, disk bytes; in logical
+/// `extenttree.DataExtentItems` natively: the data extents (logical, disk bytes; in logical
 /// order, `order` when given) and their file extent refs grouped by extent.
 #[pyclass(unsendable)]
 pub struct DataExtents {
@@ -83,9 +83,9 @@ impl DataExtents {
         ordered.into_iter().flatten().chain(plain.into_iter().flatten())
     }
 
-    /// Every item of extent `e` (`_DataExtentItems.items`) to `emit(key, size, data)`, in key
+    /// Every item of extent `e` (`DataExtentItems.items`) to `emit(key, size, data)`, in key
     /// order; with `sizes_only` no data is made and keyed refs get a stand-in offset of 0
-    /// (`_DataExtentItems.sizes`).
+    /// (`DataExtentItems.sizes`).
     fn items_of(
         &self,
         e: usize,
@@ -251,7 +251,7 @@ impl DataExtents {
     }
 
     /// The first key of each leaf of the extent tree: these items (sizes only, keyed refs at
-    /// a stand-in offset, as `_DataExtentItems.sizes`) merged with `others` ((key, item size),
+    /// a stand-in offset, as `DataExtentItems.sizes`) merged with `others` ((key, item size),
     /// sorted), split as `treeblocks.split_leaves` does with `breaks`.
     #[pyo3(signature = (others, breaks=Vec::new()))]
     fn leaf_firsts(&self, others: Vec<(Key, usize)>, breaks: Vec<Key>) -> PyResult<Vec<Key>> {
@@ -319,7 +319,7 @@ impl DataExtents {
     }
 }
 
-/// `_DataPlacer.block_groups`: the free ranges (logical, length) of each DATA chunk (given
+/// `DataPlacer.block_groups`: the free ranges (logical, length) of each DATA chunk (given
 /// as (logical, end), in logical order) around the data extents in it (`logical`,
 /// `disk_bytes`, in logical order by `order` when given): the gaps between its extents and
 /// its tail. An AssertionError names an extent in no chunk.
@@ -347,7 +347,7 @@ pub fn data_free_ranges(
     let mut out = Vec::with_capacity(chunks.len());
     let mut i = 0;
     for (start, end) in chunks {
-        // `_free_ranges`: the gaps before, between and after the extents taken in the chunk
+        // `free_ranges`: the gaps before, between and after the extents taken in the chunk
         let mut free = Vec::new();
         let mut at = start;
         while i < n {

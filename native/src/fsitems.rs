@@ -1,9 +1,9 @@
-//! The writer's per-inode loop (`writer._fs_tree_items`, kept as the reference and for
+//! The writer's per-inode loop (`fstree.fs_tree_items`, kept as the reference and for
 //! `BUI_NATIVE=0`) in one call: every inode's INODE_ITEM, INODE_REF/EXTREF, XATTR_ITEM,
 //! DIR_ITEM, DIR_INDEX and EXTENT_DATA items, packed as they are made (leaves.rs). The
 //! inodes (inode.rs) are read through a borrow (no Python code runs per inode), set-aside
 //! small files are read back from their file in large reads while they come in order, and
-//! a build without a base or btrfs-zstd places its data extents here too (`_DataPlacer.place`
+//! a build without a base or btrfs-zstd places its data extents here too (`DataPlacer.place`
 //! for the others). Same items, errors and messages as the Python loop.
 
 use std::collections::HashMap;
@@ -161,7 +161,7 @@ impl<'py> ColumnSink<'py> {
     }
 }
 
-/// `_DataPlacer.place` for a fresh placer without a base or encoded extents: extents in
+/// `DataPlacer.place` for a fresh placer without a base or encoded extents: extents in
 /// first-use order, chunk after chunk, appended to the placer's columns; its state goes
 /// back to it at the end.
 struct Placer<'py> {
@@ -304,7 +304,7 @@ enum Held<'py> {
 /// One row of the placer's columns: logical, disk bytes, file offset, ram bytes, compression.
 type Row = (u64, u64, u64, u64, u8);
 
-/// Where the extents' rows come from: the native placer, or `_DataPlacer.place` (a base's
+/// Where the extents' rows come from: the native placer, or `DataPlacer.place` (a base's
 /// extents, btrfs-zstd) with its columns read after each call.
 enum Placement<'py> {
     Native(Box<Placer<'py>>),
@@ -460,7 +460,7 @@ fn times(t: Times<'_>, py: Python<'_>) -> PyResult<(i128, i128, i128)> {
     }
 }
 
-/// `writer._kernel_rdev`: the kernel's dev_t, MKDEV(major, minor) = major << 20 | minor.
+/// `fstree.kernel_rdev`: the kernel's dev_t, MKDEV(major, minor) = major << 20 | minor.
 fn kernel_rdev(rdev: u64) -> u64 {
     ((libc::major(rdev) as u64) << 20) | libc::minor(rdev) as u64
 }
@@ -492,7 +492,7 @@ impl Column {
     }
 }
 
-/// `writer._fs_tree_items`'s loop over `num` (a `_Numbering`): every item into `packer`,
+/// `fstree.fs_tree_items`'s loop over `num` (a `Numbering`): every item into `packer`,
 /// data extents from `placer` (natively when `native_placement`: a fresh placer without a
 /// base or encoded extents: its rows are appended to its columns, its state handed back).
 /// The file extent refs (extent row, inode, file offset) are appended to `refs`' three
@@ -801,7 +801,7 @@ pub fn fs_tree_items<'py>(
             let children = e.sorted();
             let mut child_inos: Vec<u64> = Vec::with_capacity(children.len());
             let mut ftypes: Vec<u8> = Vec::with_capacity(children.len());
-            // `_Numbering.child_inos`: with a base every inode holds its number; else a
+            // `Numbering.child_inos`: with a base every inode holds its number; else a
             // directory's new children numbered from its child_base, in name order
             let mut k = if inos.is_some() {
                 0

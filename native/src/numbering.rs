@@ -1,8 +1,8 @@
-//! `writer._number` (kept as the reference and for `BUI_NATIVE=0`) in one call: which
+//! `numbering.number` (kept as the reference and for `BUI_NATIVE=0`) in one call: which
 //! inodes have more than one name, then inode numbers (DFS, sorted names; a directory's new
 //! children take consecutive numbers when it is reached; a hardlink reuses its inode's
 //! number), dir indexes from 2 in name order, and the first name of each inode, into a
-//! `_Numbering`'s columns; on a base (`number_on_base`), `_number_on_base`'s numbers and
+//! `Numbering`'s columns; on a base (`number_on_base`), `number_on_base`'s numbers and
 //! dir indexes. The inodes (inode.rs) are read and marked through a borrow: no Python code
 //! runs per inode, and children held inline in their directory's entries stay there.
 
@@ -19,7 +19,7 @@ use crate::inode::{Inode, InodeData};
 
 const FIRST_FREE_OBJECTID: u64 = 256;
 
-/// Pass 1 of `_number`: which inodes have more than one name (marks of this run: whatever
+/// Pass 1 of `number`: which inodes have more than one name (marks of this run: whatever
 /// `ino` held before is overwritten); the same walk as the Python pass, so the same name is
 /// reported for a hardlinked directory.
 fn mark_names(
@@ -74,9 +74,9 @@ fn add_more_ref(
     refs.append((pino, index, PyBytes::new(py, name)))
 }
 
-/// `_number(tree)` for a build without a base: `root` is the tree's root directory, `num`
-/// a fresh `_Numbering(root, once)` whose columns are filled; `more` marks (in `Inode.ino`)
-/// an inode reached under more than one name. Errors as `_number`'s (a hardlinked
+/// `number(tree)` for a build without a base: `root` is the tree's root directory, `num`
+/// a fresh `Numbering(root, once)` whose columns are filled; `more` marks (in `Inode.ino`)
+/// an inode reached under more than one name. Errors as `number`'s (a hardlinked
 /// directory names the name it was found under the second time). Children held inline in
 /// their directory's entries stay there: a row names their directory and slot.
 #[pyfunction]
@@ -164,7 +164,7 @@ struct BaseRow {
     name: (usize, usize), // its place in the names' buffer
 }
 
-/// `_number_on_base(num, base, more)` with pass 1 of `_number` before it: `base_dirs` is
+/// `number_on_base(num, base, more)` with pass 1 of `number` before it: `base_dirs` is
 /// `BaseLayout.dirs` (base directory inode -> name -> (inode number, dir index)), `max_ino`
 /// `BaseLayout.max_ino`. The same numbers, dir indexes (`num.dir_indexes`), `more_refs`,
 /// rows in number order (`num.inos`) and errors as the Python function's; every inode's
@@ -311,7 +311,7 @@ enum Holder {
     Object(Py<Inode>),
 }
 
-/// `_Numbering.inodes`: row -> inode without an object per inode. A directory's children
+/// `Numbering.inodes`: row -> inode without an object per inode. A directory's children
 /// numbered together are one run (the directory's entries, and each row's slot in them);
 /// an inode appended from Python is a run of its own. Python code reading a row gets the
 /// `Inode` object (a child held inline is promoted); the extension reads the fields in
@@ -447,7 +447,7 @@ impl Rows {
     }
 }
 
-/// `_Numbering.name`: the first name of each inode, row by row, in one buffer (a `bytes`
+/// `Numbering.name`: the first name of each inode, row by row, in one buffer (a `bytes`
 /// object is made only when Python code reads a row).
 #[pyclass(module = "btrfs_ublk_native")]
 #[derive(Default)]
