@@ -7,12 +7,10 @@
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-/// What the shared transform calls its checksum (ublkd has its own CRC-32C module).
-mod crc32c {
-    pub fn crc32c(data: &[u8]) -> u32 {
-        ::crc32c::crc32c(data)
-    }
-}
+/// The transform's checksum: ublkd's CRC-32C module (over the `crc32c` crate), compiled here too.
+#[path = "../../ublkd/src/format/crc32c.rs"]
+#[allow(dead_code)] // crc32c_update: ublkd's name hashes
+mod crc32c;
 
 #[path = "../../ublkd/src/format/block_form.rs"]
 mod form;
