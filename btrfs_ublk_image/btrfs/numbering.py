@@ -7,6 +7,8 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
+from btrfs_ublk_native import Names, Rows
+
 from btrfs_ublk_image import native
 from btrfs_ublk_image.btrfs import ondisk as d
 from btrfs_ublk_image.btrfs.layout import (
@@ -14,7 +16,6 @@ from btrfs_ublk_image.btrfs.layout import (
 )
 from btrfs_ublk_image.errors import ImageError
 from btrfs_ublk_image.tree import FileType, Inode, Tree
-from btrfs_ublk_native import Names, Rows
 
 
 class Numbering:
