@@ -42,14 +42,14 @@ const GROUP_QUEUED_MAX: u64 = 4 << 20;
 
 /// Batches the hasher's queue holds for chunks of `chunk_size`: a group of `LANES` chunks'
 /// worth (up to `GROUP_QUEUED_MAX`) plus `HASH_DEPTH`. The hasher takes a group's batches
-/// quickly and then hashes the group in one go; with only `HASH_DEPTH` batches of room the
-/// parser stopped there, the reader's queue filled behind it and the reader (the source
-/// digest, the longest serial work) stopped too, while a core idled (the synthetic set
-/// warm: the parser waited ~1.1 s of 3.2 for the hasher; with a group's room ~0.2 s and
-/// the build ~8 % faster, peak RSS +2 MiB; bench/results/issue23-log.md, session 22).
+/// quickly and then hashes the group in one go; the room for a group's batches keeps the
+/// parser going meanwhile, and the reader behind it (the source digest, the longest serial
+/// work), where with less room both stop and a core idles (bench/results/issue23-log.md,
+/// session 22).
 fn hash_depth(chunk_size: u64) -> usize {
     ((LANES as u64 * chunk_size).min(GROUP_QUEUED_MAX) / BATCH_BYTES as u64) as usize + HASH_DEPTH
 }
+
 /// content up to this size is gathered with its neighbours and written in one `pwrite` of
 /// up to `GATHER_BYTES` where it does not go through the O_DIRECT blocks (`put`): one write
 /// per small member cost the parser a syscall and the kernel's per-page work of two
