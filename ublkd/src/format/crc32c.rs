@@ -19,7 +19,7 @@ pub fn crc32c_update(c: u32, data: &[u8]) -> u32 {
 mod tests {
     use super::*;
 
-    /// The table-driven definition: one byte at a time, reflected polynomial 0x82F63B78.
+    /// The definition, one bit at a time: reflected polynomial 0x82F63B78.
     fn bytewise(mut c: u32, data: &[u8]) -> u32 {
         for &b in data {
             c ^= b as u32;
