@@ -16,6 +16,12 @@ the layer as usual); an invalid spec, an error, Ctrl-C: ``discard`` stops the re
 next segment (``LayerContext.cancelled``), waits for its thread and removes the
 directory. Warnings of the read are held until the build takes it over (``result``), so an
 invalid spec's errors come alone, as before.
+
+Everything before the read starts runs on one core while the other waits, and the pack's
+disk writes wait with it: the modules imported up to here (``cli``, ``specyaml``, this one
+and what they import) define their records as ``NamedTuple`` rather than dataclasses, so
+``dataclasses`` and ``inspect`` (~10 ms of imports) load later, with pydantic, while the
+read runs (tests/test_early.py checks it).
 """
 
 from __future__ import annotations

@@ -57,8 +57,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, cast
 
 from btrfs_ublk_image import native
 from btrfs_ublk_image.btrfs.ondisk import SECTORSIZE
@@ -119,9 +118,9 @@ def sector_runs(data: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
-@dataclass(frozen=True, slots=True)
-class PackInfo:
-    """A finished pack: where it is and what the blockmap must record about it."""
+class PackInfo(NamedTuple):
+    """A finished pack: where it is and what the blockmap must record about it (a
+    NamedTuple, as the other records of the modules a build starts with: early.py)."""
 
     id: bytes  # sha256 over ``chunk_digests``
     size: int  # logical (uncompressed) bytes

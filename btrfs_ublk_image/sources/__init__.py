@@ -27,9 +27,8 @@ clamped to it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from btrfs_ublk_image.errors import SourceError
 from btrfs_ublk_image.packs import PackWriter
@@ -68,8 +67,9 @@ def _appliers() -> dict[type, Callable[[Any, LayerContext], SourceRecord]]:
     }
 
 
-@dataclass(frozen=True, slots=True)
-class Built:
+class Built(NamedTuple):
+    """The layers applied: the tree and what the manifest records (a NamedTuple: early.py)."""
+
     tree: Tree
     records: list[SourceRecord]
     # the image config for the manifest: the last layer that has one (OCI) wins

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from btrfs_ublk_native import Names
 
@@ -49,15 +48,15 @@ _Change = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class SourceRecord:
-    """What the manifest records about one layer (``sources`` list, in layer order)."""
+class SourceRecord(NamedTuple):
+    """What the manifest records about one layer (``sources`` list, in layer order; a
+    NamedTuple: early.py)."""
 
     kind: str  # "tar", "files", ...
     path: str  # as written in the spec ("" for a files layer)
     sha256: str  # "sha256:<hex>": of the source file's bytes; files layer: of its canonical JSON
     # OCI: the image config for the manifest (not part of the source record itself)
-    image_config: dict[str, Any] | None = field(default=None, compare=False)
+    image_config: dict[str, Any] | None = None
     # registry images only: the spec's ref and the manifest (or index) digest it resolved to
     ref: str | None = None
     digest: str | None = None

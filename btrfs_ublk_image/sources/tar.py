@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
 import hashlib
 import io
 import os
 import struct
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, NamedTuple, Protocol, cast
 
 from btrfs_ublk_image import native
 from btrfs_ublk_image.errors import SourceError
@@ -478,7 +476,7 @@ def apply_source(src: TarFields, ctx: LayerContext) -> SourceRecord:
             kind = _in_place_kind(f, tar_path)
             if kind == "none":
                 pack = ctx.packs.open_in_place(str(tar_path))
-                opts = dataclasses.replace(opts, in_place=pack)
+                opts = opts._replace(in_place=pack)
                 digest = read_tar(pack, tar_path, ctx, opts).raw
             else:  # not a tar archive at all: read_tar says what it is
                 digest = read_tar(f, tar_path, ctx, opts).raw
@@ -513,9 +511,8 @@ def _in_place_kind(f: _Readable, tar_path: Path | str) -> str | None:
 Renamer = Callable[[bytes], "bytes | None"]
 
 
-@dataclass(frozen=True, slots=True)
-class TarOptions:
-    """How members become image entries."""
+class TarOptions(NamedTuple):
+    """How members become image entries (a NamedTuple: early.py)."""
 
     rename: Renamer | None = None  # member name -> image path; None result: skip the member
     keep: Callable[[bytes], bool] | None = None  # on the normalized image path: keep it?
@@ -531,8 +528,9 @@ class TarOptions:
     in_place: InPlacePack | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class TarDigests:
+class TarDigests(NamedTuple):
+    """A tarball's digests (a NamedTuple: early.py)."""
+
     raw: str  # sha256:<hex> of the bytes as stored
     uncompressed: str  # sha256:<hex> of the tar stream (== raw when not compressed)
     compression: str  # "none", "gzip", ...
