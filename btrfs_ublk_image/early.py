@@ -21,7 +21,7 @@ Everything before the read starts runs on one core while the other waits, and th
 disk writes wait with it: the modules imported up to here (``cli``, ``specyaml``, this one
 and what they import) define their records as ``NamedTuple`` rather than dataclasses, so
 ``dataclasses`` and ``inspect`` (~10 ms of imports) load later, with pydantic, while the
-read runs (tests/test_early.py checks it).
+read runs (tests/test_startup.py checks it).
 """
 
 from __future__ import annotations
